@@ -1,0 +1,264 @@
+"""The device model: which device a module or tensor lives on and what that device can do.
+
+Every answer here is for one device *index*. Process-wide caches of "the GPU's" capability or
+SM count are the bug this project exists to prevent (mixed-generation GPUs in one process), so
+the caches below are keyed by ``(type, index)`` and there is no zero-argument device query.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "CUDAProperties",
+    "ROCmProperties",
+    "Device",
+    "DeviceProperties",
+    "device_capability",
+    "device_properties",
+    "module_device",
+    "device_guard",
+    "as_torch_device",
+    "clear_device_caches",
+]
+
+_GPU_TYPES = ("cuda",)
+_KNOWN_TYPES = ("cuda", "rocm", "cpu", "mps", "xpu", "meta")
+
+
+def _check_int(owner: str, name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{owner}: `{name}` must be an int, got {type(value).__name__} {value!r}")
+    if value < 0:
+        raise ValueError(f"{owner}: `{name}` must be >= 0, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class CUDAProperties:
+    """A range of CUDA compute capabilities, as ``major * 10 + minor`` (90 is sm90), inclusive."""
+
+    min_capability: int
+    max_capability: int
+
+    def __post_init__(self) -> None:
+        _check_int("CUDAProperties", "min_capability", self.min_capability)
+        _check_int("CUDAProperties", "max_capability", self.max_capability)
+        if self.min_capability > self.max_capability:
+            raise ValueError(
+                f"CUDAProperties: `min_capability` ({self.min_capability}) must be <= "
+                f"`max_capability` ({self.max_capability})"
+            )
+
+    def matches(self, capability: int) -> bool:
+        return self.min_capability <= capability <= self.max_capability
+
+    @property
+    def width(self) -> int:
+        return self.max_capability - self.min_capability
+
+
+@dataclass(frozen=True)
+class ROCmProperties:
+    """A range of ROCm GPU capabilities (``major * 10 + minor`` as torch reports them), inclusive."""
+
+    min_capability: int
+    max_capability: int
+
+    def __post_init__(self) -> None:
+        _check_int("ROCmProperties", "min_capability", self.min_capability)
+        _check_int("ROCmProperties", "max_capability", self.max_capability)
+        if self.min_capability > self.max_capability:
+            raise ValueError(
+                f"ROCmProperties: `min_capability` ({self.min_capability}) must be <= "
+                f"`max_capability` ({self.max_capability})"
+            )
+
+    def matches(self, capability: int) -> bool:
+        return self.min_capability <= capability <= self.max_capability
+
+    @property
+    def width(self) -> int:
+        return self.max_capability - self.min_capability
+
+
+@dataclass(frozen=True)
+class Device:
+    """A registry key: device type, optional index (None = any index), optional capability range."""
+
+    type: str
+    index: int | None = None
+    properties: CUDAProperties | ROCmProperties | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.type, str) or self.type not in _KNOWN_TYPES:
+            raise ValueError(f"Device: `type` must be one of {_KNOWN_TYPES}, got {self.type!r}")
+        if self.index is not None:
+            _check_int("Device", "index", self.index)
+        props = self.properties
+        if props is None:
+            return
+        if isinstance(props, CUDAProperties):
+            if self.type != "cuda":
+                raise ValueError(
+                    f"Device: `properties` CUDAProperties needs type 'cuda', got type {self.type!r}"
+                )
+        elif isinstance(props, ROCmProperties):
+            if self.type != "rocm":
+                raise ValueError(
+                    f"Device: `properties` ROCmProperties needs type 'rocm', got type {self.type!r}"
+                )
+        else:
+            raise TypeError(
+                "Device: `properties` must be CUDAProperties, ROCmProperties or None, "
+                f"got {type(props).__name__}"
+            )
+
+    def __str__(self) -> str:
+        s = self.type if self.index is None else f"{self.type}:{self.index}"
+        if self.properties is not None:
+            p = self.properties
+            s += f"[sm{p.min_capability}-{p.max_capability}]"
+        return s
+
+
+@dataclass(frozen=True)
+class DeviceProperties:
+    """What kernels size themselves by; read for one device index."""
+
+    name: str
+    capability: int
+    sm_count: int
+    shared_memory_per_sm: int
+    shared_memory_per_block: int
+    total_memory: int
+
+
+DeviceLike = "torch.device | str | int | Device | torch.Tensor"
+
+_lock = threading.Lock()
+_capability_cache: dict[tuple[str, int], int] = {}
+_properties_cache: dict[tuple[str, int], DeviceProperties] = {}
+
+
+def clear_device_caches() -> None:
+    """Forget every cached device answer (tests that fake devices call this)."""
+    with _lock:
+        _capability_cache.clear()
+        _properties_cache.clear()
+
+
+def as_torch_device(device: object, *, argument: str = "device") -> torch.device:
+    """Normalise to a ``torch.device`` with an explicit index for GPU types.
+
+    ``torch.device("cuda")`` means "the current device" to torch; we resolve it *now* so no cache
+    or binding ever stores the ambiguous form.
+    """
+    if isinstance(device, torch.Tensor):
+        dev = device.device
+    elif isinstance(device, torch.device):
+        dev = device
+    elif isinstance(device, Device):
+        if device.type == "rocm":
+            dev = torch.device("cuda", device.index) if device.index is not None else torch.device("cuda")
+        else:
+            dev = torch.device(device.type, device.index) if device.index is not None else torch.device(
+                device.type
+            )
+    elif isinstance(device, str):
+        try:
+            dev = torch.device(device)
+        except RuntimeError as e:
+            raise ValueError(f"`{argument}`: not a device: {device!r}") from e
+    elif isinstance(device, int) and not isinstance(device, bool):
+        dev = torch.device("cuda", device)
+    else:
+        raise TypeError(
+            f"`{argument}` must be a torch.device, str, int, Device or Tensor, got {type(device).__name__}"
+        )
+    if dev.type in _GPU_TYPES and dev.index is None:
+        dev = torch.device(dev.type, torch.get_device_module(dev.type).current_device())
+    return dev
+
+
+def _gpu_key(device: object, fn: str) -> tuple[str, int]:
+    dev = as_torch_device(device)
+    if dev.type not in _GPU_TYPES:
+        raise ValueError(f"{fn}: `device` must be a GPU device, got {dev}")
+    assert dev.index is not None
+    return dev.type, dev.index
+
+
+def device_capability(device: object) -> int:
+    """Compute capability (``major*10+minor``) of *that* device index, cached per (type, index)."""
+    key = _gpu_key(device, "device_capability")
+    cap = _capability_cache.get(key)
+    if cap is None:
+        major, minor = torch.get_device_module(key[0]).get_device_capability(key[1])
+        cap = int(major) * 10 + int(minor)
+        with _lock:
+            _capability_cache[key] = cap
+    return cap
+
+
+def device_properties(device: object) -> DeviceProperties:
+    """SM count, shared memory and name of *that* device index, cached per (type, index)."""
+    key = _gpu_key(device, "device_properties")
+    props = _properties_cache.get(key)
+    if props is None:
+        p = torch.get_device_module(key[0]).get_device_properties(key[1])
+        shared_sm = int(getattr(p, "shared_memory_per_multiprocessor", 0) or 0)
+        shared_block = int(getattr(p, "shared_memory_per_block_optin", 0) or 0)
+        props = DeviceProperties(
+            name=str(getattr(p, "name", "unknown")),
+            capability=int(p.major) * 10 + int(p.minor),
+            sm_count=int(p.multi_processor_count),
+            shared_memory_per_sm=shared_sm,
+            shared_memory_per_block=shared_block or shared_sm,
+            total_memory=int(getattr(p, "total_memory", 0) or 0),
+        )
+        with _lock:
+            _properties_cache[key] = props
+    return props
+
+
+def module_device(module: torch.nn.Module) -> torch.device | None:
+    """The device of a module's own parameters/buffers, else of its subtree, else None."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module_device: `module` must be a torch.nn.Module, got {type(module).__name__}")
+    for t in module.parameters(recurse=False):
+        return t.device
+    for t in module.buffers(recurse=False):
+        return t.device
+    for t in module.parameters():
+        return t.device
+    for t in module.buffers():
+        return t.device
+    return None
+
+
+@contextlib.contextmanager
+def device_guard(tensor_or_device: object) -> Iterator[torch.device]:
+    """Make the tensor's (or device's) GPU current for the block; restore the caller's on exit.
+
+    Work issued inside runs on that device's current stream, because torch and Triton both launch
+    on the current stream *of the current device*. No-op for the CPU and other non-GPU types.
+    """
+    dev = as_torch_device(tensor_or_device, argument="tensor_or_device")
+    if dev.type not in _GPU_TYPES:
+        yield dev
+        return
+    mod = torch.get_device_module(dev.type)
+    previous = mod.current_device()
+    if previous != dev.index:
+        mod.set_device(dev.index)
+    try:
+        yield dev
+    finally:
+        if previous != dev.index:
+            mod.set_device(previous)
