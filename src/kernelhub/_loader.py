@@ -1,0 +1,85 @@
+"""Import a kernel package from a directory, under a name unique to that directory.
+
+Two versions of one kernel (say `swiglu` v1 and v2) must be importable side by side, so the
+package is never imported under its bare name: the module name carries a hash of its path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+__all__ = ["find_variant_dir", "import_kernel_package", "load_kernel_from_dir"]
+
+_lock = threading.Lock()
+UNIVERSAL_VARIANT = "torch-universal"
+
+
+def find_variant_dir(repo_dir: Path) -> Path:
+    """The build variant of a kernel repository that this process can run (Triton: universal)."""
+    build = repo_dir / "build"
+    if not build.is_dir():
+        raise FileNotFoundError(f"kernel repository {repo_dir} has no build/ directory")
+    universal = build / UNIVERSAL_VARIANT
+    if universal.is_dir():
+        return universal
+    found = sorted(p.name for p in build.iterdir() if p.is_dir())
+    raise FileNotFoundError(
+        f"kernel repository {repo_dir} has no build variant for this platform "
+        f"(looked for {UNIVERSAL_VARIANT!r}; found {found})"
+    )
+
+
+def _package_dir(path: Path) -> Path:
+    """Accept a repository root, a variant directory, or the package directory itself."""
+    path = path.resolve()
+    if (path / "__init__.py").is_file():
+        return path
+    if (path / "build").is_dir():
+        path = find_variant_dir(path)
+    packages = [p for p in sorted(path.iterdir()) if (p / "__init__.py").is_file()]
+    if len(packages) != 1:
+        raise FileNotFoundError(
+            f"{path} must hold exactly one kernel package (a directory with __init__.py), "
+            f"found {[p.name for p in packages]}"
+        )
+    return packages[0]
+
+
+def import_kernel_package(package_dir: Path) -> ModuleType:
+    """Import the package at `package_dir` once per process, under a path-unique module name."""
+    package_dir = package_dir.resolve()
+    digest = hashlib.sha1(str(package_dir).encode()).hexdigest()[:12]
+    module_name = f"kernelhub_kernels.{package_dir.name}_{digest}"
+    with _lock:
+        if module_name in sys.modules:
+            return sys.modules[module_name]
+        if "kernelhub_kernels" not in sys.modules:
+            parent = ModuleType("kernelhub_kernels")
+            parent.__path__ = []  # namespace for loaded kernels
+            sys.modules["kernelhub_kernels"] = parent
+        spec = importlib.util.spec_from_file_location(
+            module_name, package_dir / "__init__.py", submodule_search_locations=[str(package_dir)]
+        )
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot import kernel package from {package_dir}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[module_name]
+            raise
+        return module
+
+
+def load_kernel_from_dir(path: str | Path) -> ModuleType:
+    """Import the kernel at `path` (repository root, variant dir, or package dir)."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"kernel path {p} does not exist")
+    return import_kernel_package(_package_dir(p))
