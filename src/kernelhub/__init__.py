@@ -39,3 +39,7 @@ __all__ = [
 ]
 
 register_kernel_mapping(default_kernel_mapping())
+
+from kernelhub.integrations import transformers as _transformers_integration  # noqa: E402
+
+_transformers_integration.install()
