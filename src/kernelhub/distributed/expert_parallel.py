@@ -238,7 +238,7 @@ def ep_moe(
         gate_up_proj_local: [E/W, 2I, H], this rank's experts. down_proj_local: [E/W, H, I].
         experts_fn: ``(x, gate_up_proj, down_proj, topk_idx, topk_weights) -> [N, H]`` with -1
             slots skipped (``fused_experts``' signature); default `reference_experts`. Not called
-            on a rank that received no rows.
+            on a rank that received no rows (its local weights then get a zero gradient).
 
     Returns:
         [T, H]: equal to the single-process routed experts over all E experts.
@@ -252,8 +252,10 @@ def ep_moe(
     d = ep_dispatch(x, topk_idx, topk_weights, num_experts, group=group)
     fn = reference_experts if experts_fn is None else experts_fn
     if d.hidden_states.shape[0] == 0:
-        # Kernels need not accept empty inputs; the combine still runs (collective).
+        # Kernels need not accept empty inputs; the combine still runs (collective). Tying the local
+        # weights into it gives them a zero gradient rather than None, as in the single-process MoE.
         y = d.hidden_states.new_zeros(d.hidden_states.shape)
+        d.handle.dispatched = (*d.handle.dispatched, gate_up_proj_local, down_proj_local)
     else:
         y = fn(d.hidden_states, gate_up_proj_local, down_proj_local, d.topk_idx, d.topk_weights)
     return ep_combine(y, d.handle)
