@@ -102,7 +102,8 @@ class CudaSymmetricBacking:
             if not symm_mem.is_symm_mem_enabled_for_group(group.group_name):
                 symm_mem.enable_symm_mem_for_group(group.group_name)
         self._local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-        self._handle = symm_mem.rendezvous(self._local, group)
+        # The group name (a str) is accepted by rendezvous in every torch that has it.
+        self._handle = symm_mem.rendezvous(self._local, group.group_name)
         self.buffers = [
             self._local if r == rank else self._handle.get_buffer(r, (nbytes,), torch.uint8, 0)
             for r in range(world_size)
