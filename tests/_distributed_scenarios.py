@@ -141,9 +141,11 @@ def moe_case(world: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> d
     return {"gate_up_proj": gate_up, "down_proj": down, "num_experts": E, "ranks": ranks}
 
 
-def ep_forward_backward(rank: int, world: int, device: str = "cpu", experts: str = "reference") -> dict:
+def ep_forward_backward(
+    rank: int, world: int, device: str = "cpu", experts: str = "reference", dtype: str = "float32"
+) -> dict:
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
-    case = moe_case(world)
+    case = moe_case(world, dtype=getattr(torch, dtype))
     mine = {k: v.to(dev) for k, v in case["ranks"][rank].items()}
     E = case["num_experts"]
     start, end = local_expert_range(rank, E, world)

@@ -13,13 +13,13 @@ import torch
 from _distributed_harness import run_ranks
 from _distributed_scenarios import LAYOUT, moe_case, pattern, single_process_moe
 
-from kernelhub.distributed import SymmetricHeap, local_expert_range, reference_experts
+from kernelhub.distributed import SymmetricHeap, ep_dispatch, local_expert_range, reference_experts
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed missing")
 
 
 # -- SymmetricHeap --------------------------------------------------------------------------------
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_peer_reads_and_writes_land_in_the_same_allocation_on_the_peer(world):
     results = run_ranks("peer_reads_and_writes", world)
     for rank, res in enumerate(results):
@@ -124,12 +124,13 @@ def test_heap_needs_an_initialised_process_group():
 
 
 # -- expert parallelism ---------------------------------------------------------------------------
-@pytest.mark.parametrize("world", [2, 4])
-def test_ep_moe_forward_and_backward_equal_the_single_process_moe(world):
-    results = run_ranks("ep_forward_backward", world)
-    case = moe_case(world)
+@pytest.mark.parametrize("world,dtype", [(1, "float32"), (2, "float32"), (4, "float32"), (2, "bfloat16")])
+def test_ep_moe_forward_and_backward_equal_the_single_process_moe(world, dtype):
+    results = run_ranks("ep_forward_backward", world, dtype=dtype)
+    case = moe_case(world, dtype=getattr(torch, dtype))
     oracle = single_process_moe(case)
-    tol = {"rtol": 1e-5, "atol": 1e-5}
+    # bf16: each rank rounds its partial sum once before the fp32 sum over ranks (~1 ulp more).
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == "float32" else {"rtol": 1.6e-2, "atol": 1.6e-2}
     for rank, (got, want) in enumerate(zip(results, oracle, strict=True)):
         start, end = local_expert_range(rank, case["num_experts"], world)
         torch.testing.assert_close(got["out"], want["out"], **tol)
@@ -163,6 +164,23 @@ def test_reference_experts_skips_minus_one_and_matches_a_dense_loop():
             gate, up = (gu[e] @ r["x"][t]).chunk(2)
             want[t] += r["topk_weights"][t, k] * (dn[e] @ (torch.nn.functional.silu(gate) * up))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "change,exc,fragment",
+    [
+        ({"topk_idx": lambda r: r["topk_idx"].int()}, TypeError, "ep_dispatch: `topk_idx` must be int64"),
+        ({"x": lambda r: r["x"][0]}, ValueError, "ep_dispatch: `x` must be a floating"),
+        ({"topk_weights": lambda r: r["topk_weights"][:, :2]}, ValueError, "must both be"),
+        ({"num_experts": lambda r: 0}, ValueError, "ep_dispatch: `num_experts` must be an int > 0"),
+    ],
+)
+def test_ep_dispatch_rejects_bad_arguments_before_any_collective(change, exc, fragment):
+    r = moe_case(2)["ranks"][0]
+    args = {"x": r["x"], "topk_idx": r["topk_idx"], "topk_weights": r["topk_weights"], "num_experts": 8}
+    args.update({k: f(r) for k, f in change.items()})
+    with pytest.raises(exc, match=fragment):
+        ep_dispatch(**args)
 
 
 def test_reference_experts_rejects_int32_routing():

@@ -159,8 +159,12 @@ def ep_dispatch(
         ValueError: on every rank, if any rank's `topk_idx` is out of range or ranks disagree on
             H or K; locally for bad shapes, dtypes or devices.
     """
+    _check_routing("ep_dispatch", x, topk_idx, topk_weights, num_experts)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    _check_routing("ep_dispatch", x, topk_idx, topk_weights, num_experts, world)
+    if num_experts % world:
+        raise ValueError(
+            f"ep_dispatch: `num_experts` ({num_experts}) must be divisible by the group size ({world})"
+        )
     per_rank = num_experts // world
     T, H = x.shape
     K = topk_idx.shape[1]
@@ -344,7 +348,7 @@ def _check_experts_args(fn: str, x, gate_up_proj, down_proj, topk_idx, topk_weig
         )
 
 
-def _check_routing(fn: str, x, topk_idx, topk_weights, num_experts, world: int) -> None:
+def _check_routing(fn: str, x, topk_idx, topk_weights, num_experts) -> None:
     for name, t in (("x", x), ("topk_idx", topk_idx), ("topk_weights", topk_weights)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{fn}: `{name}` must be a Tensor, got {type(t).__name__}")
@@ -364,8 +368,6 @@ def _check_routing(fn: str, x, topk_idx, topk_weights, num_experts, world: int) 
             raise ValueError(f"{fn}: `{name}` must be on {x.device} like `x`, got {t.device}")
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0:
         raise ValueError(f"{fn}: `num_experts` must be an int > 0, got {num_experts!r}")
-    if num_experts % world:
-        raise ValueError(f"{fn}: `num_experts` ({num_experts}) must be divisible by the group size ({world})")
 
 
 def _check_peers(fn: str, rows: list[list[int]], rank: int, H: int, K: int, num_experts: int) -> None:
