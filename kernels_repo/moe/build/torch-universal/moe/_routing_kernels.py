@@ -132,8 +132,11 @@ def _map_scatter_kernel(
         tl.store(expert_start_ptr + bins, start, mask=emask)
         tl.store(expert_end_ptr + bins, incl, mask=emask)
         tl.store(meta_ptr + bins, aligned, mask=emask)  # num_tokens_per_expert
-        tl.store(meta_ptr + num_experts, tl.load(totals_ptr + num_experts))  # invalid ids
-        tl.store(meta_ptr + num_experts + 1, tl.sum(aligned, axis=0))  # P needed
+        n_bad = tl.load(totals_ptr + num_experts)
+        needed = tl.sum(aligned, axis=0)
+        tl.store(meta_ptr + num_experts, n_bad)
+        tl.store(meta_ptr + num_experts + 1, needed)
+        tl.store(meta_ptr + num_experts + 2, ((n_bad == 0) & (needed <= num_pos)).to(tl.int32))
     # This tile's row of tile_counts is private to this program: use it as the per-expert cursor.
     row_ptr = tile_counts_ptr + pid * width
     base = start + tl.load(row_ptr + bins, mask=emask, other=0)
@@ -266,8 +269,9 @@ def _group_count_kernel(
     nprog = tl.num_programs(0)
     hist = tl.zeros([NB], dtype=tl.int32)
     bad = tl.zeros([BLOCK], dtype=tl.int32)
-    for b in range(pid, tl.cdiv(numel, BLOCK), nprog):
-        offs = b.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    first = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    for start in range(0, numel, nprog * BLOCK):
+        offs = first + start
         m = offs < numel
         g = tl.load(idx_ptr + offs, mask=m, other=-1)
         valid = (g >= 0) & (g < num_groups)

@@ -289,8 +289,8 @@ def get_fused_mapping(
     n_tiles = triton.cdiv(nsub_total, nsub)
     # One allocation for every int32 output and scratch (each torch.empty costs host time):
     # 3 x P position arrays | T*K inverse | start E | end E | meta E+2 | tile counts | totals.
-    # meta = [num_tokens_per_expert (E), invalid-id count, P needed].
-    sizes = [num_pos, num_pos, num_pos, numel, num_experts, num_experts, num_experts + 2,
+    # meta = [num_tokens_per_expert (E), invalid-id count, P needed, 1 if both are fine].
+    sizes = [num_pos, num_pos, num_pos, numel, num_experts, num_experts, num_experts + 3,
              n_tiles * e1, e1]
     buf = torch.empty((sum(sizes),), dtype=torch.int32, device=dev)
     (pos_to_expert, pos_to_token, pos_to_token_topk, inverse, expert_start, expert_end, meta,
@@ -318,13 +318,13 @@ def get_fused_mapping(
         if not sync:
             # No host sync (CUDA-graph capturable): invalid ids and an overflowing P assert on
             # the device. Nothing was written out of bounds either way.
-            _c.assert_async(fn, (meta[num_experts] == 0) & (meta[num_experts + 1] <= num_pos),
+            _c.assert_async(fn, meta[num_experts + 2],
                             f"`topk_idx` holds expert ids < -1 or >= {num_experts}, or "
                             f"`num_expanded_tokens` ({num_pos}) is smaller than the routing needs")
             return (pos_to_expert, pos_to_token, pos_to_token_topk, token_topk_to_pos,
                     expert_start, expert_end, num_tokens_per_expert, [])
         # The one host sync: the aligned counts, the invalid-id count and the P needed.
-        host = meta.tolist()
+        host = meta[: num_experts + 2].tolist()
     if host[num_experts]:
         raise ValueError(f"{fn}: `topk_idx` holds {host[num_experts]} expert ids < -1 or "
                          f">= {num_experts}")
