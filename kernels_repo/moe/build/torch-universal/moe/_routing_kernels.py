@@ -188,11 +188,14 @@ def _expand_kernel(
             ok = (pos >= 0) & (pos < num_pos)
             tl.store(out_ptr + pos * hidden + cols, v, mask=cmask & ok)
     else:
-        rows = (pid - num_tokens) * PAD_ROWS + tl.arange(0, PAD_ROWS)
-        pe = tl.load(pos_to_expert_ptr + rows, mask=rows < num_pos, other=0)
-        pad = (rows < num_pos) & (pe < 0)
-        zero = tl.zeros([PAD_ROWS, BLOCK_H], dtype=out_ptr.dtype.element_ty)
-        tl.store(out_ptr + rows[:, None] * hidden + cols[None, :], zero, mask=pad[:, None] & cmask[None, :])
+        # Row by row: a [PAD_ROWS, BLOCK_H] tile would hold PAD_ROWS x more 64-bit pointers.
+        zero = tl.zeros([BLOCK_H], dtype=out_ptr.dtype.element_ty)
+        first = (pid - num_tokens) * PAD_ROWS
+        for r in tl.static_range(PAD_ROWS):
+            row = first + r
+            inside = row < num_pos
+            pe = tl.load(pos_to_expert_ptr + row, mask=inside, other=0)
+            tl.store(out_ptr + row * hidden + cols, zero, mask=cmask & inside & (pe < 0))
 
 
 @triton.jit
