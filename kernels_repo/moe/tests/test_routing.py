@@ -27,12 +27,27 @@ GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 DEV = "cuda" if GPU else "cpu"
 
 
+_torch_empty = torch.empty
+
+
+def _poisoned_empty(*args, **kwargs):
+    """torch.empty whose memory holds NaN / -12345, so an element a kernel forgets shows up."""
+    t = _torch_empty(*args, **kwargs)
+    if t.is_floating_point():
+        t.fill_(float("nan"))
+    elif t.dtype in (torch.int32, torch.int64):
+        t.fill_(-12345)
+    return t
+
+
 @pytest.fixture(params=["sm90", "sm80"])
 def variant(request, monkeypatch):
-    """Force one capability's launch config for every entry point (4 'SMs' on the CPU)."""
+    """Force one capability's launch config for every entry point (4 'SMs' on the CPU), and
+    poison every buffer the entry points allocate with torch.empty."""
     cfg = kernels.SM90 if request.param == "sm90" else kernels.SM80
     sms = 132 if GPU else 4
     monkeypatch.setattr(checks, "select_config", lambda device: (cfg, sms))
+    monkeypatch.setattr(torch, "empty", _poisoned_empty)
     return cfg
 
 

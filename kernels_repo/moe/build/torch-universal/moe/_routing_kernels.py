@@ -36,11 +36,13 @@ class RoutingConfig:
     hist_programs_per_sm: int
 
 
-# sm90 (H100/H200): 132 SMs, 16-byte vectors per thread with 8 warps over 2048 bf16 columns
-# keeps enough bytes in flight for HBM3; sm80: 108 SMs and HBM2e, smaller blocks, 4 warps.
+# Both keep 16-byte vectors per thread for bf16 (1024 columns over 4 warps; 7168 = 7 x 1024).
+# sm90 (132 SMs, HBM3): larger mapping sub-chunks (fewer serial steps per program) and wider
+# reduce blocks; sm80 (108 SMs): half-size sub-chunks and reduce blocks. Not yet tuned on a
+# GPU: benchmarks/bench_moe_routing.py sweeps the block sizes.
 SM90 = RoutingConfig(
     name="sm90", map_sub=128, map_programs_per_sm=2, map_warps=4,
-    copy_block_h=2048, copy_warps=8, reduce_block_h=1024, reduce_warps=4,
+    copy_block_h=1024, copy_warps=4, reduce_block_h=1024, reduce_warps=4,
     hist_programs_per_sm=2,
 )
 SM80 = RoutingConfig(
@@ -175,7 +177,7 @@ def _map_scatter_kernel(
 def _expand_kernel(
     x_ptr, out_ptr, map_ptr, pos_to_expert_ptr,
     num_tokens, num_pos, hidden, stride_xm, stride_mt,
-    K: tl.constexpr, BLOCK_H: tl.constexpr, PAD_ROWS: tl.constexpr,
+    K: tl.constexpr, BLOCK_H: tl.constexpr, PAD_ROWS: tl.constexpr, SUB_H: tl.constexpr,
 ):
     """Programs < T copy token t's chunk to its K rows; the rest zero the padding rows."""
     pid = tl.program_id(0).to(tl.int64)
@@ -188,14 +190,17 @@ def _expand_kernel(
             ok = (pos >= 0) & (pos < num_pos)
             tl.store(out_ptr + pos * hidden + cols, v, mask=cmask & ok)
     else:
-        # Row by row: a [PAD_ROWS, BLOCK_H] tile would hold PAD_ROWS x more 64-bit pointers.
-        zero = tl.zeros([BLOCK_H], dtype=out_ptr.dtype.element_ty)
-        first = (pid - num_tokens) * PAD_ROWS
-        for r in tl.static_range(PAD_ROWS):
-            row = first + r
-            inside = row < num_pos
-            pe = tl.load(pos_to_expert_ptr + row, mask=inside, other=0)
-            tl.store(out_ptr + row * hidden + cols, zero, mask=cmask & inside & (pe < 0))
+        # PAD_ROWS rows per program; most such blocks lie inside real rows and stop after one load.
+        rows = (pid - num_tokens) * PAD_ROWS + tl.arange(0, PAD_ROWS)
+        pe = tl.load(pos_to_expert_ptr + rows, mask=rows < num_pos, other=0)
+        pad = (rows < num_pos) & (pe < 0)
+        if tl.sum(pad.to(tl.int32), axis=0) > 0:
+            # [PAD_ROWS, SUB_H] tiles keep the pointer tensor small (registers).
+            zero = tl.zeros([PAD_ROWS, SUB_H], dtype=out_ptr.dtype.element_ty)
+            for h0 in tl.static_range(0, BLOCK_H, SUB_H):
+                c = tl.program_id(1) * BLOCK_H + h0 + tl.arange(0, SUB_H)
+                tl.store(out_ptr + rows[:, None] * hidden + c[None, :], zero,
+                         mask=pad[:, None] & (c < hidden)[None, :])
 
 
 @triton.jit

@@ -362,12 +362,13 @@ def expand_to_fused(x: Tensor, token_topk_to_pos: Tensor, pos_to_expert: Tensor)
     pte = pos_to_expert.contiguous()
     cfg, _ = _c.select_config(x.device)
     block_h = min(cfg.copy_block_h, triton.next_power_of_2(h))
-    pad_rows = 16
+    pad_rows = 32
     grid = (t + triton.cdiv(num_pos, pad_rows), triton.cdiv(h, block_h))
     with device_guard(x):
         _k._expand_kernel[grid](
             x, out, mapping, pte, t, num_pos, h, x.stride(0), mapping.stride(0),
-            K=mapping.shape[1], BLOCK_H=block_h, PAD_ROWS=pad_rows, num_warps=cfg.copy_warps,
+            K=mapping.shape[1], BLOCK_H=block_h, PAD_ROWS=pad_rows, SUB_H=min(block_h, 256),
+            num_warps=cfg.copy_warps,
         )
     return out
 
