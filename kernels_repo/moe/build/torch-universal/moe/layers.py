@@ -65,7 +65,18 @@ def _run(module: nn.Module, hidden_states, top_k_index, top_k_weights, variant: 
 
 def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
-    """transformers `ExpertsInterface` implementation "kernelhub": (module, hidden, idx, weights)."""
+    """transformers `ExpertsInterface` implementation "kernelhub": (module, hidden, idx, weights).
+
+    Register once, before `from_pretrained(..., experts_implementation="kernelhub")`:
+    `transformers.integrations.moe.ExpertsInterface.register("kernelhub", experts_forward)`.
+    Modules `fused_experts` cannot serve (e.g. GptOssExperts) run their eager forward, which
+    `use_experts_implementation` keeps as `type(module).forward.__wrapped__`.
+    """
+    if unsupported_reason(self) is not None:
+        eager = getattr(type(self).forward, "__wrapped__", None)
+        if eager is None:
+            raise ValueError(f"experts_forward: {unsupported_reason(self)}; no eager forward to fall back to")
+        return eager(self, hidden_states, top_k_index, top_k_weights)
     return _run(self, hidden_states, top_k_index, top_k_weights, None)
 
 
