@@ -8,9 +8,16 @@ host synchronisation happens and the whole thing can be captured in a CUDA graph
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
+import triton
+import triton.language as tl
+
+# Up to this many (token, k) pairs one Triton program aligns them in one launch (decode: T<=64,
+# K<=8) instead of ~15 torch ops, whose launches would cost more than the expert GEMMs there.
+SMALL_PAIRS = 512
 
 
 class ExpertRows(NamedTuple):
@@ -31,6 +38,62 @@ def max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return max(block_m, -(-bound // block_m) * block_m)
 
 
+@triton.jit
+def _align_small_kernel(
+    idx_ptr, rows_ptr, block_expert_ptr, start_ptr, count_ptr, pos_ptr,
+    n, E, P, NUM_BLOCKS,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """One program: histogram, aligned exclusive cumsum, stable rank, scatter. Same as align_rows."""
+    offs = tl.arange(0, BLOCK_N)
+    in_range = offs < n
+    key = tl.load(idx_ptr + offs, mask=in_range, other=-1).to(tl.int32)
+    valid = in_range & (key >= 0) & (key < E)
+    key = tl.where(valid, key, E)  # dropped and out-of-range pairs: bin E (< BLOCK_E), ignored
+    counts = tl.histogram(key, BLOCK_E)
+    offs_e = tl.arange(0, BLOCK_E)
+    counts = tl.where(offs_e < E, counts, 0)
+    aligned = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    starts = tl.cumsum(aligned, 0) - aligned
+    tl.store(start_ptr + offs_e, starts, mask=offs_e < E)
+    tl.store(count_ptr + offs_e, counts, mask=offs_e < E)
+    for p0 in range(0, P, BLOCK_P):
+        offs_p = p0 + tl.arange(0, BLOCK_P)
+        tl.store(rows_ptr + offs_p, tl.full((BLOCK_P,), -1, tl.int32), mask=offs_p < P)
+        tl.store(block_expert_ptr + offs_p, tl.full((BLOCK_P,), -1, tl.int32), mask=offs_p < NUM_BLOCKS)
+    tl.debug_barrier()  # the fills and `starts` above are read/overwritten below by other threads
+    rank = tl.zeros((BLOCK_N,), dtype=tl.int32)
+    for j0 in range(0, BLOCK_N, BLOCK_J):
+        offs_j = j0 + tl.arange(0, BLOCK_J)
+        kj = tl.load(idx_ptr + offs_j, mask=offs_j < n, other=-1).to(tl.int32)
+        earlier = (key[:, None] == kj[None, :]) & (offs_j[None, :] < offs[:, None])
+        rank += tl.sum(earlier.to(tl.int32), axis=1)
+    start = tl.load(start_ptr + key, mask=valid, other=0)
+    pos = tl.where(valid, start + rank, -1)
+    tl.store(pos_ptr + offs, pos, mask=in_range)
+    tl.store(rows_ptr + pos, offs, mask=valid)
+    # Every aligned block of an expert holds >= 1 real row, so scattering the expert id from each
+    # pair's row labels every used block.
+    tl.store(block_expert_ptr + pos // BLOCK_M, key, mask=valid)
+
+
+def _align_small(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> ExpertRows:
+    T, K = topk_idx.shape
+    n = T * K
+    E = num_experts
+    P = max_rows(n, E, block_m)
+    nb = P // block_m
+    buf = torch.empty(P + nb + 2 * E + n, dtype=torch.int32, device=topk_idx.device)
+    rows, block_expert, start, count, pos = torch.split(buf, [P, nb, E, E, n])
+    _align_small_kernel[(1,)](
+        topk_idx.reshape(-1), rows, block_expert, start, count, pos, n, E, P, nb,
+        BLOCK_M=block_m, BLOCK_N=max(16, triton.next_power_of_2(n)),
+        BLOCK_E=max(16, triton.next_power_of_2(E + 1)), BLOCK_J=32, BLOCK_P=256, num_warps=8,
+    )
+    return ExpertRows(rows, block_expert, start, count, pos.view(T, K), P, block_m)
+
+
 def align_rows(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> ExpertRows:
     """Group the T*K pairs by expert (stable: token order within an expert), padded to block_m.
 
@@ -40,6 +103,8 @@ def align_rows(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> Expert
     device = topk_idx.device
     T, K = topk_idx.shape
     n = T * K
+    if 0 < n <= SMALL_PAIRS and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+        return _align_small(topk_idx.contiguous(), num_experts, block_m)
     E = num_experts
     P = max_rows(n, E, block_m)
     flat = topk_idx.reshape(-1).to(torch.int64)
