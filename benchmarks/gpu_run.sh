@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: versions, GPU tests, the demo, then the benchmarks.
+# Usage (device tool): bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [routing] [moe]
+# Logs and JSON lines land in $OUT. The GPU image has torch/triton/transformers of its own; we
+# run from the source tree (PYTHONPATH=src) and bring Liger-Kernel as a wheel in .whl/.
+set -u
+OUT=${OUT:-/tmp/kernelhub-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} KERNELHUB_TEST_GPU=1 TRITON_INTERPRET=0
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+steps=${*:-tests demo swiglu routing moe}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+for step in $steps; do
+  echo "=== $step ($(date -u +%T))"
+  case $step in
+    tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -x 2>&1 | tail -40 | tee "$OUT/gpu_tests.log" ;;
+    demo) timeout 120 python3 examples/demo.py 2>&1 | tee "$OUT/demo.log" | tail -40 ;;
+    swiglu) timeout 200 python3 benchmarks/bench_swiglu.py 2>&1 | tee "$OUT/bench_swiglu.log" | tail -60 ;;
+    routing) timeout 120 python3 benchmarks/bench_moe_routing.py 2>&1 | tee "$OUT/bench_routing.log" | tail -40 ;;
+    moe) timeout 300 python3 kernels_repo/moe/benchmarks/bench_moe.py 2>&1 | tee "$OUT/bench_moe.log" | tail -80 ;;
+  esac
+done
+echo "=== done ($(date -u +%T))"
