@@ -54,15 +54,16 @@ def reference_experts(
         ``g, u = (x[n] @ gate_up_proj[e].T).chunk(2)``, accumulated in fp32.
     """
     _check_experts_args("reference_experts", x, gate_up_proj, down_proj, topk_idx, topk_weights)
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for e in range(gate_up_proj.shape[0]):
-        tok, slot = (topk_idx == e).nonzero(as_tuple=True)  # host sync: reference path only
-        if tok.numel() == 0:
-            continue
-        gate, up = (x[tok].float() @ gate_up_proj[e].float().T).chunk(2, dim=-1)
-        y = (F.silu(gate) * up) @ down_proj[e].float().T
-        out = out.index_add(0, tok, y * topk_weights[tok, slot].float().unsqueeze(-1))
-    return out.to(x.dtype)
+    with device_guard(x):
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for e in range(gate_up_proj.shape[0]):
+            tok, slot = (topk_idx == e).nonzero(as_tuple=True)  # host sync: reference path only
+            if tok.numel() == 0:
+                continue
+            gate, up = (x[tok].float() @ gate_up_proj[e].float().T).chunk(2, dim=-1)
+            y = (F.silu(gate) * up) @ down_proj[e].float().T
+            out = out.index_add(0, tok, y * topk_weights[tok, slot].float().unsqueeze(-1))
+        return out.to(x.dtype)
 
 
 def local_expert_range(rank: int, num_experts: int, world_size: int) -> tuple[int, int]:
@@ -116,10 +117,11 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         # Reverse every floating tensor on every rank, needed or not, so the collectives match.
-        back = [
-            _all_to_all(g, ctx.in_splits, ctx.out_splits, ctx.group) if floating else None
-            for g, floating in zip(grads, ctx.floating, strict=True)
-        ]
+        with device_guard(grads[0]):
+            back = [
+                _all_to_all(g, ctx.in_splits, ctx.out_splits, ctx.group) if floating else None
+                for g, floating in zip(grads, ctx.floating, strict=True)
+            ]
         return (None, None, None, *back)
 
 
@@ -132,7 +134,8 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad_in = _all_to_all(grad, ctx.in_splits, ctx.out_splits, ctx.group)
+        with device_guard(grad):
+            grad_in = _all_to_all(grad, ctx.in_splits, ctx.out_splits, ctx.group)
         zeros = [
             torch.zeros(shape, dtype=dtype, device=device) if need else None
             for (shape, dtype, device), need in zip(ctx.tied, ctx.needs_input_grad[4:], strict=True)
@@ -255,13 +258,14 @@ def ep_moe(
             raise ValueError(f"ep_moe: `{name}` must hold E/W = {per_rank} experts [E/W, ., .], got {got}")
     d = ep_dispatch(x, topk_idx, topk_weights, num_experts, group=group)
     fn = reference_experts if experts_fn is None else experts_fn
-    if d.hidden_states.shape[0] == 0:
-        # Kernels need not accept empty inputs; the combine still runs (collective). Tying the local
-        # weights into it gives them a zero gradient rather than None, as in the single-process MoE.
-        y = d.hidden_states.new_zeros(d.hidden_states.shape)
-        d.handle.dispatched = (*d.handle.dispatched, gate_up_proj_local, down_proj_local)
-    else:
-        y = fn(d.hidden_states, gate_up_proj_local, down_proj_local, d.topk_idx, d.topk_weights)
+    with device_guard(x):
+        if d.hidden_states.shape[0] == 0:
+            # Kernels need not accept empty inputs; the combine still runs (collective). Tying the
+            # local weights into it gives them a zero gradient (not None), as in one process.
+            y = d.hidden_states.new_zeros(d.hidden_states.shape)
+            d.handle.dispatched = (*d.handle.dispatched, gate_up_proj_local, down_proj_local)
+        else:
+            y = fn(d.hidden_states, gate_up_proj_local, down_proj_local, d.topk_idx, d.topk_weights)
     return ep_combine(y, d.handle)
 
 
