@@ -119,8 +119,10 @@ class HubStore:
             for op in ops:
                 if op["key"] == "file":
                     value = op["value"]
-                    data = base64.b64decode(value["content"]) if value.get("encoding") == "base64" else (
-                        value["content"].encode()
+                    data = (
+                        base64.b64decode(value["content"])
+                        if value.get("encoding") == "base64"
+                        else (value["content"].encode())
                     )
                     files[value["path"]] = self.put_blob(data)
                 elif op["key"] == "deletedFile":
@@ -143,8 +145,13 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     # plumbing ---------------------------------------------------------------------------------
-    def _send(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None,
-              content_type: str = "application/json") -> None:
+    def _send(
+        self,
+        status: int,
+        body: bytes = b"",
+        headers: dict[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> None:
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
@@ -158,13 +165,14 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(status, json.dumps(obj).encode(), headers)
 
     def _body(self) -> bytes:
-        n = int(self.headers.get("Content-Length") or 0)
-        return self.rfile.read(n) if n else b""
+        return self._raw
 
     def _dispatch(self) -> None:
         store = self.server.store
         url = urlsplit(self.path)
         store.requests.append((self.command, url.path))
+        n = int(self.headers.get("Content-Length") or 0)
+        self._raw = self.rfile.read(n) if n else b""  # always drain: the connection is kept alive
         try:
             parts = [unquote(p) for p in url.path.strip("/").split("/")]
             if parts[:1] == ["api"]:
@@ -201,6 +209,9 @@ class _Handler(BaseHTTPRequestHandler):
     # API --------------------------------------------------------------------------------------
     def _api(self, parts: list[str], query: dict) -> None:
         store = self.server.store
+        if parts == ["validate-yaml"]:  # README front matter check before a commit
+            self._json(200, {"errors": [], "warnings": []})
+            return
         if parts == ["repos", "create"] and self.command == "POST":
             payload = json.loads(self._body() or b"{}")
             repo_type = payload.get("type") or "model"
@@ -226,17 +237,32 @@ class _Handler(BaseHTTPRequestHandler):
     def _api_revision(self, repo: _Repo, rest: list[str], query: dict) -> None:
         commit = self.server.store.resolve(repo, "/".join(rest))
         files = repo.commits[commit]["files"]
-        self._json(200, {
-            "id": repo.repo_id, "author": repo.repo_id.split("/")[0], "sha": commit,
-            "private": repo.private, "siblings": [{"rfilename": p} for p in sorted(files)],
-        })
+        self._json(
+            200,
+            {
+                "id": repo.repo_id,
+                "author": repo.repo_id.split("/")[0],
+                "sha": commit,
+                "private": repo.private,
+                "siblings": [{"rfilename": p} for p in sorted(files)],
+            },
+        )
 
     def _api_refs(self, repo: _Repo, rest: list[str], query: dict) -> None:
         def refs(kind: str, table: dict[str, str]) -> list[dict]:
-            return [{"name": n, "ref": f"refs/{kind}/{n}", "targetCommit": c} for n, c in sorted(table.items())]
+            return [
+                {"name": n, "ref": f"refs/{kind}/{n}", "targetCommit": c} for n, c in sorted(table.items())
+            ]
 
-        self._json(200, {"branches": refs("heads", repo.branches), "tags": refs("tags", repo.tags),
-                         "converts": [], "pullRequests": []})
+        self._json(
+            200,
+            {
+                "branches": refs("heads", repo.branches),
+                "tags": refs("tags", repo.tags),
+                "converts": [],
+                "pullRequests": [],
+            },
+        )
 
     def _entries(self, repo: _Repo, commit: str, prefix: str, recursive: bool) -> list[dict]:
         store = self.server.store
@@ -246,12 +272,18 @@ class _Handler(BaseHTTPRequestHandler):
         for path, oid in sorted(files.items()):
             if not path.startswith(base):
                 continue
-            tail = path[len(base):].split("/")
+            tail = path[len(base) :].split("/")
             for depth in range(1, len(tail)):
                 folder = base + "/".join(tail[:depth])
                 if recursive or depth == 1:
-                    out.setdefault(folder, {"type": "directory", "oid": hashlib.sha1(folder.encode()).hexdigest(),
-                                            "path": folder})
+                    out.setdefault(
+                        folder,
+                        {
+                            "type": "directory",
+                            "oid": hashlib.sha1(folder.encode()).hexdigest(),
+                            "path": folder,
+                        },
+                    )
             if recursive or len(tail) == 1:
                 out[path] = {"type": "file", "oid": oid, "size": len(store.blob(oid)), "path": path}
         if base and not out:
@@ -273,7 +305,9 @@ class _Handler(BaseHTTPRequestHandler):
     def _api_preupload(self, repo: _Repo, rest: list[str], query: dict) -> None:
         self.server.store.resolve(repo, "/".join(rest))
         payload = json.loads(self._body())
-        files = [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in payload["files"]]
+        files = [
+            {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in payload["files"]
+        ]
         self._json(200, {"files": files, "commitOid": None})
 
     def _api_commit(self, repo: _Repo, rest: list[str], query: dict) -> None:
@@ -281,10 +315,19 @@ class _Handler(BaseHTTPRequestHandler):
         lines = [json.loads(line) for line in self._body().splitlines() if line.strip()]
         header = next((x["value"] for x in lines if x["key"] == "header"), {})
         ops = [x for x in lines if x["key"] != "header"]
-        oid = self.server.store.commit(repo, branch, ops, header.get("summary", ""), header.get("parentCommit"))
+        oid = self.server.store.commit(
+            repo, branch, ops, header.get("summary", ""), header.get("parentCommit")
+        )
         host = self.headers["Host"]
-        self._json(200, {"commitUrl": f"http://{host}/{repo.repo_id}/commit/{oid}", "commitOid": oid,
-                         "pullRequestUrl": None, "success": True})
+        self._json(
+            200,
+            {
+                "commitUrl": f"http://{host}/{repo.repo_id}/commit/{oid}",
+                "commitOid": oid,
+                "pullRequestUrl": None,
+                "success": True,
+            },
+        )
 
     def _api_branch(self, repo: _Repo, rest: list[str], query: dict) -> None:
         store = self.server.store
