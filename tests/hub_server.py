@@ -388,6 +388,59 @@ class LocalHub:
         self.stop()
 
 
+# -- pytest fixtures (import into a test module: `from hub_server import hub_fixture`) -------
+TINY = Path(__file__).resolve().parent / "fixtures" / "kernels" / "tiny"
+
+try:
+    import pytest
+except ImportError:  # the server also runs by hand without pytest
+    pytest = None
+
+if pytest is not None:
+
+    @pytest.fixture(name="hub")
+    def hub_fixture(tmp_path, monkeypatch):
+        """A LocalHub for this test; HF_ENDPOINT and HF_HUB_CACHE point the Hub client at it."""
+        for var in (
+            "KERNELHUB_CACHE",
+            "HF_HUB_OFFLINE",
+            "KERNELHUB_TRUSTED_PUBLISHERS",
+            "KERNELHUB_LOCKFILE",
+            "KERNELHUB_REPO_TYPE",
+            "HF_TOKEN",
+        ):
+            monkeypatch.delenv(var, raising=False)
+        with LocalHub(tmp_path / "hubdata") as server:
+            monkeypatch.setenv("HF_ENDPOINT", server.url)
+            monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+            yield server
+
+
+def tiny_copy(
+    dest: Path, *, factor: float = 2.0, extra_variants: dict[str, float] | None = None, universal: bool = True
+) -> Path:
+    """A copy of the tiny kernel repo whose `scale` multiplies by `factor` (to tell versions apart).
+
+    `extra_variants` adds build variants (name -> factor) holding the same package.
+    """
+    import shutil
+
+    shutil.copytree(TINY, dest, ignore=shutil.ignore_patterns("__pycache__"))
+    src = dest / "build" / "torch-universal"
+    for name, f in (extra_variants or {}).items():
+        shutil.copytree(src, dest / "build" / name)
+        _set_factor(dest / "build" / name / "tiny" / "ops.py", f)
+    _set_factor(src / "tiny" / "ops.py", factor)
+    if not universal:
+        shutil.rmtree(src)
+    return dest
+
+
+def _set_factor(ops: Path, factor: float) -> None:
+    text = ops.read_text()
+    ops.write_text(re.sub(r"^FACTOR = .*$", f"FACTOR = {float(factor)!r}", text, flags=re.M))
+
+
 if __name__ == "__main__":  # run a hub by hand: python tests/hub_server.py /tmp/hubdata
     import sys
     import time
