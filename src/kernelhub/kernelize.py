@@ -1,0 +1,333 @@
+"""kernelize: give each module the kernel for the device *it* lives on.
+
+Hugging Face `kernels` takes the first parameter's device for the whole model and the current
+device's capability for every module; with layers split over GPUs of different generations
+that binds sm90 kernels on an sm80 card. Here each module is resolved on its own device index,
+and a kernelized forward re-resolves when its input arrives on another device.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kernelhub.device import as_torch_device, device_capability, module_device
+from kernelhub.layer import layer_problem
+from kernelhub.matching import match_layer
+from kernelhub.mode import MODE_PRIORITY, Mode
+from kernelhub.registry import resolve_repository
+
+__all__ = ["KernelizeEntry", "KernelizeReport", "kernelize", "unkernelize", "describe_repository"]
+
+
+@dataclass(frozen=True)
+class KernelizeEntry:
+    """What kernelize decided for one module (`fallback_reason` is None when a kernel was bound)."""
+
+    module_name: str
+    module_class: str
+    layer_name: str
+    device: torch.device | None
+    capability: int | None
+    repository: str | None
+    layer: str | None
+    fallback_reason: str | None
+
+
+class KernelizeReport:
+    """The decisions of one kernelize call, one entry per kernelizable module; prints as a table."""
+
+    def __init__(self, entries: list[KernelizeEntry], mode: Mode):
+        self.entries = entries
+        self.mode = mode
+
+    def __iter__(self) -> Iterator[KernelizeEntry]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def kernelized(self) -> list[KernelizeEntry]:
+        return [e for e in self.entries if e.fallback_reason is None]
+
+    @property
+    def fallbacks(self) -> list[KernelizeEntry]:
+        return [e for e in self.entries if e.fallback_reason is not None]
+
+    def __str__(self) -> str:
+        header = ("module", "class", "layer", "device", "sm", "kernel")
+        rows = []
+        for e in self.entries:
+            sm = "-" if e.capability is None else str(e.capability)
+            dev = "(from input)" if e.device is None else str(e.device)
+            kernel = f"{e.layer} <- {e.repository}" if e.fallback_reason is None else f"eager: {e.fallback_reason}"
+            rows.append((e.module_name or "(root)", e.module_class, e.layer_name, dev, sm, kernel))
+        widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+        widths[-1] = len(header[-1])
+
+        def fmt(row: tuple[str, ...]) -> str:
+            return "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip()
+
+        lines = [
+            f"kernelize report: mode={self.mode}, {len(self.kernelized)} of {len(self.entries)} modules kernelized",
+            fmt(header),
+            fmt(tuple("-" * w for w in widths)),
+        ]
+        lines += [fmt(r) for r in rows]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"KernelizeReport({len(self.kernelized)}/{len(self.entries)} kernelized, mode={self.mode})"
+
+
+def describe_repository(repo: Any) -> str:
+    describe = getattr(repo, "describe", None)
+    if callable(describe):
+        return str(describe())
+    path = getattr(repo, "path", None)
+    if path is not None:
+        return f"local:{path}"
+    repo_id = getattr(repo, "repo_id", None)
+    return f"hub:{repo_id}" if repo_id else repr(repo)
+
+
+_layer_cache: dict[Any, type[nn.Module]] = {}
+_layer_cache_lock = threading.Lock()
+
+
+def _load_layer(repo: Any) -> type[nn.Module]:
+    try:
+        hash(repo)
+        key: Any = repo
+    except TypeError:
+        key = id(repo)
+    layer = _layer_cache.get(key)
+    if layer is None:
+        layer = repo.load()
+        with _layer_cache_lock:
+            _layer_cache[key] = layer
+    return layer
+
+
+def _resolve_config(config: Any) -> Any:
+    if config is None:
+        try:
+            from kernelhub.config import load_config
+        except ImportError:  # TODO(merge): kernelhub.config lands with the hub branch
+            return None
+        return load_config(None)
+    if isinstance(config, (str, Path)):
+        from kernelhub.config import load_config
+
+        return load_config(config)
+    if isinstance(config, dict):
+        from kernelhub.config import KernelhubConfig
+
+        return KernelhubConfig.from_dict(config)
+    if callable(getattr(config, "repository_for", None)):
+        return config
+    raise TypeError(
+        "kernelize: `config` must be None, a path, a dict or a KernelhubConfig, "
+        f"got {type(config).__name__}"
+    )
+
+
+@dataclass(frozen=True)
+class _Choice:
+    device: torch.device | None
+    capability: int | None
+    repository: Any | None
+    layer: type[nn.Module] | None
+    reason: str | None
+
+
+def _choose(
+    host: nn.Module,
+    layer_name: str,
+    device: torch.device | None,
+    mode: Mode,
+    config: Any,
+) -> _Choice:
+    """Resolve one module on one device: registry, then config override, then layer checks."""
+    if device is None:
+        return _Choice(None, None, None, None, "module has no parameters; resolved from its input")
+    capability = device_capability(device) if device.type == "cuda" else None
+    resolution = resolve_repository(layer_name, device, capability, mode)
+    repo = resolution.repository
+    if config is not None:
+        override = config.repository_for(layer_name, device, capability, repo)
+        if override is not None:
+            repo = override
+    if repo is None:
+        return _Choice(device, capability, None, None, resolution.reason)
+    try:
+        layer = _load_layer(repo)
+    except Exception as e:  # noqa: BLE001 - any load failure is a fallback reason, not a crash
+        return _Choice(device, capability, repo, None, f"could not load {describe_repository(repo)}: {e}")
+    problem = layer_problem(layer, host, mode)
+    if problem is not None:
+        return _Choice(device, capability, repo, None, problem)
+    return _Choice(device, capability, repo, layer, None)
+
+
+def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+    for a in kwargs.values():
+        if isinstance(a, torch.Tensor):
+            return a
+    return None
+
+
+class _KernelizedForward:
+    """The forward installed on a kernelized module: one resolved forward per input device."""
+
+    def __init__(self, host: nn.Module, layer_name: str, mode: Mode, config: Any, original: Callable,
+                 had_instance_forward: bool, use_fallback: bool):
+        self.host_ref = host
+        self.layer_name = layer_name
+        self.mode = mode
+        self.config = config
+        self.original = original
+        self.had_instance_forward = had_instance_forward
+        self.use_fallback = use_fallback
+        self.device: torch.device | None = None
+        self.fn: Callable = original
+        self._per_device: dict[torch.device, Callable] = {}
+        self._lock = threading.Lock()
+
+    def bind(self, choice: _Choice) -> None:
+        fn = self.original if choice.layer is None else types.MethodType(choice.layer.forward, self.host_ref)
+        if choice.device is not None:
+            self._per_device[choice.device] = fn
+        self.device, self.fn = choice.device, fn
+
+    def _for_device(self, device: torch.device) -> Callable:
+        fn = self._per_device.get(device)
+        if fn is None:
+            choice = _choose(self.host_ref, self.layer_name, device, self.mode, self.config)
+            if choice.reason is not None and not self.use_fallback:
+                raise RuntimeError(
+                    f"kernelize: no kernel for {type(self.host_ref).__name__} on {device}: {choice.reason}"
+                )
+            fn = self.original if choice.layer is None else types.MethodType(choice.layer.forward, self.host_ref)
+            with self._lock:
+                self._per_device[device] = fn
+        return fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        x = _first_tensor(args, kwargs)
+        if x is None or x.device == self.device:
+            return self.fn(*args, **kwargs)
+        return self._for_device(x.device)(*args, **kwargs)
+
+
+def _check_mode(mode: Any) -> Mode:
+    if not isinstance(mode, Mode):
+        raise TypeError(f"kernelize: `mode` must be a Mode, got {type(mode).__name__}")
+    if mode not in MODE_PRIORITY:
+        raise ValueError(
+            f"kernelize: `mode` must include INFERENCE or TRAINING (optionally | TORCH_COMPILE), got {mode}"
+        )
+    return mode
+
+
+def kernelize(
+    model: nn.Module,
+    *,
+    mode: Mode = Mode.INFERENCE,
+    device: torch.device | str | int | None = None,
+    config: Any = None,
+    use_fallback: bool = True,
+) -> KernelizeReport:
+    """Replace the forward of every kernelizable module with the kernel for its own device.
+
+    Args:
+        model: the model (any nn.Module); modified in place.
+        mode: what the model will be used for; TRAINING needs layers with a backward.
+        device: resolve every module for this device instead of its own (its index is kept).
+        config: kernelhub config (path, dict or KernelhubConfig); None looks for `kernelhub.toml`
+            or `[tool.kernelhub]` in `pyproject.toml` in the working directory.
+        use_fallback: keep a module's own forward when no kernel fits (reason in the report);
+            when False, raise instead.
+
+    Returns:
+        A KernelizeReport: one KernelizeEntry per kernelizable module.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"kernelize: `model` must be a torch.nn.Module, got {type(model).__name__}")
+    mode = _check_mode(mode)
+    explicit = as_torch_device(device) if device is not None else None
+    cfg = _resolve_config(config)
+    entries: list[KernelizeEntry] = []
+    inherited: dict[str, torch.device | None] = {}
+    for name, module in model.named_modules():
+        parent = name.rpartition(".")[0]
+        own = module_device(module) if explicit is None else explicit
+        dev = own if own is not None else inherited.get(parent)
+        inherited[name] = dev
+        match = match_layer(module)
+        if match is None:
+            continue
+        _unbind(module)
+        if match.unsupported_reason is not None:
+            choice = _Choice(dev, None, None, None, match.unsupported_reason)
+        else:
+            choice = _choose(module, match.layer_name, dev, mode, cfg)
+        if (
+            not use_fallback
+            and match.unsupported_reason is None
+            and choice.reason is not None
+            and choice.device is not None
+        ):
+            raise ValueError(
+                f"kernelize: no kernel for module {name!r} ({type(module).__name__}) on "
+                f"{choice.device} and use_fallback=False: {choice.reason}"
+            )
+        if match.unsupported_reason is None:
+            had_instance = "forward" in module.__dict__
+            binding = _KernelizedForward(
+                module, match.layer_name, mode, cfg, module.forward, had_instance, use_fallback
+            )
+            binding.bind(choice)
+            module.forward = binding
+        entries.append(
+            KernelizeEntry(
+                module_name=name,
+                module_class=type(module).__name__,
+                layer_name=match.layer_name,
+                device=choice.device,
+                capability=choice.capability,
+                repository=describe_repository(choice.repository) if choice.repository is not None else None,
+                layer=choice.layer.__name__ if choice.layer is not None else None,
+                fallback_reason=choice.reason,
+            )
+        )
+    return KernelizeReport(entries, mode)
+
+
+def _unbind(module: nn.Module) -> bool:
+    binding = module.__dict__.get("forward")
+    if not isinstance(binding, _KernelizedForward):
+        return False
+    if binding.had_instance_forward:
+        module.forward = binding.original
+    else:
+        del module.forward
+    return True
+
+
+def unkernelize(model: nn.Module) -> int:
+    """Restore every forward that kernelize replaced; returns how many modules were restored."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"unkernelize: `model` must be a torch.nn.Module, got {type(model).__name__}")
+    return sum(_unbind(m) for m in model.modules())

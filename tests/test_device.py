@@ -1,0 +1,116 @@
+import pytest
+import torch
+from torch import nn
+
+from conftest import fake_cuda_tensor
+from kernelhub.device import (
+    CUDAProperties,
+    Device,
+    ROCmProperties,
+    as_torch_device,
+    device_capability,
+    device_guard,
+    device_properties,
+    module_device,
+)
+
+
+def test_device_is_frozen_and_hashable():
+    a = Device("cuda", 1, CUDAProperties(80, 89))
+    b = Device("cuda", 1, CUDAProperties(80, 89))
+    assert a == b and hash(a) == hash(b)
+    with pytest.raises(AttributeError):
+        a.index = 2  # type: ignore[misc]
+
+
+def test_capability_range_with_min_above_max_is_rejected():
+    with pytest.raises(ValueError, match="min_capability"):
+        CUDAProperties(95, 90)
+    with pytest.raises(ValueError, match="min_capability"):
+        ROCmProperties(95, 90)
+
+
+def test_capability_must_be_int():
+    with pytest.raises(TypeError, match="max_capability"):
+        CUDAProperties(80, "90")  # type: ignore[arg-type]
+
+
+def test_properties_must_match_device_type():
+    with pytest.raises(ValueError, match="properties"):
+        Device("cpu", properties=CUDAProperties(80, 90))
+    with pytest.raises(ValueError, match="properties"):
+        Device("cuda", properties=ROCmProperties(90, 94))
+    with pytest.raises(TypeError, match="properties"):
+        Device("cuda", properties=(80, 90))  # type: ignore[arg-type]
+
+
+def test_bad_type_and_index_are_rejected():
+    with pytest.raises(ValueError, match="type"):
+        Device("gpu")
+    with pytest.raises(ValueError, match="index"):
+        Device("cuda", -1)
+
+
+def test_capability_is_per_index_whatever_was_asked_first(fake_gpus):
+    assert device_capability(torch.device("cuda", 0)) == 80
+    assert device_capability(torch.device("cuda", 1)) == 90
+    assert device_capability("cuda:0") == 80
+    fake_gpus.current = 1
+    assert device_capability(torch.device("cuda", 0)) == 80
+
+
+def test_properties_are_per_index(fake_gpus):
+    assert device_properties("cuda:1").sm_count == 132
+    assert device_properties("cuda:0").sm_count == 108
+    assert device_properties("cuda:1").name == "FakeH100"
+    assert device_properties("cuda:0").shared_memory_per_sm == 164 * 1024
+
+
+def test_device_without_index_means_current_device_at_call_time(fake_gpus):
+    fake_gpus.current = 1
+    assert as_torch_device("cuda") == torch.device("cuda", 1)
+    assert device_capability("cuda") == 90
+    fake_gpus.current = 0
+    assert device_capability("cuda") == 80
+
+
+def test_capability_of_cpu_is_an_error():
+    with pytest.raises(ValueError, match="GPU device"):
+        device_capability(torch.device("cpu"))
+
+
+def test_module_device_prefers_own_parameters():
+    m = nn.Sequential(nn.Linear(2, 2))
+    assert module_device(m) == torch.device("cpu")
+    assert module_device(nn.ReLU()) is None
+
+
+def test_module_device_reads_fake_gpu_parameters():
+    lin = nn.Linear(3, 4)
+    lin.weight = nn.Parameter(fake_cuda_tensor((4, 3), 1), requires_grad=False)
+    lin.bias = None
+    assert module_device(lin) == torch.device("cuda", 1)
+
+
+def test_device_guard_switches_and_restores(fake_gpus):
+    fake_gpus.current = 0
+    with device_guard(fake_cuda_tensor((2,), 1)) as dev:
+        assert dev == torch.device("cuda", 1)
+        assert torch.cuda.current_device() == 1
+    assert torch.cuda.current_device() == 0
+    assert fake_gpus.set_calls == [1, 0]
+
+
+def test_device_guard_restores_on_error(fake_gpus):
+    with pytest.raises(RuntimeError):
+        with device_guard("cuda:1"):
+            raise RuntimeError("boom")
+    assert torch.cuda.current_device() == 0
+
+
+def test_device_guard_is_noop_on_same_device_and_cpu(fake_gpus):
+    with device_guard("cuda:0"):
+        pass
+    with device_guard(torch.zeros(1)):
+        pass
+    assert fake_gpus.set_calls == []

@@ -1,0 +1,221 @@
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import fake_cuda_tensor
+from kernelhub import (
+    CUDAProperties,
+    Device,
+    LocalLayerRepository,
+    Mode,
+    kernelize,
+    unkernelize,
+    use_kernel_forward_from_hub,
+    use_kernel_mapping,
+)
+from kernelhub.hub import get_local_kernel
+
+TOY = Path(__file__).parent / "fixtures" / "kernels" / "toy_mlp"
+CALLS = get_local_kernel(TOY).CALLS
+
+
+class MLP(nn.Module):
+    def __init__(self, h=8, i=12, act=None):
+        super().__init__()
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+        self.act_fn = act if act is not None else nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+def toy(layer):
+    return LocalLayerRepository(TOY, layer_name=layer)
+
+
+MAPPING = {
+    "SwiGLUMLP": {
+        Device("cuda", properties=CUDAProperties(90, 129)): toy("ToyMLPSm90"),
+        Device("cuda", properties=CUDAProperties(80, 89)): toy("ToyMLPSm80"),
+        Device("cpu"): toy("ToyMLPCpu"),
+    }
+}
+
+
+@pytest.fixture(autouse=True)
+def toy_mapping():
+    CALLS.clear()
+    with use_kernel_mapping(MAPPING, inherit_mapping=False):
+        yield
+
+
+def on_fake_gpu(module: nn.Module, index: int) -> nn.Module:
+    for sub in module.modules():
+        for name, p in list(sub.named_parameters(recurse=False)):
+            setattr(sub, name, nn.Parameter(fake_cuda_tensor(tuple(p.shape), index), requires_grad=False))
+    return module
+
+
+def layers_by_module(report):
+    return {e.module_name: e.layer for e in report.entries}
+
+
+@pytest.mark.parametrize("current", [0, 1])
+@pytest.mark.parametrize("order", ["sm80_first", "sm90_first"])
+def test_modules_on_gpus_of_different_capability_get_their_own_kernel(fake_gpus, current, order):
+    fake_gpus.current = current
+    a, b = on_fake_gpu(MLP(), 0), on_fake_gpu(MLP(), 1)
+    model = nn.Sequential(a, b) if order == "sm80_first" else nn.Sequential(b, a)
+    report = kernelize(model)
+    by_module = {e.module_name: e for e in report.entries}
+    first, second = ("0", "1") if order == "sm80_first" else ("1", "0")
+    assert by_module[first].layer == "ToyMLPSm80" and by_module[first].capability == 80
+    assert by_module[second].layer == "ToyMLPSm90" and by_module[second].capability == 90
+    assert by_module[first].device == torch.device("cuda", 0)
+    a(fake_cuda_tensor((2, 8), 0))
+    b(fake_cuda_tensor((2, 8), 1))
+    assert [c[0] for c in CALLS] == ["ToyMLPSm80", "ToyMLPSm90"]
+    assert torch.cuda.current_device() == current
+
+
+def test_explicit_device_keeps_its_index(fake_gpus):
+    model = nn.Sequential(MLP())  # parameters on the CPU
+    report = kernelize(model, device=torch.device("cuda", 1))
+    (entry,) = report.entries
+    assert entry.device == torch.device("cuda", 1)
+    assert entry.capability == 90 and entry.layer == "ToyMLPSm90"
+    report = kernelize(model, device="cuda:0")
+    assert report.entries[0].layer == "ToyMLPSm80"
+
+
+def test_index_specific_mapping_beats_agnostic_one_in_kernelize(fake_gpus):
+    a, b = on_fake_gpu(MLP(), 0), on_fake_gpu(MLP(), 1)
+    with use_kernel_mapping({"SwiGLUMLP": {Device("cuda", 1): toy("ToyMLPIndex1")}}):
+        report = kernelize(nn.Sequential(a, b))
+    assert layers_by_module(report) == {"0": "ToyMLPSm80", "1": "ToyMLPIndex1"}
+
+
+def test_model_moved_after_kernelize_re_resolves(fake_gpus):
+    mlp = on_fake_gpu(MLP(), 0)
+    kernelize(nn.Sequential(mlp))
+    mlp(fake_cuda_tensor((2, 8), 0))
+    on_fake_gpu(mlp, 1)  # "moved": input and weights now on cuda:1 (sm90)
+    mlp(fake_cuda_tensor((2, 8), 1))
+    mlp(fake_cuda_tensor((2, 8), 0))  # and back: cached per index
+    assert [c[0] for c in CALLS] == ["ToyMLPSm80", "ToyMLPSm90", "ToyMLPSm80"]
+
+
+def test_cpu_model_output_equals_eager_and_unkernelize_restores():
+    torch.manual_seed(0)
+    model = nn.Sequential(MLP(), nn.ReLU(), MLP())
+    x = torch.randn(3, 8)
+    ref = model(x)
+    report = kernelize(model)
+    assert [e.layer for e in report.entries] == ["ToyMLPCpu", "ToyMLPCpu"]
+    out = model(x)
+    assert [c[0] for c in CALLS] == ["ToyMLPCpu", "ToyMLPCpu"]
+    torch.testing.assert_close(out, ref)
+    assert unkernelize(model) == 2
+    CALLS.clear()
+    torch.testing.assert_close(model(x), ref)
+    assert CALLS == []
+    assert "forward" not in model[0].__dict__
+
+
+def test_kernelize_twice_does_not_stack_wrappers():
+    model = nn.Sequential(MLP())
+    kernelize(model)
+    kernelize(model)
+    assert unkernelize(model) == 1
+    assert "forward" not in model[0].__dict__
+
+
+def test_training_with_layer_without_backward_falls_back_with_reason():
+    with use_kernel_mapping({"SwiGLUMLP": {"cpu": toy("ToyMLPNoBackward")}}):
+        report = kernelize(nn.Sequential(MLP()), mode=Mode.TRAINING)
+        (entry,) = report.entries
+        assert entry.layer is None and "has_backward" in entry.fallback_reason
+        with pytest.raises(ValueError, match="has_backward"):
+            kernelize(nn.Sequential(MLP()), mode=Mode.TRAINING, use_fallback=False)
+        assert kernelize(nn.Sequential(MLP()), mode=Mode.INFERENCE).entries[0].layer == "ToyMLPNoBackward"
+
+
+@pytest.mark.parametrize(
+    "layer, reason",
+    [("ToyMLPStateful", "stateless"), ("ToyMLPBadSignature", "does not match"), ("Missing", "no layer")],
+)
+def test_unusable_layers_fall_back_with_reason(layer, reason):
+    with use_kernel_mapping({"SwiGLUMLP": {"cpu": toy(layer)}}):
+        (entry,) = kernelize(nn.Sequential(MLP())).entries
+    assert entry.layer is None and reason in entry.fallback_reason
+
+
+def test_non_silu_mlp_is_reported_not_kernelized():
+    model = nn.Sequential(MLP(act=nn.GELU()))
+    (entry,) = kernelize(model).entries
+    assert entry.layer is None and "GELU" in entry.fallback_reason
+    assert "forward" not in model[0].__dict__
+
+
+def test_kernel_layer_name_marks_custom_modules():
+    @use_kernel_forward_from_hub("SwiGLUMLP")
+    class MyBlock(MLP):
+        pass
+
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = MyBlock(act=nn.GELU())  # matched by name, whatever its activation
+
+    (entry,) = kernelize(Holder()).entries
+    assert entry.module_name == "block" and entry.layer == "ToyMLPCpu"
+
+
+def test_module_without_parameters_uses_parents_device(fake_gpus):
+    class Shell(nn.Module):  # no parameters of its own; kernelized by name
+        kernel_layer_name = "SwiGLUMLP"
+
+        def forward(self, x):
+            return x
+
+    class Parent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(fake_cuda_tensor((2,), 1), requires_grad=False)
+            self.shell = Shell()
+
+    with use_kernel_mapping({"SwiGLUMLP": {"cuda": toy("ToyMLPSm90")}}):
+        (entry,) = kernelize(Parent()).entries
+    assert entry.device == torch.device("cuda", 1)
+
+
+def test_no_kernel_and_no_fallback_raises(fake_gpus):
+    with use_kernel_mapping({"SwiGLUMLP": {"cpu": toy("ToyMLPCpu")}}, inherit_mapping=False):
+        with pytest.raises(ValueError, match="use_fallback=False"):
+            kernelize(nn.Sequential(on_fake_gpu(MLP(), 0)), use_fallback=False)
+
+
+def test_kernelize_rejects_bad_arguments():
+    with pytest.raises(TypeError, match="`model`"):
+        kernelize("not a model")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="`mode`"):
+        kernelize(nn.Sequential(MLP()), mode="inference")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="`mode`"):
+        kernelize(nn.Sequential(MLP()), mode=Mode.FALLBACK)
+    with pytest.raises(TypeError, match="`device`"):
+        kernelize(nn.Sequential(MLP()), device=3.5)  # type: ignore[arg-type]
+
+
+def test_report_renders_as_readable_table(fake_gpus):
+    model = nn.Sequential(on_fake_gpu(MLP(), 0), on_fake_gpu(MLP(), 1), MLP(act=nn.GELU()))
+    text = str(kernelize(model))
+    lines = text.splitlines()
+    assert lines[0].startswith("kernelize report: mode=Mode.INFERENCE, 2 of 3 modules kernelized")
+    assert lines[1].split() == ["module", "class", "layer", "device", "sm", "kernel"]
+    assert "ToyMLPSm80 <- local:" in lines[3] and "cuda:0" in lines[3] and " 80 " in lines[3]
+    assert "ToyMLPSm90" in lines[4] and "cuda:1" in lines[4]
+    assert "eager: act_fn is GELU" in lines[5]
