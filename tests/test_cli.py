@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -163,10 +164,23 @@ def test_parser_builds_without_side_effects():
     assert (args.command, args.version, args.private) == ("upload", 3, False)
 
 
-def test_report_prints_a_plan_per_device(tmp_path, capsys):
-    kz = pytest.importorskip("kernelhub.kernelize", reason="kernelize lands with the lead's registry")
-    assert kz is not None
+def test_report_prints_what_each_module_gets_per_device(tmp_path, capsys):
     pytest.importorskip("transformers")
-    assert main(["report", "--model-type", "llama", "--device", "cpu"]) == 0
+    config = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "vocab_size": 128,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    pins = tmp_path / "kernelhub.toml"
+    pins.write_text(f'[layers.SwiGLUMLP]\npath = "{TINY}"\nlayer = "TinyScale"\n')
+    argv = ["report", "--config", str(tmp_path / "config.json"), "--device", "cpu", "--kernelhub-config", str(pins)]
+    assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "== cpu ==" in out and "SwiGLUMLP" in out
+    assert "== cpu ==" in out
+    assert out.count("mlp") >= 2  # both decoder layers' MLPs are listed
+    assert "TinyScale" in out  # the config's choice reached kernelize

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hub_server import hub_fixture  # noqa: F401 - hub_fixture provides `hub`
 
 from kernelhub.config import ConfigError, KernelhubConfig, load_config
 from kernelhub.hub import LayerRepository, LocalLayerRepository, LockedLayerRepository
@@ -49,9 +50,7 @@ def test_precedence_device_then_capability_then_general(tmp_path):
     config = _config(EXAMPLE, tmp_path)
     general = LayerRepository("kernels-community/swiglu", layer_name="SwiGLUMLP", version=1)
     # cuda:1 has an index override: it beats the 9.0 pin.
-    assert config.repository_for("SwiGLUMLP", CUDA1, 90, None) == general.with_layer_name(
-        "SwiGLUMLPReference"
-    )
+    assert config.repository_for("SwiGLUMLP", CUDA1, 90, None) == general.with_layer_name("SwiGLUMLPReference")
     assert config.repository_for("SwiGLUMLP", CUDA0, 90, None) == general.with_layer_name("SwiGLUMLPSm80")
     assert config.repository_for("SwiGLUMLP", CUDA0, 80, None) == LayerRepository(
         "kernels-community/swiglu", layer_name="SwiGLUMLP", revision="abc123"
@@ -68,9 +67,7 @@ def test_pins_apply_on_top_of_the_registry_default(tmp_path):
     default = LocalLayerRepository("kernels_repo/swiglu", layer_name="SwiGLUMLPSm90")
     assert config.repository_for("SwiGLUMLP", CUDA1, 90, default) == default.with_layer_name("SwiGLUMLPSm80")
     assert config.repository_for("SwiGLUMLP", CUDA0, 80, default) is default
-    with pytest.raises(
-        ConfigError, match=r"capability\.9\.0 chooses layer 'SwiGLUMLPSm80' but no repository"
-    ):
+    with pytest.raises(ConfigError, match=r"capability\.9\.0 chooses layer 'SwiGLUMLPSm80' but no repository"):
         config.repository_for("SwiGLUMLP", CUDA1, 90, None)
     versioned = KernelhubConfig.from_dict({"layers": {"SwiGLUMLP": {"capability": {"9.0": {"version": 2}}}}})
     hub_default = LayerRepository("org/swiglu", layer_name="SwiGLUMLP", version=1)
@@ -153,3 +150,39 @@ def test_hub_kernels_lists_each_repo_and_ref_once(tmp_path):
         ("kernels-community/swiglu", 1, None),
         ("kernels-community/swiglu", None, "abc123"),
     ]
+
+
+def test_kernelize_binds_what_the_config_pins_per_device(hub, tmp_path, fake_gpus):
+    """cuda:0 is sm80, cuda:1 sm90 (fake_gpus): the same module gets a different Hub kernel on each."""
+    from hub_server import tiny_copy
+    from torch import nn
+
+    from kernelhub import kernelize, use_kernel_forward_from_hub
+    from kernelhub.cli.upload import upload_kernel
+
+    upload_kernel(tiny_copy(tmp_path / "v1", factor=2.0), "org/tiny", version=1)
+    upload_kernel(tiny_copy(tmp_path / "v2", factor=3.0), "org/tiny", version=2)
+    (tmp_path / "kernelhub.toml").write_text(
+        'trusted_publishers = ["org"]\n'
+        '[layers.Scale]\nrepo = "org/tiny"\nversion = 1\nlayer = "TinyScale"\n'
+        '[layers.Scale.capability."9.0"]\nversion = 2\n'
+        '[layers.Scale.device."cuda:0"]\nlayer = "TinyScaleDouble"\n'
+    )
+
+    @use_kernel_forward_from_hub("Scale")
+    class Scale(nn.Module):
+        def forward(self, x):
+            return x
+
+    model = nn.Sequential(Scale())
+    config = tmp_path / "kernelhub.toml"
+    chosen = {}
+    for device in ("cuda:0", "cuda:1", "cpu"):
+        (entry,) = kernelize(model, device=device, config=config).entries
+        chosen[device] = (entry.layer, entry.repository)
+    assert chosen == {
+        "cuda:0": ("TinyScaleDouble", "hub:org/tiny@v1/TinyScaleDouble"),
+        "cuda:1": ("TinyScale", "hub:org/tiny@v2/TinyScale"),
+        "cpu": ("TinyScale", "hub:org/tiny@v1/TinyScale"),
+    }
+    assert float(model(torch.ones(1))[0]) == 2.0  # bound for cpu: v1's TinyScale ran

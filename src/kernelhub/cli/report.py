@@ -54,7 +54,9 @@ def _mode(name: str, compile_: bool):
 
 def report_model(model: torch.nn.Module, devices: list[torch.device], *, mode, config=None) -> list[tuple]:
     """[(device, report)] from kernelize's resolution for each device; the model is left unkernelized."""
-    from kernelhub import kernelize as kz
+    import importlib
+
+    kz = importlib.import_module("kernelhub.kernelize")  # the package re-exports the function under that name
 
     out = []
     for device in devices:
