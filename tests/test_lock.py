@@ -99,3 +99,13 @@ def test_cli_lock_writes_the_config_kernels(hub, tmp_path, monkeypatch, capsys):
     assert _scale_of(get_locked_kernel("org/tiny", lockfile=tmp_path / "kernels.lock", version=2)) == 3.0
     with pytest.raises(KernelLockError, match="2 entries for 'org/tiny'"):
         get_locked_kernel("org/tiny", lockfile=tmp_path / "kernels.lock")
+
+
+def test_extra_variants_are_locked_beside_this_systems(hub, tmp_path):
+    foreign = "torch27-cxx11-cu118-aarch64-linux"
+    src = tiny_copy(tmp_path / "src", extra_variants={foreign: 3.0})
+    upload_kernel(src, "org/tiny", version=1)
+    entry = lock_kernel("org/tiny", version=1, variants=[foreign])
+    assert sorted(entry["variants"]) == sorted(["torch-universal", foreign])
+    ops = f"build/{foreign}/tiny/ops.py"
+    assert entry["variants"][foreign][ops] == hashlib.sha256((src / ops).read_bytes()).hexdigest()

@@ -27,6 +27,7 @@ from kernelhub._fetch import (
     fetch_variant,
     list_variants,
 )
+from kernelhub.variants import rank_variants
 
 __all__ = [
     "DEFAULT_LOCKFILE",
@@ -87,9 +88,7 @@ def verify_variant(variant_dir: Path, expected: dict[str, str], *, where: str) -
             raise KernelLockError(f"{where}: locked file {name} is missing from the download")
         got = _sha256(actual[name])
         if got != digest:
-            raise KernelLockError(
-                f"{where}: sha256 of {name} is {got}, the lock says {digest}; refusing to load"
-            )
+            raise KernelLockError(f"{where}: sha256 of {name} is {got}, the lock says {digest}; refusing to load")
     extra = sorted(set(actual) - set(expected))
     if extra:
         raise KernelLockError(f"{where}: file {extra[0]} is not in the lock; refusing to load")
@@ -104,17 +103,20 @@ def lock_kernel(
 ) -> dict:
     """Resolve a kernel to a commit, download the variant(s) and return its lock entry.
 
-    `variants`: variant names to lock; default the one this system would load.
+    `variants`: extra variant names to lock besides the one this system would load (e.g. a CUDA
+    build locked from a CPU machine).
     """
     repo_type = default_repo_type()
     ref, commit, names = list_variants(repo_id, revision=revision, version=version, repo_type=repo_type)
-    wanted = list(variants) if variants else [choose_variant(repo_id, commit, names)]
+    if variants:
+        best = rank_variants(names)[0][:1]
+        wanted = list(dict.fromkeys(best + list(variants)))
+    else:
+        wanted = [choose_variant(repo_id, commit, names)]
     hashes = {}
     for variant in wanted:
         if variant not in names:
-            raise KernelLockError(
-                f"lock_kernel: {repo_id!r} at {commit[:12]} has no variant {variant!r}: {names}"
-            )
+            raise KernelLockError(f"lock_kernel: {repo_id!r} at {commit[:12]} has no variant {variant!r}: {names}")
         hashes[variant] = hash_variant(fetch_variant(repo_id, repo_type, ref, commit, variant))
     return {
         "repo_id": repo_id,
@@ -139,9 +141,7 @@ def write_lockfile(entries: list[dict], path: str | Path = DEFAULT_LOCKFILE) -> 
 def read_lockfile(lockfile: str | Path | None = None) -> list[dict]:
     path = _lock_path(lockfile)
     if not path.is_file():
-        raise KernelLockError(
-            f"read_lockfile: lock file {path} does not exist (create it with `kernelhub lock`)"
-        )
+        raise KernelLockError(f"read_lockfile: lock file {path} does not exist (create it with `kernelhub lock`)")
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
@@ -151,9 +151,7 @@ def read_lockfile(lockfile: str | Path | None = None) -> list[dict]:
     entries = data.get("kernels")
     required = {"repo_id", "repo_type", "commit", "variants"}
     if not isinstance(entries, list) or any(not isinstance(e, dict) or required - set(e) for e in entries):
-        raise KernelLockError(
-            f"read_lockfile: {path}: every entry of `kernels` needs keys {sorted(required)}"
-        )
+        raise KernelLockError(f"read_lockfile: {path}: every entry of `kernels` needs keys {sorted(required)}")
     return entries
 
 
@@ -174,9 +172,7 @@ def find_lock_entry(
         )
     if len(found) > 1:
         refs = [(e.get("version"), e.get("revision")) for e in found]
-        raise KernelLockError(
-            f"lock has {len(found)} entries for {repo_id!r} {refs}: pass version= or revision="
-        )
+        raise KernelLockError(f"lock has {len(found)} entries for {repo_id!r} {refs}: pass version= or revision=")
     return found[0]
 
 
@@ -196,7 +192,5 @@ def get_locked_kernel(
     variant = choose_variant(repo_id, commit, sorted(entry["variants"]))
     ref = f"v{entry['version']}" if entry.get("version") else (entry.get("revision") or commit)
     target = fetch_variant(repo_id, repo_type, commit, commit, variant)  # no ref update: the lock pins
-    verify_variant(
-        target, entry["variants"][variant], where=f"get_locked_kernel({repo_id!r}, lockfile={str(path)!r})"
-    )
+    verify_variant(target, entry["variants"][variant], where=f"get_locked_kernel({repo_id!r}, lockfile={str(path)!r})")
     return _import_resolved(ResolvedKernel(repo_id, repo_type, ref, commit, variant, target))
