@@ -31,7 +31,7 @@ __all__ = [
 
 _COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 _VERSION_BRANCH_RE = re.compile(r"^v(\d+)$")
-_warned_newer: set[tuple[str, int]] = set()
+_warned_newer: set[tuple] = set()  # (hub, repo, version, newest): warn once each
 
 
 class KernelHubError(Exception):
@@ -148,8 +148,9 @@ def _resolve_online(
             f"kernel repository {repo_id!r} has no version {version} (branch {ref!r}); "
             f"available versions: {versions}"
         )
-    if versions and versions[-1] > version and (repo_id, version) not in _warned_newer:
-        _warned_newer.add((repo_id, version))
+    warn_key = (endpoint(), repo_id, version, versions[-1] if versions else version)
+    if versions and versions[-1] > version and warn_key not in _warned_newer:
+        _warned_newer.add(warn_key)
         logger.warning(
             "kernel %s: using version %d, a newer version %d exists", repo_id, version, versions[-1]
         )
