@@ -1,0 +1,188 @@
+"""Benchmark fused_experts against its peers on one GPU, in one run.
+
+Peers (as /work/shared/bench/peers.py calls them): transformers experts `eager`, `grouped_mm`,
+`batched_mm`, and Liger-Kernel's fused MoE when importable. Shapes Qwen3-30B-A3B, Mixtral 8x7B,
+DeepSeek-V3; T in 1, 32, 512, 4096, 16384; forward (no_grad) and forward+backward.
+Floor = max(FLOPs / measured bf16 matmul rate, touched-weight bytes / measured copy rate), with
+touched experts = distinct ids in topk_idx. Also prints peak memory of forward+backward and the
+tile config chosen, so `tune_moe.py` knows where to look.
+
+Usage (repo root): PYTHONPATH=src python kernels_repo/moe/benchmarks/bench_moe.py
+  env: SHAPES=qwen3_30b_a3b,mixtral_8x7b,deepseek_v3  TOKENS=1,32,512,4096,16384
+       IMPLS=kernelhub,hf_grouped_mm,...  MODES=fwd,fwdbwd  OUT=/tmp (appends $OUT/bench_moe.jsonl)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "src"))
+from kernelhub._loader import load_kernel_from_dir  # noqa: E402
+
+moe = load_kernel_from_dir(ROOT / "kernels_repo" / "moe")
+DEV = torch.device("cuda")
+OUT = os.environ.get("OUT", "/tmp")
+LOG = open(os.path.join(OUT, "bench_moe.jsonl"), "a")
+SHAPES = {
+    "qwen3_30b_a3b": dict(E=128, H=2048, I=768, K=8),
+    "mixtral_8x7b": dict(E=8, H=4096, I=14336, K=2),
+    "deepseek_v3": dict(E=256, H=7168, I=2048, K=8),
+}
+
+
+def emit(**row) -> None:
+    LOG.write(json.dumps(row) + "\n")
+    LOG.flush()
+    text = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+    print(text, flush=True)
+
+
+def bench(fn, grad_to_none=None) -> float:
+    return do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
+
+
+def ceilings() -> tuple[float, float]:
+    src = torch.randn(1 << 29, device=DEV, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_bw = 2 * src.numel() * 2 / (bench(lambda: dst.copy_(src)) * 1e-3)
+    m = 8192
+    lhs = torch.randn(m, m, device=DEV, dtype=torch.bfloat16)
+    rhs = torch.randn(m, m, device=DEV, dtype=torch.bfloat16)
+    mm = 2 * m**3 / (bench(lambda: lhs @ rhs) * 1e-3)
+    emit(kind="ceiling", copy_GBps=copy_bw / 1e9, bf16_mm_TFLOPs=mm / 1e12)
+    return copy_bw, mm
+
+
+def hf_experts(E, H, I, K):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=K)
+    cfg._experts_implementation = "grouped_mm"
+    mod = Qwen3MoeExperts(cfg).to(DEV, torch.bfloat16)
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.normal_(0, 0.02)
+    return mod
+
+
+def routing(T, E, K):
+    logits = torch.randn(T, E, device=DEV, dtype=torch.float32)
+    w, idx = torch.topk(torch.softmax(logits, -1), K, dim=-1)
+    return idx, (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
+
+
+def impls_for(base, T, E, H, I, K, idx, w, wanted):
+    """name -> fn(x) for every implementation that applies at this size."""
+    out = {}
+
+    def kh(xx):
+        # check_indices=False: what the layer / kernelize path calls (no host sync per call).
+        return moe.fused_experts(xx, base.gate_up_proj, base.down_proj, idx, w, check_indices=False)
+
+    out["kernelhub"] = kh
+    for impl in ("eager", "grouped_mm", "batched_mm"):
+        if impl == "batched_mm" and T * K * H * I > 2**33:
+            continue
+        if impl == "eager" and T >= 16384 and E >= 128:
+            continue
+
+        def hf(xx, impl=impl):
+            base.config._experts_implementation = impl
+            return base(xx, idx, w)
+
+        out["hf_" + impl] = hf
+    try:
+        from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+
+        idx32 = idx.to(torch.int32)
+        out["liger"] = lambda xx: LigerFusedMoEFunction.apply(xx, base.gate_up_proj, base.down_proj, idx32, w)
+    except Exception as e:  # noqa: BLE001
+        if T == 1:
+            print("liger unavailable:", e)
+    return {k: v for k, v in out.items() if not wanted or k in wanted}
+
+
+def measure(name, fn, x, dy, ref, base, modes, sname, T, flops, floor_ms) -> None:
+    if "fwd" in modes:
+        with torch.no_grad():
+            err = ((fn(x).float() - ref).norm() / ref.norm()).item()
+            ms = bench(lambda: fn(x))
+        emit(kind="moe_fwd", shape=sname, impl=name, T=T, ms=ms, TFLOPs=flops / (ms * 1e-3) / 1e12,
+             floor_ms=floor_ms, frac_floor=floor_ms / ms, relerr=err)
+    if "fwdbwd" in modes:
+        xx = x.clone().requires_grad_()
+        params = [xx, base.gate_up_proj, base.down_proj]
+
+        def fb():
+            fn(xx).backward(dy)
+
+        ms = bench(fb, grad_to_none=params)
+        for p in params:
+            p.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        fb()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+        for p in params:
+            p.grad = None
+        emit(kind="moe_fwdbwd", shape=sname, impl=name, T=T, ms=ms, TFLOPs=3 * flops / (ms * 1e-3) / 1e12,
+             floor_ms=3 * floor_ms, frac_floor=3 * floor_ms / ms, peak_extra_MiB=peak)
+
+
+def main() -> None:
+    import transformers
+    import triton
+
+    print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__,
+          torch.cuda.get_device_name(), torch.cuda.get_device_capability(), flush=True)
+    copy_bw, mm = ceilings()
+    only = [s for s in os.environ.get("SHAPES", "").split(",") if s]
+    tokens = [int(t) for t in os.environ.get("TOKENS", "1,32,512,4096,16384").split(",")]
+    wanted = [s for s in os.environ.get("IMPLS", "").split(",") if s]
+    modes = os.environ.get("MODES", "fwd,fwdbwd").split(",")
+    variant = moe.select_variant(DEV)
+    cfgs = __import__(moe.__name__ + "._experts_configs", fromlist=["pick_config"])
+    for sname, s in SHAPES.items():
+        if only and sname not in only:
+            continue
+        E, H, I, K = s["E"], s["H"], s["I"], s["K"]
+        base = hf_experts(E, H, I, K)
+        for T in tokens:
+            t0 = time.time()
+            x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
+            idx, w = routing(T, E, K)
+            dy = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
+            touched = int(torch.unique(idx).numel())
+            flops = 6 * T * K * H * I
+            floor_ms = max(flops / mm, (touched * 3 * H * I * 2 + 2 * T * H * 2) / copy_bw) * 1e3
+            bucket = cfgs.pick_config(90 if variant == "sm90" else 80, E, H, I, T * K)
+            print(f"-- {sname} T={T} touched={touched} variant={variant} block_m={bucket['block_m']} "
+                  f"gate_up={bucket['gate_up']} down={bucket['down']}", flush=True)
+            base.config._experts_implementation = "grouped_mm"
+            with torch.no_grad():
+                ref = moe.fused_experts_reference(x, base.gate_up_proj, base.down_proj, idx, w).float()
+            for name, fn in impls_for(base, T, E, H, I, K, idx, w, wanted).items():
+                try:
+                    measure(name, fn, x, dy, ref, base, modes, sname, T, flops, floor_ms)
+                except Exception as e:  # noqa: BLE001
+                    emit(kind="moe_error", shape=sname, impl=name, T=T,
+                         error=f"{type(e).__name__}: {str(e)[:300]}")
+                torch.cuda.empty_cache()
+            print(f"-- {sname} T={T} took {time.time() - t0:.1f}s", flush=True)
+        del base
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

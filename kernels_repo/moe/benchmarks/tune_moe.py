@@ -1,0 +1,174 @@
+"""Tune fused_experts' tile configs on this GPU and write them as `configs/sm<cap>.json`.
+
+For each shape and T it tries every BLOCK_M in a small candidate set (it fixes the routing
+alignment), and for each stage (gate_up, down, dgrad, wgrad) a small grid of BLOCK_N, BLOCK_K,
+GROUP_M, num_warps, num_stages; it keeps the best per stage and the BLOCK_M with the least total
+time. Buckets are written per shape ("shapes": {"E128_H2048_I768": [...]}) with
+max_rows_per_expert halfway (geometric) between the tuned loads; other shapes keep the defaults.
+
+Usage (repo root): PYTHONPATH=src python kernels_repo/moe/benchmarks/tune_moe.py [--out DIR]
+    [--quick] [--forward-only]   env: SHAPES=qwen3_30b_a3b  TOKENS=1,512,16384
+Then: KERNELHUB_MOE_CONFIG_DIR=DIR (or copy DIR/sm90.json over the package's configs/).
+Each line printed is one measurement: stage, block_m, config, ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "src"))
+from kernelhub._loader import load_kernel_from_dir  # noqa: E402
+
+moe = load_kernel_from_dir(ROOT / "kernels_repo" / "moe")
+ex = sys.modules[moe.__name__ + ".experts"]
+rt = sys.modules[moe.__name__ + "._experts_routing"]
+cfgs = sys.modules[moe.__name__ + "._experts_configs"]
+DEV = torch.device("cuda")
+SHAPES = {
+    "qwen3_30b_a3b": dict(E=128, H=2048, I=768, K=8),
+    "mixtral_8x7b": dict(E=8, H=4096, I=14336, K=2),
+    "deepseek_v3": dict(E=256, H=7168, I=2048, K=8),
+}
+
+
+def gemm_space(quick: bool, rows_per_expert: float):
+    bns = [64, 128] if quick else [32, 64, 128, 256]
+    bks = [64, 128] if rows_per_expert > 32 else [128, 256]
+    for bn, bk, gm, nw, ns in itertools.product(bns, bks, [1, 8], [4, 8], [3, 4] if quick else [3, 4, 5]):
+        if bn * bk > 128 * 128:
+            continue
+        yield {"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "num_warps": nw, "num_stages": ns}
+
+
+def wgrad_space(quick: bool):
+    for bm, bn, bk, nw, ns in itertools.product([64, 128], [64, 128], [32, 64], [4, 8],
+                                                [3] if quick else [3, 4]):
+        yield {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns}
+
+
+def timed(fn) -> float:
+    try:
+        fn()
+        torch.cuda.synchronize()
+        return do_bench(fn, warmup=5, rep=25, return_mode="median")
+    except Exception as e:  # noqa: BLE001 - out of shared memory / registers: skip the config
+        print("   skip:", type(e).__name__, str(e)[:120], flush=True)
+        return math.inf
+
+
+def best_of(label, run, space):
+    best = (math.inf, None)
+    for c in space:
+        ms = timed(lambda c=c: run(c))
+        print(f"  {label} {c} ms={ms:.4f}", flush=True)
+        if ms < best[0]:
+            best = (ms, c)
+    return best
+
+
+def tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, tma, quick, training, rpe):
+    r = rt.align_rows(idx, E, bm)
+    P = r.num_rows
+    h = torch.empty(P, I, device=DEV, dtype=x.dtype)
+    aux = torch.empty(P, 2 * I, device=DEV, dtype=x.dtype)
+    y = torch.empty(P, H, device=DEV, dtype=x.dtype)
+    dgu = torch.empty(P, 2 * I, device=DEV, dtype=x.dtype)
+    ws = rt.sorted_weights(r, w)
+    dws = torch.zeros(P, device=DEV, dtype=torch.float32)
+    dwd = torch.empty_like(dn)
+
+    def gate_up(c):
+        ex._gemm(x, gu, h, r, c, n=I, k=H, epilogue=1, gather_a=True, b_ncontig=False, topk=K, use_tma=tma,
+                 aux=aux, save_aux=training)
+
+    def down(c):
+        ex._gemm(h, dn, y, r, c, n=H, k=I, epilogue=0, gather_a=False, b_ncontig=False, topk=K, use_tma=tma)
+
+    def dgrad(c):
+        ex._gemm(dy, dn, dgu, r, c, n=I, k=H, epilogue=2, gather_a=True, b_ncontig=True, topk=K, use_tma=tma,
+                 aux=aux, scale=ws, dscale=dws)
+
+    def wgrad(c):
+        ex._wgrad(dy, h, dwd, r, c, gather_a=True, gather_b=False, topk=K, scale=ws)
+
+    stages = {"gate_up": gate_up, "down": down}
+    if training:
+        stages["dgrad"] = dgrad
+    bucket = {"block_m": bm}
+    total = 0.0
+    for stage, run in stages.items():
+        ms, c = best_of(f"{stage} T={T} block_m={bm}", run, gemm_space(quick, rpe))
+        bucket[stage] = c
+        total += ms
+    if training:
+        ms, c = best_of(f"wgrad T={T} block_m={bm}", wgrad, wgrad_space(quick))
+        bucket["wgrad"] = c
+        total += 2 * ms  # two weight gradients of about this size
+    return bucket, total
+
+
+def tune_point(E, H, I, K, T, variant, quick, training):
+    x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
+    gu = torch.randn(E, 2 * I, H, device=DEV, dtype=torch.bfloat16) * 0.02
+    dn = torch.randn(E, H, I, device=DEV, dtype=torch.bfloat16) * 0.02
+    w, idx = torch.topk(torch.softmax(torch.randn(T, E, device=DEV), -1), K, dim=-1)
+    dy = torch.randn_like(x)
+    tma = variant == "sm90"
+    rpe = T * K / E
+    block_ms = [16, 32, 64] if rpe <= 32 else [64, 128]
+    best_total, best_bucket = math.inf, None
+    for bm in block_ms:
+        bucket, total = tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, tma, quick, training, rpe)
+        print(f" block_m={bm} total={total:.4f} ms", flush=True)
+        if total < best_total:
+            best_total, best_bucket = total, bucket
+    return best_bucket
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp") + "/moe_configs")
+    ap.add_argument("--quick", action="store_true", help="a smaller grid (about 4x fewer configs)")
+    ap.add_argument("--forward-only", action="store_true", help="tune gate_up/down only (inference)")
+    args = ap.parse_args()
+    variant = moe.select_variant(DEV)
+    cap = 90 if variant == "sm90" else 80
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"sm{cap}.json"
+    data = json.loads(path.read_text()) if path.exists() else copy.deepcopy(cfgs._load(cap))
+    only = [s for s in os.environ.get("SHAPES", "").split(",") if s]
+    tokens = sorted(int(t) for t in os.environ.get("TOKENS", "1,32,512,4096,16384").split(","))
+    for name, s in SHAPES.items():
+        if only and name not in only:
+            continue
+        E, H, I, K = s["E"], s["H"], s["I"], s["K"]
+        buckets = []
+        for i, T in enumerate(tokens):
+            t0 = time.time()
+            b = tune_point(E, H, I, K, T, variant, args.quick, not args.forward_only)
+            for stage in ("dgrad", "wgrad"):
+                b.setdefault(stage, cfgs.pick_config(cap, E, H, I, T * K)[stage])
+            nxt = tokens[i + 1] if i + 1 < len(tokens) else None
+            b["max_rows_per_expert"] = None if nxt is None else math.sqrt(T * nxt) * K / E
+            buckets.append(b)
+            print(f"== {name} T={T} best {b} ({time.time() - t0:.0f}s)", flush=True)
+        data.setdefault("shapes", {})[cfgs.shape_key(E, H, I)] = buckets
+        path.write_text(json.dumps(data, indent=1))
+        print(f"wrote {path}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,204 @@
+"""Triton kernels of `fused_experts`: grouped GEMMs over an expert-aligned row buffer.
+
+Pipeline (rows are the P expanded (token, k) pairs, grouped by expert, each group padded to
+BLOCK_M so that one M-block belongs to one expert, the layout of vLLM/SGLang's fused_moe):
+  1. `_grouped_gemm_kernel` EPILOGUE=1: h = silu(x[tok] @ Wg^T) * (x[tok] @ Wu^T)      [P, I]
+  2. `_grouped_gemm_kernel` EPILOGUE=0: y = h @ Wd^T                                  [P, H]
+  3. `_combine_kernel`: out[t] = sum_k w[t, k] * y[pos[t, k]] (fp32)                    [T, H]
+Backward reuses 1-3 with other operands plus `_grouped_wgrad_kernel` (dW[e] = A_e^T B_e).
+
+These kernels serve both capabilities: the sm80 path loads weights with pointer arithmetic and
+lets Triton software-pipeline the K loop (num_stages); the sm90 path sets B_TMA and passes a host
+TensorDescriptor, so weight tiles arrive by TMA (see `_experts_sm90.py`). Kernels only here:
+allocation, guards and launches live in `experts.py`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_b_tile(b_ptr, b_desc, e, offs_k, offs_n, k_limit, n_limit, stride_be, stride_bn, stride_bk,
+                 B_TMA: tl.constexpr, B_NCONTIG: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, n0, k0):
+    """A [BLOCK_K, BLOCK_N] tile of expert e's weight; zero outside [k_limit) x [n_limit)."""
+    if B_TMA:
+        e32 = e.to(tl.int32)  # descriptor coordinates are 32-bit
+        if B_NCONTIG:
+            tile = b_desc.load([e32, k0, n0]).reshape(BLOCK_K, BLOCK_N)
+        else:
+            tile = tl.trans(b_desc.load([e32, n0, k0]).reshape(BLOCK_N, BLOCK_K))
+    else:
+        ptrs = (b_ptr + e * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn)
+        mask = (offs_k[:, None] < k_limit) & (offs_n[None, :] < n_limit)
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    return tile
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    # pointers
+    a_ptr, b_ptr, b_desc, c_ptr, aux_ptr, rows_ptr, block_expert_ptr, scale_ptr, dscale_ptr,
+    # sizes
+    P, N, K, B_N_TOTAL,
+    # strides
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_xm,
+    # meta
+    EPILOGUE: tl.constexpr,     # 0: C = A@B; 1: C = silu(A@Bg)*(A@Bu) (+ aux = [g, u]); 2: SwiGLU bwd
+    SAVE_AUX: tl.constexpr,     # EPILOGUE 1: also store the pre-activation [g | u] into aux
+    GATHER_A: tl.constexpr,     # A row of buffer row p is rows[p] // TOPK (a token id); else p
+    TOPK: tl.constexpr,
+    B_TMA: tl.constexpr,        # weights through a TensorDescriptor (sm90)
+    B_NCONTIG: tl.constexpr,    # weight stored [E, K, N] (N contiguous) instead of [E, N, K]
+    UPCAST: tl.constexpr,       # interpreter: bf16 tl.dot is wrong there, compute in fp32
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(P, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # Grouped ordering: GROUP_M consecutive M-blocks (mostly one expert) sweep the N tiles together,
+    # so a weight tile is fetched from HBM once and re-read from L2.
+    per_group = GROUP_M * num_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    group_size = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    if e < 0:  # block past the last used row: nothing to do
+        return
+
+    offs_m = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < P
+    flat = tl.load(rows_ptr + offs_m, mask=m_mask, other=-1)
+    row_valid = flat >= 0
+    if GATHER_A:
+        a_rows = tl.where(row_valid, flat // TOPK, 0).to(tl.int64)
+        a_mask_m = row_valid
+    else:
+        a_rows = offs_m
+        a_mask_m = m_mask
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_kk = tl.arange(0, BLOCK_K)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if EPILOGUE == 1:
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + offs_kk
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                    mask=a_mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
+        b = _load_b_tile(b_ptr, b_desc, e, offs_k, offs_n, K, N, stride_be, stride_bn, stride_bk,
+                         B_TMA, B_NCONTIG, BLOCK_N, BLOCK_K, n0, k0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if EPILOGUE == 1:
+            bu = _load_b_tile(b_ptr, b_desc, e, offs_k, offs_n + N, K, B_N_TOTAL, stride_be, stride_bn,
+                              stride_bk, B_TMA, B_NCONTIG, BLOCK_N, BLOCK_K, n0 + N, k0)
+            if UPCAST:
+                bu = bu.to(tl.float32)
+            acc_u = tl.dot(a, bu, acc_u, input_precision=PRECISION)
+
+    c_mask = m_mask[:, None] & (offs_n[None, :] < N)
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    if EPILOGUE == 0:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+    elif EPILOGUE == 1:
+        if SAVE_AUX:
+            x_ptrs = aux_ptr + offs_m[:, None] * stride_xm + offs_n[None, :]
+            tl.store(x_ptrs, acc.to(aux_ptr.dtype.element_ty), mask=c_mask)
+            tl.store(x_ptrs + N, acc_u.to(aux_ptr.dtype.element_ty), mask=c_mask)
+        h = acc * tl.sigmoid(acc) * acc_u
+        tl.store(c_ptrs, h.to(c_ptr.dtype.element_ty), mask=c_mask)
+    else:
+        # acc = dY[tok] @ Wd[e] = dL/dh before the routing weight; aux holds [g | u] of the forward.
+        x_ptrs = aux_ptr + offs_m[:, None] * stride_xm + offs_n[None, :]
+        g = tl.load(x_ptrs, mask=c_mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptrs + N, mask=c_mask, other=0.0).to(tl.float32)
+        w = tl.load(scale_ptr + offs_m, mask=m_mask, other=0.0)
+        sig = tl.sigmoid(g)
+        silu = g * sig
+        # dL/dw[p] = <dY[tok], y[p]> = <acc, h[p]>, summed over the N tiles by atomics.
+        tl.atomic_add(dscale_ptr + offs_m, tl.sum(acc * silu * u, axis=1), mask=m_mask & row_valid)
+        dh = acc * w[:, None]
+        dg = dh * u * sig * (1.0 + g * (1.0 - sig))
+        du = dh * silu
+        tl.store(c_ptrs, dg.to(c_ptr.dtype.element_ty), mask=c_mask)
+        tl.store(c_ptrs + N * stride_cn, du.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def _grouped_wgrad_kernel(
+    a_ptr, b_ptr, c_ptr, rows_ptr, scale_ptr, expert_start_ptr, expert_count_ptr,
+    M, N,
+    stride_am, stride_ak, stride_bm, stride_bk, stride_ce, stride_cm, stride_cn,
+    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, SCALE_A: tl.constexpr, TOPK: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """dW[e] = sum over e's rows p of A[p]^T B[p]: [M, N] per expert; experts with no rows get 0."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    e = pid // (num_m * num_n)
+    rest = pid % (num_m * num_n)
+    pid_m = rest // num_n
+    pid_n = rest % num_n
+    start = tl.load(expert_start_ptr + e).to(tl.int64)
+    end = start + tl.load(expert_count_ptr + e).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for p0 in range(start, end, BLOCK_K):
+        p = p0 + offs_kk
+        p_mask = p < end
+        flat = tl.load(rows_ptr + p, mask=p_mask, other=-1)
+        valid = flat >= 0
+        tok = tl.where(valid, flat // TOPK, 0).to(tl.int64)
+        ra = tok if GATHER_A else p
+        rb = tok if GATHER_B else p
+        a = tl.load(a_ptr + ra[:, None] * stride_am + offs_m[None, :] * stride_ak,
+                    mask=valid[:, None] & (offs_m[None, :] < M), other=0.0)  # [BLOCK_K, BLOCK_M]
+        b = tl.load(b_ptr + rb[:, None] * stride_bm + offs_n[None, :] * stride_bk,
+                    mask=valid[:, None] & (offs_n[None, :] < N), other=0.0)  # [BLOCK_K, BLOCK_N]
+        if SCALE_A:
+            s = tl.load(scale_ptr + p, mask=p_mask, other=0.0)
+            a = (a.to(tl.float32) * s[:, None]).to(a_ptr.dtype.element_ty)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
+    c_ptrs = c_ptr + e * stride_ce + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _combine_kernel(
+    y_ptr, pos_ptr, w_ptr, out_ptr, H, stride_ym, stride_wt, stride_wk, stride_om,
+    TOPK: tl.constexpr, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """out[t] = sum_k w[t, k] * y[pos[t, k]] over pos >= 0, in fp32, rounded once."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for k in tl.static_range(TOPK):
+        p = tl.load(pos_ptr + t * TOPK + k).to(tl.int64)
+        if p >= 0:
+            v = tl.load(y_ptr + p * stride_ym + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_W:
+                v = v * tl.load(w_ptr + t * stride_wt + k * stride_wk).to(tl.float32)
+            acc += v
+    tl.store(out_ptr + t * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def cdiv(a: int, b: int) -> int:
+    return triton.cdiv(a, b)

@@ -1,0 +1,129 @@
+"""Argument checks and per-device launch choices shared by the routing entry points.
+
+Everything device-dependent is keyed by the input's device index: the capability picks the
+config, the SM count sizes persistent grids, and `set_num_sms` overrides one index only.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+from torch import Tensor
+
+from kernelhub.device import as_torch_device, device_capability, device_properties
+
+from ._routing_kernels import SM80, SM90, RoutingConfig
+
+_INT_DTYPES = (torch.int32, torch.int64)
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The interpreter runs programs one by one; a small "SM count" keeps CPU grids to a few programs.
+_INTERPRETER_SMS = 4
+INT32_MAX = 2**31 - 1
+
+_lock = threading.Lock()
+_num_sms_override: dict[tuple[str, int], int] = {}
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def use_triton(t: Tensor) -> bool:
+    """Triton on GPUs; on the CPU only under the interpreter (else the torch reference runs)."""
+    return t.device.type == "cuda" or (t.device.type == "cpu" and interpreting())
+
+
+def set_num_sms(device: object, num_sms: int | None) -> None:
+    """Override the SM count that sizes persistent grids on *that* device index (None: clear)."""
+    dev = as_torch_device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"set_num_sms: `device` must be a CUDA device, got {dev}")
+    key = (dev.type, int(dev.index))
+    with _lock:
+        if num_sms is None:
+            _num_sms_override.pop(key, None)
+            return
+        check_int("set_num_sms", "num_sms", num_sms, minimum=1)
+        _num_sms_override[key] = num_sms
+
+
+def get_num_sms(device: object) -> int:
+    """The SM count used for `device`: its override, else that index's own multiprocessor count."""
+    dev = as_torch_device(device)
+    if dev.type != "cuda":
+        return _INTERPRETER_SMS
+    override = _num_sms_override.get((dev.type, int(dev.index)))
+    return override if override is not None else device_properties(dev).sm_count
+
+
+def select_config(device: torch.device) -> tuple[RoutingConfig, int]:
+    """(config, SM count) for the input's device: sm90 configs from capability 90 up, else sm80."""
+    if device.type != "cuda":
+        return SM80, _INTERPRETER_SMS
+    cfg = SM90 if device_capability(device) >= 90 else SM80
+    return cfg, get_num_sms(device)
+
+
+def check_int(fn: str, name: str, value: object, *, minimum: int | None = None,
+              maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{fn}: `{name}` must be an int, got {type(value).__name__} {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{fn}: `{name}` must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{fn}: `{name}` must be <= {maximum}, got {value}")
+    return value
+
+
+def check_tensor(fn: str, name: str, t: object, *, ndim: int | None = None,
+                 dtypes: tuple[torch.dtype, ...] | None = None) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{fn}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{fn}: `{name}` must be {ndim}-D, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        want = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{fn}: `{name}` must be one of ({want}), got {t.dtype}")
+    if t.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"{fn}: `{name}` must be on a CUDA device or the CPU, got {t.device}")
+    return t
+
+
+def check_same_device(fn: str, **tensors: Tensor | None) -> torch.device:
+    """All given tensors on one device; a ValueError names the first and the differing one."""
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.device != first.device:
+            raise ValueError(
+                f"{fn}: `{name}` is on {t.device} but `{first_name}` is on {first.device}; "
+                "all tensors must be on one device"
+            )
+    return first.device
+
+
+def row_major(t: Tensor) -> Tensor:
+    """Unit stride along the last dimension (kernels take the other strides as arguments)."""
+    return t if t.dim() == 0 or t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+def check_ids_host(fn: str, name: str, ids: Tensor, upper: int, what: str) -> None:
+    """Host check of ids in [-1, upper); used only where a host sync is already allowed."""
+    if ids.numel() == 0:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < -1 or hi >= upper:
+        bad = lo if lo < -1 else hi
+        raise ValueError(f"{fn}: `{name}` holds {what} id {bad}; expected -1 or 0..{upper - 1}")
+
+
+def assert_async(fn: str, cond: Tensor, message: str) -> None:
+    """Fail loudly without a host sync: a device-side assert (CUDA) or a RuntimeError (CPU).
+
+    On CUDA the failure surfaces at the next synchronisation as "device-side assert triggered"
+    and leaves the CUDA context unusable; that is the price of a check that a CUDA graph can
+    capture. Kernels never write out of bounds before it fires (their stores are masked).
+    """
+    torch._assert_async(cond, f"{fn}: {message}")

@@ -1,0 +1,318 @@
+"""`fused_experts`: routed SwiGLU experts as grouped Triton GEMMs, with autograd.
+
+Pipeline: align (token, k) pairs to experts (`_experts_routing`, sync-free) -> gate/up grouped
+GEMM with SwiGLU epilogue [P, I] -> down grouped GEMM [P, H] -> weighted fp32 combine [T, H].
+Buffers (P = static bound on aligned rows, see `max_rows`):
+  h    [P, I]  x.dtype   silu(gate) * up per row (saved for dW_down)
+  aux  [P, 2I] x.dtype   pre-activation [gate | up] per row (training only, for the SwiGLU bwd)
+  y    [P, H]  x.dtype   unweighted expert output per row
+The variant is chosen per call from the capability of x's device (sm90: TMA weight loads; sm80:
+pointer loads; CPU: the torch reference).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from kernelhub.device import device_capability, device_guard
+
+from . import _experts_sm90 as sm90
+from ._experts_configs import INTERPRETER_CONFIG, pick_config
+from ._experts_routing import ExpertRows, align_rows, sorted_weights
+from ._experts_sm80 import _combine_kernel, _grouped_gemm_kernel, _grouped_wgrad_kernel
+from .reference_experts import fused_experts_reference
+
+__all__ = ["fused_experts", "select_variant", "VARIANTS"]
+
+VARIANTS = ("sm90", "sm80", "reference")
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FN = "fused_experts"
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def select_variant(device: torch.device) -> str:
+    """sm90 for capability 9.x, sm80 for other GPUs >= 8.0, the torch reference otherwise."""
+    if device.type != "cuda":
+        return "reference"
+    cap = device_capability(device)
+    if 90 <= cap < 100:
+        return "sm90"
+    return "sm80" if cap >= 80 else "reference"
+
+
+def _validate(x, gate_up_proj, down_proj, topk_idx, topk_weights, check_indices: bool) -> None:
+    named = {"x": x, "gate_up_proj": gate_up_proj, "down_proj": down_proj, "topk_idx": topk_idx,
+             "topk_weights": topk_weights}
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{_FN}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in named.items():
+        if t.device != x.device:
+            raise ValueError(f"{_FN}: `{name}` must be on {x.device} like `x`, got {t.device}")
+    if x.dtype not in (*_TRITON_DTYPES, torch.float64):
+        raise TypeError(f"{_FN}: `x` must be float16/bfloat16/float32/float64, got {x.dtype}")
+    for name in ("gate_up_proj", "down_proj"):
+        if named[name].dtype != x.dtype:
+            raise TypeError(
+                f"{_FN}: `{name}` must have the dtype of `x` ({x.dtype}), got {named[name].dtype}"
+            )
+    if topk_idx.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{_FN}: `topk_idx` must be int32 or int64, got {topk_idx.dtype}")
+    if not topk_weights.is_floating_point():
+        raise TypeError(f"{_FN}: `topk_weights` must be floating point, got {topk_weights.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"{_FN}: `x` must be [T, H], got shape {tuple(x.shape)}")
+    T, H = x.shape
+    if gate_up_proj.dim() != 3 or gate_up_proj.shape[2] != H or gate_up_proj.shape[1] % 2:
+        raise ValueError(
+            f"{_FN}: `gate_up_proj` must be [E, 2I, H={H}], got shape {tuple(gate_up_proj.shape)}"
+        )
+    E, two_i = gate_up_proj.shape[:2]
+    if E == 0 or two_i == 0:
+        raise ValueError(
+            f"{_FN}: `gate_up_proj` needs E >= 1 and I >= 1, got shape {tuple(gate_up_proj.shape)}"
+        )
+    if tuple(down_proj.shape) != (E, H, two_i // 2):
+        raise ValueError(
+            f"{_FN}: `down_proj` must be [E={E}, H={H}, I={two_i // 2}], got {tuple(down_proj.shape)}"
+        )
+    if topk_idx.dim() != 2 or topk_idx.shape[0] != T or topk_idx.shape[1] == 0:
+        raise ValueError(f"{_FN}: `topk_idx` must be [T={T}, K>=1], got shape {tuple(topk_idx.shape)}")
+    if topk_weights.shape != topk_idx.shape:
+        raise ValueError(
+            f"{_FN}: `topk_weights` must have the shape of `topk_idx` {tuple(topk_idx.shape)}, "
+            f"got {tuple(topk_weights.shape)}"
+        )
+    if check_indices and topk_idx.numel() and not _capturing(x):
+        # One host sync; skipped while capturing a CUDA graph (the kernels drop ids outside [0, E)
+        # instead of reading out of bounds, so skipping it is safe, only silent).
+        bad = (topk_idx < -1) | (topk_idx >= E)
+        if bool(bad.any()):
+            value = int(topk_idx[bad][0])
+            raise ValueError(f"{_FN}: `topk_idx` entries must be in [-1, {E}), got {value}")
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    if torch.compiler.is_compiling():
+        return True
+    return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+# ---------------------------------------------------------------- launchers (inside device_guard)
+
+
+def _precision(dtype: torch.dtype) -> str | None:
+    # fp32 inputs: exact fp32 products (the default would be tf32); 16-bit: Triton's default.
+    return "ieee" if dtype == torch.float32 else None
+
+
+def _gemm(a, weight, out, routing: ExpertRows, cfg: dict, *, n: int, k: int, epilogue: int,
+          gather_a: bool, b_ncontig: bool, topk: int, use_tma: bool, aux=None, save_aux=False,
+          scale=None, dscale=None) -> None:
+    """One grouped GEMM over the P aligned rows: out[p, :n] from a[row(p), :k] and weight[e(p)]."""
+    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    bm = routing.block_m
+    P = routing.num_rows
+    if b_ncontig:  # weight stored [E, K, N]
+        stride_bn, stride_bk = weight.stride(2), weight.stride(1)
+    else:  # weight stored [E, N, K]
+        stride_bn, stride_bk = weight.stride(1), weight.stride(2)
+    desc = None
+    if use_tma:
+        desc = sm90.weight_descriptor(weight, bk, bn) if b_ncontig else sm90.weight_descriptor(weight, bn, bk)
+    aux_t = aux if aux is not None else out
+    grid = (triton.cdiv(P, bm) * triton.cdiv(n, bn),)
+    _grouped_gemm_kernel[grid](
+        a, weight, desc, out, aux_t, routing.rows, routing.block_expert,
+        scale if scale is not None else out, dscale if dscale is not None else out,
+        P, n, k, weight.shape[1],
+        a.stride(0), a.stride(1), weight.stride(0), stride_bn, stride_bk, out.stride(0), out.stride(1),
+        aux_t.stride(0),
+        EPILOGUE=epilogue, SAVE_AUX=save_aux, GATHER_A=gather_a, TOPK=topk, B_TMA=use_tma,
+        B_NCONTIG=b_ncontig, UPCAST=_interpreting(), PRECISION=_precision(a.dtype),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def _wgrad(a, b, out, routing: ExpertRows, cfg: dict, *, gather_a: bool, gather_b: bool, topk: int,
+           scale=None) -> None:
+    """out[e] = sum over e's rows p of a[row(p)]^T b[row(p)] ([M, N] per expert)."""
+    E, M, N = out.shape
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    grid = (E * triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+    _grouped_wgrad_kernel[grid](
+        a, b, out, routing.rows, scale if scale is not None else out, routing.expert_start,
+        routing.expert_count, M, N,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
+        GATHER_A=gather_a, GATHER_B=gather_b, SCALE_A=scale is not None, TOPK=topk,
+        UPCAST=_interpreting(), PRECISION=_precision(a.dtype),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
+
+
+def _combine(y, token_topk_to_pos, weights, out) -> None:
+    T, H = out.shape
+    K = token_topk_to_pos.shape[1]
+    block_h = min(1024, triton.next_power_of_2(H))
+    w = weights if weights is not None else out
+    _combine_kernel[(T, triton.cdiv(H, block_h))](
+        y, token_topk_to_pos, w, out, H, y.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        TOPK=K, HAS_W=weights is not None, BLOCK_H=block_h, num_warps=4,
+    )
+
+
+def _config(variant: str, E: int, H: int, inter: int, pairs: int, config: dict | None) -> dict:
+    if config is not None:
+        return config
+    if _interpreting():
+        return INTERPRETER_CONFIG
+    return pick_config(90 if variant == "sm90" else 80, E, H, inter, pairs)
+
+
+def _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, save: bool):
+    T, H = x.shape
+    E, two_i, _ = gate_up_proj.shape
+    inter = two_i // 2
+    K = topk_idx.shape[1]
+    dev = x.device
+    routing = align_rows(topk_idx, E, cfg["block_m"])
+    P = routing.num_rows
+    tma = variant == "sm90" and sm90.tma_ok(gate_up_proj) and sm90.tma_ok(down_proj)
+    h = torch.empty(P, inter, device=dev, dtype=x.dtype)
+    aux = torch.empty(P, two_i, device=dev, dtype=x.dtype) if save else None
+    _gemm(x, gate_up_proj, h, routing, cfg["gate_up"], n=inter, k=H, epilogue=1, gather_a=True,
+          b_ncontig=False, topk=K, use_tma=tma, aux=aux, save_aux=save)
+    y = torch.empty(P, H, device=dev, dtype=x.dtype)
+    _gemm(h, down_proj, y, routing, cfg["down"], n=H, k=inter, epilogue=0, gather_a=False,
+          b_ncontig=False, topk=K, use_tma=tma)
+    out = torch.empty(T, H, device=dev, dtype=x.dtype)
+    _combine(y, routing.token_topk_to_pos, topk_weights, out)
+    return out, routing, h, aux
+
+
+def _backward(dout, x, gate_up_proj, down_proj, topk_weights, routing: ExpertRows, h, aux, variant, cfg,
+              needs: tuple[bool, bool, bool, bool]):
+    T, H = x.shape
+    E, two_i, _ = gate_up_proj.shape
+    inter = two_i // 2
+    K = topk_weights.shape[1]
+    dev = x.device
+    P = routing.num_rows
+    tma = variant == "sm90" and sm90.tma_ok(gate_up_proj) and sm90.tma_ok(down_proj)
+    w_rows = sorted_weights(routing, topk_weights)
+    # dL/d[gate|up] per row, and dL/dw per row (fp32, atomically summed over the I tiles).
+    dgu = torch.empty(P, two_i, device=dev, dtype=x.dtype)
+    dw_rows = torch.zeros(P, device=dev, dtype=torch.float32)
+    _gemm(dout, down_proj, dgu, routing, cfg["dgrad"], n=inter, k=H, epilogue=2, gather_a=True,
+          b_ncontig=True, topk=K, use_tma=tma, aux=aux, scale=w_rows, dscale=dw_rows)
+    dx = d_gate_up = d_down = d_w = None
+    if needs[0]:
+        dx_rows = torch.empty(P, H, device=dev, dtype=x.dtype)
+        _gemm(dgu, gate_up_proj, dx_rows, routing, cfg["down"], n=H, k=two_i, epilogue=0,
+              gather_a=False, b_ncontig=True, topk=K, use_tma=tma)
+        dx = torch.empty(T, H, device=dev, dtype=x.dtype)
+        _combine(dx_rows, routing.token_topk_to_pos, None, dx)
+        del dx_rows
+    if needs[2]:
+        d_down = torch.empty(E, H, inter, device=dev, dtype=down_proj.dtype)
+        _wgrad(dout, h, d_down, routing, cfg["wgrad"], gather_a=True, gather_b=False, topk=K, scale=w_rows)
+    if needs[1]:
+        d_gate_up = torch.empty(E, two_i, H, device=dev, dtype=gate_up_proj.dtype)
+        _wgrad(dgu, x, d_gate_up, routing, cfg["wgrad"], gather_a=False, gather_b=True, topk=K)
+    if needs[3]:
+        pos = routing.token_topk_to_pos.to(torch.int64)
+        d_w = torch.where(pos >= 0, dw_rows[pos.clamp(min=0)], dw_rows.new_zeros(())).to(topk_weights.dtype)
+    return dx, d_gate_up, d_down, d_w
+
+
+class _FusedExpertsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg):
+        with device_guard(x):
+            out, routing, h, aux = _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg,
+                                            save=True)
+        ctx.save_for_backward(x, gate_up_proj, down_proj, topk_weights, h, aux, routing.rows,
+                              routing.block_expert, routing.expert_start, routing.expert_count,
+                              routing.token_topk_to_pos)
+        ctx.meta = (variant, cfg, routing.num_rows, routing.block_m)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, gate_up_proj, down_proj, topk_weights, h, aux, *rt = ctx.saved_tensors
+        variant, cfg, num_rows, block_m = ctx.meta
+        routing = ExpertRows(*rt, num_rows=num_rows, block_m=block_m)
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2],
+                 ctx.needs_input_grad[4])
+        if dout.device != x.device:
+            raise ValueError(f"{_FN}: gradient must be on {x.device} like `x`, got {dout.device}")
+        with device_guard(x):
+            dx, dgu, dd, dw = _backward(dout.contiguous(), x, gate_up_proj, down_proj, topk_weights, routing,
+                                        h, aux, variant, cfg, needs)
+        return dx, dgu, dd, None, dw, None, None
+
+
+def fused_experts(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    variant: str | None = None,
+    config: dict | None = None,
+    check_indices: bool = True,
+) -> torch.Tensor:
+    """Routed SwiGLU experts: sum_k w[t,k] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])).
+
+    gate = gate_up_proj[e, :I], up = gate_up_proj[e, I:] (transformers v5 `*Experts` layout).
+
+    Args:
+        x: [T, H], float16/bfloat16/float32 (float64: reference variant only).
+        gate_up_proj: [E, 2I, H], dtype of `x`.
+        down_proj: [E, H, I], dtype of `x`.
+        topk_idx: [T, K], int32/int64, entries in [0, E) or -1 (dropped).
+        topk_weights: [T, K], floating point.
+        variant: "sm90", "sm80" or "reference"; default: by the capability of x's device.
+        config: tile config (a bucket of `configs/sm*.json`); default: the bucket for this shape.
+        check_indices: raise on ids outside [-1, E) (one host sync; skipped while capturing a CUDA
+            graph or compiling). The kernels drop such ids rather than read out of bounds.
+
+    Returns:
+        [T, H] in x.dtype on x.device; differentiable in x, both weights and topk_weights.
+
+    Raises:
+        TypeError: a non-tensor argument or unsupported dtype.
+        ValueError: shapes, devices, index range or variant are wrong.
+    """
+    _validate(x, gate_up_proj, down_proj, topk_idx, topk_weights, check_indices)
+    if variant is None:
+        variant = select_variant(x.device)
+    if variant not in VARIANTS:
+        raise ValueError(f"{_FN}: `variant` must be one of {VARIANTS}, got {variant!r}")
+    if variant == "reference":
+        return fused_experts_reference(x, gate_up_proj, down_proj, topk_idx, topk_weights)
+    if x.device.type != "cuda" and not _interpreting():
+        raise ValueError(f"{_FN}: variant {variant!r} needs a CUDA tensor (or TRITON_INTERPRET=1), "
+                         f"`x` is on {x.device}")
+    if x.dtype not in _TRITON_DTYPES:
+        raise TypeError(f"{_FN}: variant {variant!r} supports float16/bfloat16/float32 `x`, got {x.dtype}")
+    T, H = x.shape
+    if T == 0:
+        return x.new_zeros(0, H) + 0 * (gate_up_proj.sum() + down_proj.sum() + topk_weights.sum())
+    E, two_i, _ = gate_up_proj.shape
+    cfg = _config(variant, E, H, two_i // 2, topk_idx.numel(), config)
+    tensors = (x, gate_up_proj, down_proj, topk_weights)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _FusedExpertsFunction.apply(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg)
+    with device_guard(x):
+        out, *_ = _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, save=False)
+    return out

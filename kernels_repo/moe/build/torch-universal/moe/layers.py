@@ -1,0 +1,117 @@
+"""Stateless layers whose `forward` replaces that of a transformers v5 `*Experts` module.
+
+kernelize binds `forward` to the host module, so `self.gate_up_proj` ([E, 2I, H]), `self.down_proj`
+([E, H, I]) and `self.config` are the host's. Checked against transformers 5.24.0:
+Qwen3MoeExperts, MixtralExperts, Qwen2MoeExperts, DeepseekV3Experts and OlmoeExperts all store
+[gate; up] concatenated, no bias, SiLU, ids == E skipped (the EP sentinel). GptOssExperts differs
+(transposed [E, H, 2I], interleaved gate/up, biases, clamped gate, alpha): `unsupported_reason`
+says so, and kernelize should keep its forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .experts import fused_experts
+
+_SILU_NAMES = ("silu", "swish")
+
+
+def unsupported_reason(module: nn.Module) -> str | None:
+    """Why `fused_experts` cannot replace this experts module's forward, or None if it can."""
+    name = type(module).__name__
+    gu = getattr(module, "gate_up_proj", None)
+    dn = getattr(module, "down_proj", None)
+    if not isinstance(gu, torch.Tensor) or not isinstance(dn, torch.Tensor):
+        return f"{name}: needs tensors `gate_up_proj` and `down_proj` (separate up_proj is not supported)"
+    if getattr(module, "is_transposed", False):
+        return f"{name}: transposed expert weights ([E, H, 2I]) are not supported"
+    if not getattr(module, "is_concatenated", True):
+        return f"{name}: interleaved gate/up rows are not supported (needs [gate; up] concatenated)"
+    if getattr(module, "has_bias", False):
+        return f"{name}: expert biases are not supported"
+    if not getattr(module, "has_gate", True):
+        return f"{name}: non-gated experts are not supported"
+    if getattr(module, "has_post_expert_norm", False):
+        return f"{name}: a post-expert norm is not supported"
+    apply_gate = getattr(type(module), "_apply_gate", None)
+    if apply_gate is not None and getattr(apply_gate, "__name__", "") != "_default_apply_gate":
+        return f"{name}: custom gating `_apply_gate` (e.g. clamped SwiGLU) is not supported"
+    act = getattr(getattr(module, "config", None), "hidden_act", None)
+    act_fn = getattr(module, "act_fn", None)
+    silu_fn = isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
+    if act not in _SILU_NAMES and not silu_fn:
+        return f"{name}: activation {act!r} is not SiLU"
+    if gu.dim() != 3 or dn.dim() != 3 or gu.shape[1] != 2 * dn.shape[2] or gu.shape[2] != dn.shape[1]:
+        return f"{name}: weight shapes {tuple(gu.shape)}, {tuple(dn.shape)} are not [E, 2I, H], [E, H, I]"
+    return None
+
+
+def _run(module: nn.Module, hidden_states, top_k_index, top_k_weights, variant: str | None):
+    reason = unsupported_reason(module)
+    if reason is not None:
+        raise ValueError(f"MoEExperts.forward: {reason}")
+    E = module.gate_up_proj.shape[0]
+    # transformers skips ids == E (and EP sentinels >= E); fused_experts drops -1: map, sync-free.
+    idx = torch.where((top_k_index >= 0) & (top_k_index < E), top_k_index, torch.full_like(top_k_index, -1))
+    x = hidden_states
+    if x.dtype != module.gate_up_proj.dtype:  # autocast / fp32 activations with bf16 weights
+        x = x.to(module.gate_up_proj.dtype)
+    out = fused_experts(x, module.gate_up_proj, module.down_proj, idx, top_k_weights, variant=variant,
+                        check_indices=False)
+    return out.to(hidden_states.dtype)
+
+
+def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers `ExpertsInterface` implementation "kernelhub": (module, hidden, idx, weights).
+
+    Register once, before `from_pretrained(..., experts_implementation="kernelhub")`:
+    `transformers.integrations.moe.ExpertsInterface.register("kernelhub", experts_forward)`.
+    Modules `fused_experts` cannot serve (e.g. GptOssExperts) run their eager forward, which
+    `use_experts_implementation` keeps as `type(module).forward.__wrapped__`.
+    """
+    if unsupported_reason(self) is not None:
+        eager = getattr(type(self).forward, "__wrapped__", None)
+        if eager is None:
+            raise ValueError(f"experts_forward: {unsupported_reason(self)}; no eager forward to fall back to")
+        return eager(self, hidden_states, top_k_index, top_k_weights)
+    return _run(self, hidden_states, top_k_index, top_k_weights, None)
+
+
+class MoEExperts(nn.Module):
+    """fused_experts for a transformers `*Experts` module; variant by the input device's capability."""
+
+    has_backward = True
+    # Not yet: the autograd.Function, TensorDescriptor arguments and the index check are untested
+    # under torch.compile (Dynamo); kernelize should keep eager forwards for TORCH_COMPILE.
+    can_torch_compile = False
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        return _run(self, hidden_states, top_k_index, top_k_weights, None)
+
+
+class MoEExpertsSm90(MoEExperts):
+    """Hopper: TMA weight tiles, larger tiles (configs/sm90.json)."""
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        return _run(self, hidden_states, top_k_index, top_k_weights, "sm90")
+
+
+class MoEExpertsSm80(MoEExperts):
+    """Ampere and other GPUs: pointer loads, multi-stage pipelining (configs/sm80.json)."""
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        return _run(self, hidden_states, top_k_index, top_k_weights, "sm80")
+
+
+class MoEExpertsReference(MoEExperts):
+    """Torch reference (CPU, or any device without a Triton path)."""
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        return _run(self, hidden_states, top_k_index, top_k_weights, "reference")

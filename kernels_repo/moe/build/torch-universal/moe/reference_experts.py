@@ -1,0 +1,39 @@
+"""Torch reference of `fused_experts`: the CPU path and the oracle of the tests.
+
+Same math as transformers' `Qwen3MoeExperts.forward` (gate = first I rows of gate_up_proj[e],
+up = last I rows, silu(gate) * up, then down_proj[e], weighted, summed per token), computed in
+fp32 (or fp64 for fp64 inputs) and rounded once, differentiable by autograd. Ids outside
+[0, E) (-1 or the EP sentinel E) contribute nothing. The per-expert loop reads each touched
+expert's rows with `nonzero`, a host sync: fine for a reference, not for the GPU paths.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def fused_experts_reference(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    """out[t] = sum_k w[t,k] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])), e = idx[t,k]."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    E = gate_up_proj.shape[0]
+    inter = gate_up_proj.shape[1] // 2
+    out = torch.zeros(x.shape, dtype=compute, device=x.device)
+    idx = topk_idx.to(torch.int64)
+    for e in range(E):
+        token, slot = torch.nonzero(idx == e, as_tuple=True)
+        if token.numel() == 0:
+            continue
+        xe = x[token].to(compute)
+        gu = F.linear(xe, gate_up_proj[e].to(compute))
+        h = F.silu(gu[:, :inter]) * gu[:, inter:]
+        y = F.linear(h, down_proj[e].to(compute))
+        y = y * topk_weights[token, slot].to(compute)[:, None]
+        out = out.index_add(0, token, y)
+    return out.to(x.dtype)

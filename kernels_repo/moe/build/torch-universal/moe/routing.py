@@ -1,0 +1,428 @@
+"""MoE routing entry points (names and semantics of DeepSeek TileKernels `tile_kernels.moe`).
+
+Each entry point: validate -> allocate on the input's device -> `device_guard(input)` -> choose a
+config by that device's capability -> launch. CPU tensors run the torch reference, or the Triton
+kernels under `TRITON_INTERPRET=1`. Mapping tensors are int32, as in TileKernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+
+from kernelhub.device import device_guard
+
+from . import _routing_checks as _c
+from . import _routing_kernels as _k
+from . import reference_routing as _ref
+
+__all__ = [
+    "topk_gate",
+    "normalize_weight",
+    "group_count",
+    "aux_fi",
+    "mask_indices_by_tp",
+    "inplace_unique_group_indices",
+    "get_fused_mapping",
+    "expand_to_fused",
+    "reduce_fused",
+    "set_num_sms",
+    "get_num_sms",
+]
+
+set_num_sms = _c.set_num_sms
+get_num_sms = _c.get_num_sms
+_MAX_EXPERTS = 8192  # histogram and prefix-sum vectors are next_pow2(E + 1) wide per program
+
+
+def topk_gate(scores: Tensor, num_topk: int) -> Tensor:
+    """int64 [T, K] indices of the K largest scores per row; ties go to the smaller index.
+
+    Args:
+        scores: [T, E] float32, any strides. NaN scores are not supported.
+        num_topk: 1 <= K <= E.
+    """
+    fn = "topk_gate"
+    _c.check_tensor(fn, "scores", scores, ndim=2, dtypes=(torch.float32,))
+    t, e = scores.shape
+    _c.check_int(fn, "num_experts (scores.shape[1])", e, minimum=1, maximum=_MAX_EXPERTS)
+    _c.check_int(fn, "num_topk", num_topk, minimum=1, maximum=e)
+    if not _c.use_triton(scores):
+        return _ref.topk_gate_ref(scores, num_topk)
+    out = torch.empty((t, num_topk), dtype=torch.int64, device=scores.device)
+    if t == 0:
+        return out
+    e_pow2 = triton.next_power_of_2(e)
+    block_t = max(1, min(32, 8192 // e_pow2))
+    with device_guard(scores):
+        _k._topk_gate_kernel[(triton.cdiv(t, block_t),)](
+            scores, out, t, e, scores.stride(0), scores.stride(1),
+            K=num_topk, BLOCK_T=block_t, E_POW2=e_pow2, num_warps=4,
+        )
+    return out
+
+
+def normalize_weight(topk_weights: Tensor) -> tuple[Tensor, Tensor]:
+    """(denominator [T], normalized [T, K]) with denominator = 1e-20 + sum_k w[:, k], in k order.
+
+    Args:
+        topk_weights: [T, K] float32, any strides.
+    """
+    fn = "normalize_weight"
+    w = _c.check_tensor(fn, "topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,))
+    if not _c.use_triton(w):
+        return _ref.normalize_weight_ref(w)
+    t, k = w.shape
+    denom = torch.empty((t,), dtype=torch.float32, device=w.device)
+    out = torch.empty((t, k), dtype=torch.float32, device=w.device)
+    if t == 0:
+        return denom, out
+    block_t = 128
+    with device_guard(w):
+        _k._normalize_weight_kernel[(triton.cdiv(t, block_t),)](
+            w, denom, out, t, w.stride(0), w.stride(1), K=k, BLOCK_T=block_t, num_warps=4,
+        )
+    return denom, out
+
+
+def _count(fn: str, name: str, idx: Tensor, num_groups: int, what: str) -> Tensor:
+    """int32 [num_groups] histogram of ids >= 0; ids < -1 or >= num_groups fail loudly."""
+    flat = idx.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    buf = torch.zeros((num_groups + 1,), dtype=torch.int32, device=idx.device)
+    numel = flat.numel()
+    if numel == 0:
+        return buf[:num_groups]
+    cfg, sms = _c.select_config(idx.device)
+    block = 1024
+    grid = min(triton.cdiv(numel, block), cfg.hist_programs_per_sm * sms)
+    with device_guard(idx):
+        _k._group_count_kernel[(grid,)](
+            flat, buf, numel, num_groups, BLOCK=block, NB=triton.next_power_of_2(num_groups + 1),
+            num_warps=4,
+        )
+        # No host sync here (graph capturable): the last slot counts invalid ids.
+        _c.assert_async(fn, buf[num_groups] == 0,
+                        f"`{name}` holds {what} ids < -1 or >= {num_groups}")
+    return buf[:num_groups]
+
+
+def group_count(group_idx: Tensor, num_groups: int) -> Tensor:
+    """int32 [num_groups]: how many entries of group_idx equal each group; -1 entries ignored.
+
+    Args:
+        group_idx: [T, K] int32/int64 with entries in [-1, num_groups).
+        num_groups: >= 1.
+    """
+    fn = "group_count"
+    _c.check_tensor(fn, "group_idx", group_idx, ndim=2, dtypes=_c._INT_DTYPES)
+    _c.check_int(fn, "num_groups", num_groups, minimum=1, maximum=_MAX_EXPERTS)
+    if not _c.use_triton(group_idx):
+        _c.check_ids_host(fn, "group_idx", group_idx, num_groups, "group")
+        return _ref.group_count_ref(group_idx, num_groups)
+    return _count(fn, "group_idx", group_idx, num_groups, "group")
+
+
+def aux_fi(topk_idx: Tensor, num_experts: int, num_aux_topk: int) -> Tensor:
+    """float32 [E] load-balance frequency f_i = count[e] * E / (T * num_aux_topk).
+
+    Args:
+        topk_idx: [T, K] int32/int64 with entries in [-1, E).
+        num_experts: E >= 1.
+        num_aux_topk: >= 1, the top-k the auxiliary loss normalises by.
+    """
+    fn = "aux_fi"
+    _c.check_tensor(fn, "topk_idx", topk_idx, ndim=2, dtypes=_c._INT_DTYPES)
+    _c.check_int(fn, "num_experts", num_experts, minimum=1, maximum=_MAX_EXPERTS)
+    _c.check_int(fn, "num_aux_topk", num_aux_topk, minimum=1)
+    if not _c.use_triton(topk_idx):
+        _c.check_ids_host(fn, "topk_idx", topk_idx, num_experts, "expert")
+        return _ref.aux_fi_ref(topk_idx, num_experts, num_aux_topk)
+    t = topk_idx.shape[0]
+    if t == 0:
+        return torch.zeros((num_experts,), dtype=torch.float32, device=topk_idx.device)
+    counts = _count(fn, "topk_idx", topk_idx, num_experts, "expert")
+    with device_guard(topk_idx):
+        # Same expression as the reference, so the result is bit-identical to it.
+        return counts.float() * num_experts / (t * num_aux_topk)
+
+
+def mask_indices_by_tp(indices: Tensor, n: int, num_ep_ranks: int, tp_rank: int,
+                       num_tp_ranks: int) -> Tensor:
+    """Keep expert ids owned by TP rank `tp_rank`, renumbered to its local range; others -1.
+
+    TileKernels' layout: n experts in num_ep_ranks slices of per_gpu = n // num_ep_ranks; slice s
+    belongs to TP rank s % num_tp_ranks, and a rank's slices are numbered consecutively.
+
+    Args:
+        indices: [T, K] int32/int64 expert ids (-1 stays -1).
+        n: total experts, a multiple of num_ep_ranks.
+        num_ep_ranks, num_tp_ranks: >= 1; tp_rank in [0, num_tp_ranks).
+    """
+    fn = "mask_indices_by_tp"
+    _c.check_tensor(fn, "indices", indices, ndim=2, dtypes=_c._INT_DTYPES)
+    _c.check_int(fn, "num_ep_ranks", num_ep_ranks, minimum=1)
+    _c.check_int(fn, "n", n, minimum=num_ep_ranks, maximum=_c.INT32_MAX)
+    if n % num_ep_ranks:
+        raise ValueError(f"{fn}: `n` ({n}) must be a multiple of `num_ep_ranks` ({num_ep_ranks})")
+    _c.check_int(fn, "num_tp_ranks", num_tp_ranks, minimum=1)
+    _c.check_int(fn, "tp_rank", tp_rank, minimum=0, maximum=num_tp_ranks - 1)
+    if not _c.use_triton(indices):
+        return _ref.mask_indices_by_tp_ref(indices, n, num_ep_ranks, tp_rank, num_tp_ranks)
+    src = indices.contiguous()
+    out = torch.empty_like(src)
+    numel = src.numel()
+    if numel == 0:
+        return out
+    per_gpu = n // num_ep_ranks
+    block = 1024
+    with device_guard(indices):
+        _k._mask_indices_by_tp_kernel[(triton.cdiv(numel, block),)](
+            src, out, numel, per_gpu, num_tp_ranks * per_gpu, num_tp_ranks, tp_rank, BLOCK=block,
+        )
+    return out
+
+
+def inplace_unique_group_indices(group_indices: Tensor, num_groups: int) -> None:
+    """In place: a group id repeated within a row becomes -1; its first occurrence stays.
+
+    Args:
+        group_indices: [T, K] int32/int64, any strides; modified in place.
+        num_groups: >= 1 (kept for TileKernels signature parity).
+    """
+    fn = "inplace_unique_group_indices"
+    g = _c.check_tensor(fn, "group_indices", group_indices, ndim=2, dtypes=_c._INT_DTYPES)
+    _c.check_int(fn, "num_groups", num_groups, minimum=1)
+    if not _c.use_triton(g):
+        _ref.inplace_unique_group_indices_ref(g, num_groups)
+        return
+    t, k = g.shape
+    if t == 0 or k <= 1:
+        return
+    block_t = 256
+    with device_guard(g):
+        _k._unique_group_kernel[(triton.cdiv(t, block_t),)](
+            g, t, g.stride(0), g.stride(1), K=k, BLOCK_T=block_t,
+        )
+
+
+
+# ----------------------------------------------------------------------------------------------
+# fused (expert-major) layout
+# ----------------------------------------------------------------------------------------------
+
+
+def _upper_bound_pos(numel: int, num_experts: int, alignment: int) -> int:
+    """Largest P any routing can need: sum_e align(c_e) <= numel + (alignment - 1) * E."""
+    return (numel + (alignment - 1) * num_experts) // alignment * alignment
+
+
+def get_fused_mapping(
+    topk_idx: Tensor,
+    num_experts: int,
+    num_expanded_tokens: int,
+    alignment: int,
+    force_no_sync: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, list[int]]:
+    """Map (token, k) pairs to rows of an expert-major buffer of P rows, and back.
+
+    Expert e owns rows [expert_start[e], expert_end[e]) of length align(count_e, alignment),
+    ranges contiguous in expert order; its real rows come first, in token order, then padding
+    rows holding -1 in pos_to_expert/pos_to_token/pos_to_token_topk.
+
+    Args:
+        topk_idx: [T, K] int32/int64 expert ids in [-1, E); -1 means "no expert".
+        num_experts: E, 1..8192.
+        num_expanded_tokens: P. 0 (and not force_no_sync): P is computed exactly with one host
+            sync and the list output is filled. 0 with force_no_sync: P is the upper bound
+            (T*K + (alignment-1)*E rounded down to alignment), no sync. > 0: that P, no sync
+            (CUDA-graph capturable); a P too small for the routing is never written past, and
+            fails loudly via a device-side assert (RuntimeError on the CPU).
+        alignment: >= 1, rows per expert are padded to a multiple of it.
+        force_no_sync: see num_expanded_tokens.
+
+    Returns:
+        (pos_to_expert [P], pos_to_token [P], pos_to_token_topk [P] (= t*K + k),
+        token_topk_to_pos [T, K] (-1 where topk_idx is -1), expert_start [E], expert_end [E],
+        num_tokens_per_expert [E] (aligned lengths), num_tokens_per_expert_list (the same
+        numbers as a list after a host sync, else [])); tensors int32 on topk_idx's device.
+
+    Raises:
+        TypeError: topk_idx not int32/int64. ValueError: bad shapes or arguments, or (where a
+        host sync happens) ids out of range or P too small.
+    """
+    fn = "get_fused_mapping"
+    _c.check_tensor(fn, "topk_idx", topk_idx, ndim=2, dtypes=_c._INT_DTYPES)
+    _c.check_int(fn, "num_experts", num_experts, minimum=1, maximum=_MAX_EXPERTS)
+    _c.check_int(fn, "num_expanded_tokens", num_expanded_tokens, minimum=0, maximum=_c.INT32_MAX)
+    _c.check_int(fn, "alignment", alignment, minimum=1, maximum=1 << 20)
+    if not isinstance(force_no_sync, bool):
+        raise TypeError(f"{fn}: `force_no_sync` must be a bool, got {type(force_no_sync).__name__}")
+    t, k = topk_idx.shape
+    numel = t * k
+    if numel > _c.INT32_MAX:
+        raise ValueError(f"{fn}: `topk_idx` has {numel} entries; at most {_c.INT32_MAX} supported")
+    sync = num_expanded_tokens == 0 and not force_no_sync
+    num_pos = num_expanded_tokens or _upper_bound_pos(numel, num_experts, alignment)
+    if num_pos > _c.INT32_MAX:
+        raise ValueError(f"{fn}: P = {num_pos} rows does not fit int32 positions")
+    dev = topk_idx.device
+    if not _c.use_triton(topk_idx):
+        # CPU reference: a host sync costs nothing here, so every check is a plain ValueError.
+        _c.check_ids_host(fn, "topk_idx", topk_idx, num_experts, "expert")
+        counts = torch.bincount(topk_idx[topk_idx >= 0].long(), minlength=num_experts)
+        needed = int(((counts + alignment - 1) // alignment * alignment).sum())
+        if needed > num_pos:
+            raise ValueError(f"{fn}: `num_expanded_tokens` ({num_pos}) is too small; the routing "
+                             f"needs {needed} rows")
+        outs = _ref.get_fused_mapping_ref(topk_idx, num_experts, needed if sync else num_pos, alignment)
+        return (*outs, outs[6].tolist() if sync else [])
+
+    cfg, sms = _c.select_config(dev)
+    e1 = num_experts + 1
+    sub = cfg.map_sub
+    nsub_total = max(1, triton.cdiv(numel, sub))
+    n_tiles = min(nsub_total, cfg.map_programs_per_sm * sms)
+    nsub = triton.cdiv(nsub_total, n_tiles)
+    n_tiles = triton.cdiv(nsub_total, nsub)
+    # One allocation for every int32 output and scratch (each torch.empty costs host time):
+    # 3 x P position arrays | T*K inverse | start E | end E | meta E+2 | tile counts | totals.
+    # meta = [num_tokens_per_expert (E), invalid-id count, P needed, 1 if both are fine].
+    sizes = [num_pos, num_pos, num_pos, numel, num_experts, num_experts, num_experts + 3,
+             n_tiles * e1, e1]
+    buf = torch.empty((sum(sizes),), dtype=torch.int32, device=dev)
+    (pos_to_expert, pos_to_token, pos_to_token_topk, inverse, expert_start, expert_end, meta,
+     tile_counts, totals) = torch.split(buf, sizes)
+    token_topk_to_pos = inverse.view(t, k)
+    src = topk_idx if topk_idx.is_contiguous() else topk_idx.contiguous()
+    nb = triton.next_power_of_2(e1)
+    with device_guard(topk_idx):
+        _k._map_count_kernel[(n_tiles,)](
+            src, tile_counts, pos_to_expert, pos_to_token, pos_to_token_topk,
+            numel, num_experts, num_pos, nsub, triton.cdiv(num_pos, n_tiles),
+            SUB=sub, NB=nb, FILL_BLOCK=1024, num_warps=cfg.map_warps,
+        )
+        block_e = 16
+        _k._map_scan_kernel[(triton.cdiv(e1, block_e),)](
+            tile_counts, totals, n_tiles, e1, BLOCK_T=128, BLOCK_E=block_e, num_warps=4,
+        )
+        _k._map_scatter_kernel[(n_tiles,)](
+            src, tile_counts, totals, meta, pos_to_expert, pos_to_token, pos_to_token_topk,
+            token_topk_to_pos, expert_start, expert_end,
+            numel, num_experts, num_pos, nsub, alignment, max(k, 1),
+            SUB=sub, NB=nb, num_warps=cfg.map_warps,
+        )
+        num_tokens_per_expert = meta[:num_experts]
+        if not sync:
+            # No host sync (CUDA-graph capturable): invalid ids and an overflowing P assert on
+            # the device. Nothing was written out of bounds either way.
+            _c.assert_async(fn, meta[num_experts + 2],
+                            f"`topk_idx` holds expert ids < -1 or >= {num_experts}, or "
+                            f"`num_expanded_tokens` ({num_pos}) is smaller than the routing needs")
+            return (pos_to_expert, pos_to_token, pos_to_token_topk, token_topk_to_pos,
+                    expert_start, expert_end, num_tokens_per_expert, [])
+        # The one host sync: the aligned counts, the invalid-id count and the P needed.
+        host = meta[: num_experts + 2].tolist()
+    if host[num_experts]:
+        raise ValueError(f"{fn}: `topk_idx` holds {host[num_experts]} expert ids < -1 or "
+                         f">= {num_experts}")
+    needed = host[num_experts + 1]
+    return (pos_to_expert[:needed], pos_to_token[:needed], pos_to_token_topk[:needed],
+            token_topk_to_pos, expert_start, expert_end, num_tokens_per_expert,
+            host[:num_experts])
+
+
+def expand_to_fused(x: Tensor, token_topk_to_pos: Tensor, pos_to_expert: Tensor) -> Tensor:
+    """[P, H]: row pos[t, k] holds x[t] for every pos >= 0; padding rows (expert -1) are zero.
+
+    Args:
+        x: [T, H], any dtype; rows may be strided.
+        token_topk_to_pos: [T, K] int32/int64 from get_fused_mapping.
+        pos_to_expert: [P] int32/int64 from get_fused_mapping (P = its length).
+    """
+    fn = "expand_to_fused"
+    _c.check_tensor(fn, "x", x, ndim=2)
+    _c.check_tensor(fn, "token_topk_to_pos", token_topk_to_pos, ndim=2, dtypes=_c._INT_DTYPES)
+    _c.check_tensor(fn, "pos_to_expert", pos_to_expert, ndim=1, dtypes=_c._INT_DTYPES)
+    _c.check_same_device(fn, x=x, token_topk_to_pos=token_topk_to_pos, pos_to_expert=pos_to_expert)
+    t, h = x.shape
+    if token_topk_to_pos.shape[0] != t:
+        raise ValueError(f"{fn}: `token_topk_to_pos` must have {t} rows like `x`, got "
+                         f"{tuple(token_topk_to_pos.shape)}")
+    num_pos = pos_to_expert.shape[0]
+    if not _c.use_triton(x):
+        return _ref.expand_to_fused_ref(x, token_topk_to_pos, num_pos)
+    out = torch.empty((num_pos, h), dtype=x.dtype, device=x.device)
+    if num_pos == 0 or h == 0:
+        return out
+    x = _c.row_major(x)
+    mapping = _c.row_major(token_topk_to_pos)
+    pte = pos_to_expert.contiguous()
+    cfg, _ = _c.select_config(x.device)
+    block_h = min(cfg.copy_block_h, triton.next_power_of_2(h))
+    pad_rows = 32
+    grid = (t + triton.cdiv(num_pos, pad_rows), triton.cdiv(h, block_h))
+    with device_guard(x):
+        _k._expand_kernel[grid](
+            x, out, mapping, pte, t, num_pos, h, x.stride(0), mapping.stride(0),
+            K=mapping.shape[1], BLOCK_H=block_h, PAD_ROWS=pad_rows, SUB_H=min(block_h, 256),
+            num_warps=cfg.copy_warps,
+        )
+    return out
+
+
+def reduce_fused(x: Tensor, topk_weights: Tensor | None, token_topk_to_pos: Tensor,
+                 out: Tensor | None = None) -> Tensor:
+    """[T, H]: out[t] = sum_k w[t, k] * x[pos[t, k]] over pos >= 0, accumulated in fp32.
+
+    Args:
+        x: [P, H] fp16/bf16/fp32 expert outputs; rows may be strided.
+        topk_weights: [T, K] float weights, or None for a plain sum.
+        token_topk_to_pos: [T, K] int32/int64 from get_fused_mapping.
+        out: optional [T, H] contiguous, dtype x.dtype or float32, on x's device; written in
+            place and returned (never reallocated).
+    """
+    fn = "reduce_fused"
+    _c.check_tensor(fn, "x", x, ndim=2, dtypes=_c._FLOAT_DTYPES)
+    _c.check_tensor(fn, "token_topk_to_pos", token_topk_to_pos, ndim=2, dtypes=_c._INT_DTYPES)
+    if topk_weights is not None:
+        _c.check_tensor(fn, "topk_weights", topk_weights, ndim=2, dtypes=_c._FLOAT_DTYPES)
+        if topk_weights.shape != token_topk_to_pos.shape:
+            raise ValueError(f"{fn}: `topk_weights` must have shape {tuple(token_topk_to_pos.shape)}"
+                             f" like `token_topk_to_pos`, got {tuple(topk_weights.shape)}")
+    if out is not None:
+        _c.check_tensor(fn, "out", out, ndim=2, dtypes=(x.dtype, torch.float32))
+    _c.check_same_device(fn, x=x, token_topk_to_pos=token_topk_to_pos, topk_weights=topk_weights,
+                         out=out)
+    num_pos, h = x.shape
+    t, k = token_topk_to_pos.shape
+    if out is not None:
+        if tuple(out.shape) != (t, h):
+            raise ValueError(f"{fn}: `out` must have shape {(t, h)}, got {tuple(out.shape)}")
+        if not out.is_contiguous():
+            raise ValueError(f"{fn}: `out` must be contiguous, got strides {out.stride()}")
+    if not _c.use_triton(x):
+        res = _ref.reduce_fused_ref(x, topk_weights, token_topk_to_pos)
+        if out is None:
+            return res.to(x.dtype)
+        return out.copy_(res)
+    if out is None:
+        out = torch.empty((t, h), dtype=x.dtype, device=x.device)
+    if t == 0 or h == 0:
+        return out
+    if num_pos == 0:  # every pos must be -1: the sum is empty
+        return out.zero_()
+    x = _c.row_major(x)
+    mapping = _c.row_major(token_topk_to_pos)
+    w = topk_weights if topk_weights is not None else mapping  # dummy pointer when unused
+    cfg, _ = _c.select_config(x.device)
+    block_h = min(cfg.reduce_block_h, triton.next_power_of_2(h))
+    with device_guard(x):
+        _k._reduce_kernel[(t, triton.cdiv(h, block_h))](
+            x, w, mapping, out, num_pos, h, x.stride(0), w.stride(0), w.stride(1),
+            mapping.stride(0), out.stride(0),
+            K=k, HAS_W=topk_weights is not None, BLOCK_H=block_h, num_warps=cfg.reduce_warps,
+        )
+    return out

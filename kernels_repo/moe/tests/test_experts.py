@@ -1,0 +1,392 @@
+"""fused_experts and the MoEExperts layers against transformers' eager experts and a float64 loop.
+
+CPU: the Triton kernels run in the interpreter (TRITON_INTERPRET=1, set by the root conftest), so
+both the sm80 (pointer) and sm90 (TMA descriptor) paths are exercised on tiny shapes.
+GPU (`-m gpu`): real shapes in bf16, and CUDA-graph capture of the inference path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernelhub.hub import get_local_kernel
+
+moe = get_local_kernel(Path(__file__).resolve().parents[1])
+TRITON_VARIANTS = ["sm80", "sm90"]
+NAMES = ("x", "gate_up_proj", "down_proj", "topk_weights")
+
+
+def loop_reference(x, gate_up_proj, down_proj, topk_idx, topk_weights):
+    """Per-(token, k) loop in float64: the plainest statement of the math."""
+    T, K = topk_idx.shape
+    inter = gate_up_proj.shape[1] // 2
+    rows = []
+    for t in range(T):
+        acc = torch.zeros(x.shape[1], dtype=torch.float64)
+        for k in range(K):
+            e = int(topk_idx[t, k])
+            if e < 0:
+                continue
+            gu = gate_up_proj[e].double() @ x[t].double()
+            h = F.silu(gu[:inter]) * gu[inter:]
+            acc = acc + topk_weights[t, k].double() * (down_proj[e].double() @ h)
+        rows.append(acc)
+    return torch.stack(rows)
+
+
+def make_inputs(T, H, I, E, K, dtype=torch.float32, seed=0, drop=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    gate_up = (torch.randn(E, 2 * I, H, generator=g) * H**-0.5).to(dtype)
+    down = (torch.randn(E, H, I, generator=g) * I**-0.5).to(dtype)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    for j in range(drop):
+        idx[j % T, j % K] = -1
+    w = torch.rand(T, K, generator=g).to(dtype)
+    return x, gate_up, down, idx, w
+
+
+def run_with_grads(fn, x, gate_up, down, idx, w, dy, dtype):
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (x, gate_up, down, w)]
+    out = fn(leaves[0], leaves[1], leaves[2], idx, leaves[3])
+    out.backward(dy.to(out.dtype))
+    return out.detach(), [t.grad for t in leaves]
+
+
+def assert_close_rel(actual, expected, tol, what):
+    actual, expected = actual.double(), expected.double()
+    assert torch.isfinite(actual).all(), f"{what}: non-finite values"
+    err = (actual - expected).norm() / expected.norm().clamp_min(1e-30)
+    assert err < tol, f"{what}: relative error {err:.3g} >= {tol}"
+
+
+# ------------------------------------------------------------------ fused_experts vs float64 loop
+
+
+@pytest.mark.parametrize("variant", TRITON_VARIANTS + ["reference"])
+@pytest.mark.parametrize(
+    "T,H,I,E,K,drop",
+    [
+        (6, 40, 24, 5, 2, 2),  # H and I not multiples of the blocks, two dropped (-1) pairs
+        (1, 32, 20, 4, 3, 0),  # a single token (decode)
+    ],
+)
+def test_fused_experts_matches_float64_loop_with_grads(variant, T, H, I, E, K, drop):
+    x, gu, dn, idx, w = make_inputs(T, H, I, E, K, seed=T + H, drop=drop)
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(1))
+    out, grads = run_with_grads(lambda *a: moe.fused_experts(*a, variant=variant), x, gu, dn, idx, w, dy,
+                                torch.float32)
+    ref, ref_grads = run_with_grads(loop_reference, x, gu, dn, idx, w, dy, torch.float64)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+    for name, got, want in zip(NAMES, grads, ref_grads, strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("variant", TRITON_VARIANTS)
+def test_experts_without_tokens_get_zero_weight_grads(variant):
+    T, H, I, E, K = 4, 32, 16, 6, 2
+    x, gu, dn, _, w = make_inputs(T, H, I, E, K, seed=3)
+    idx = torch.tensor([[0, 2], [2, 0], [0, -1], [2, 0]])  # experts 1, 3, 4, 5 get nothing
+    dy = torch.randn(T, H)
+    out, grads = run_with_grads(lambda *a: moe.fused_experts(*a, variant=variant), x, gu, dn, idx, w, dy,
+                                torch.float32)
+    ref, ref_grads = run_with_grads(loop_reference, x, gu, dn, idx, w, dy, torch.float64)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+    for e in (1, 3, 4, 5):
+        assert torch.equal(grads[1][e], torch.zeros_like(grads[1][e])), f"gate_up grad of idle expert {e}"
+        assert torch.equal(grads[2][e], torch.zeros_like(grads[2][e])), f"down grad of idle expert {e}"
+    assert grads[3][2, 1] == 0, "a dropped pair must get a zero weight gradient"
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", TRITON_VARIANTS)
+def test_bf16_and_strided_inputs(variant):
+    T, H, I, E, K = 5, 48, 24, 4, 2
+    x, gu, dn, idx, w = make_inputs(T, H, I, E, K, dtype=torch.bfloat16, seed=5)
+    wide = torch.randn(T, 2 * H, dtype=torch.bfloat16)
+    wide[:, ::2] = x
+    x_strided = wide[:, ::2]  # non-contiguous rows and columns
+    out = moe.fused_experts(x_strided, gu, dn, idx.to(torch.int32), w, variant=variant)
+    assert out.dtype == torch.bfloat16 and out.shape == (T, H)
+    assert_close_rel(out, loop_reference(x, gu, dn, idx, w), 1e-2, "bf16 output")
+
+
+def test_inference_path_matches_autograd_path():
+    x, gu, dn, idx, w = make_inputs(7, 32, 16, 4, 2, seed=7)
+    with torch.no_grad():
+        a = moe.fused_experts(x, gu, dn, idx, w, variant="sm80")
+    b = moe.fused_experts(x.requires_grad_(), gu, dn, idx, w, variant="sm80")
+    torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
+
+
+def test_empty_batch_gives_empty_output():
+    x, gu, dn, idx, w = make_inputs(1, 32, 16, 4, 2)
+    out = moe.fused_experts(x[:0], gu, dn, idx[:0], w[:0], variant="sm80")
+    assert out.shape == (0, 32)
+
+
+# ------------------------------------------------------------------ routing alignment
+
+
+@pytest.mark.parametrize("small", [True, False], ids=["one_triton_program", "torch_ops"])
+def test_alignment_groups_pairs_by_expert_in_token_order(small, monkeypatch):
+    routing = importlib.import_module(moe.__name__ + "._experts_routing")
+    if not small:
+        monkeypatch.setattr(routing, "SMALL_PAIRS", 0)
+    idx = torch.tensor([[2, 0], [0, -1], [2, 5], [7, 0]])
+    r = routing.align_rows(idx, num_experts=6, block_m=4)  # 7 is out of range: dropped
+    assert r.num_rows % 4 == 0 and r.num_rows >= 4
+    rows = r.rows.tolist()
+    for t in range(4):
+        for k in range(2):
+            p = int(r.token_topk_to_pos[t, k])
+            e = int(idx[t, k])
+            if 0 <= e < 6:
+                assert rows[p] == t * 2 + k
+                assert int(r.block_expert[p // 4]) == e
+                assert int(r.expert_start[e]) <= p < int(r.expert_start[e]) + int(r.expert_count[e])
+            else:
+                assert p == -1
+    assert r.expert_count.tolist() == [3, 0, 2, 0, 0, 1]
+    assert rows[int(r.expert_start[0]):int(r.expert_start[0]) + 3] == [1, 2, 7]  # token order kept
+    assert sum(1 for v in rows if v >= 0) == 6
+
+
+def test_small_alignment_kernel_equals_torch_alignment(monkeypatch):
+    routing = importlib.import_module(moe.__name__ + "._experts_routing")
+    g = torch.Generator().manual_seed(4)
+    for T, K, E, block_m in [(1, 8, 128, 16), (9, 3, 7, 32), (20, 2, 40, 16)]:
+        idx = torch.randint(-1, E + 1, (T, K), generator=g)
+        small = routing._align_small(idx, E, block_m)
+        monkeypatch.setattr(routing, "SMALL_PAIRS", 0)
+        full = routing.align_rows(idx, E, block_m)
+        monkeypatch.undo()
+        for field in ("rows", "block_expert", "expert_start", "expert_count", "token_topk_to_pos"):
+            assert torch.equal(getattr(small, field), getattr(full, field)), field
+        assert small.num_rows == full.num_rows
+
+
+# ------------------------------------------------------------------ errors
+
+
+def test_bad_inputs_raise_naming_the_argument():
+    x, gu, dn, idx, w = make_inputs(3, 32, 16, 4, 2)
+    cases = [
+        ((x.double(), gu, dn, idx, w), TypeError, "gate_up_proj"),
+        ((x, gu.half(), dn, idx, w), TypeError, "gate_up_proj"),
+        ((x, gu, dn, idx.float(), w), TypeError, "topk_idx"),
+        ((x, gu, dn, idx, idx), TypeError, "topk_weights"),
+        ((x, gu, dn, idx, "w"), TypeError, "topk_weights"),
+        ((x[0], gu, dn, idx, w), ValueError, "`x`"),
+        ((x, gu[:, :31], dn, idx, w), ValueError, "gate_up_proj"),
+        ((x, gu, dn[:, :, :8], idx, w), ValueError, "down_proj"),
+        ((x, gu, dn, idx[:2], w), ValueError, "topk_idx"),
+        ((x, gu, dn, idx, w[:, :1]), ValueError, "topk_weights"),
+        ((x, gu, dn, idx.to("meta"), w), ValueError, "topk_idx"),
+        ((x, gu, dn, torch.where(idx == 0, 4, idx), w), ValueError, "topk_idx"),
+        ((x, gu, dn, torch.where(idx == 0, -2, idx), w), ValueError, "topk_idx"),
+    ]
+    for args, exc, name in cases:
+        with pytest.raises(exc, match=f"fused_experts: .*{name}"):
+            moe.fused_experts(*args, variant="sm80")
+    with pytest.raises(ValueError, match="fused_experts: `variant`"):
+        moe.fused_experts(x, gu, dn, idx, w, variant="sm70")
+    with pytest.raises(TypeError, match="fused_experts: variant 'sm80' supports"):
+        moe.fused_experts(x.double(), gu.double(), dn.double(), idx, w, variant="sm80")
+
+
+def test_variant_follows_the_capability_of_each_device_index(fake_gpus):
+    assert moe.select_variant(torch.device("cuda", 0)) == "sm80"
+    assert moe.select_variant(torch.device("cuda", 1)) == "sm90"
+    assert moe.select_variant(torch.device("cpu")) == "reference"
+
+
+# ------------------------------------------------------------------ layers on transformers models
+
+MODELS = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeExperts",
+                  dict(hidden_size=32, moe_intermediate_size=24, num_experts=5, num_experts_per_tok=2)),
+    "mixtral": ("MixtralConfig", "MixtralExperts",
+                dict(hidden_size=32, intermediate_size=24, num_local_experts=5, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeExperts",
+                  dict(hidden_size=32, moe_intermediate_size=24, num_experts=5, num_experts_per_tok=2)),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3Experts",
+                    dict(hidden_size=32, moe_intermediate_size=24, n_routed_experts=5,
+                         num_experts_per_tok=2)),
+    "olmoe": ("OlmoeConfig", "OlmoeExperts",
+              dict(hidden_size=32, intermediate_size=24, num_experts=5, num_experts_per_tok=2)),
+}
+
+
+def build_experts(model: str, seed: int = 0):
+    transformers = pytest.importorskip("transformers")
+    cfg_name, cls_name, kwargs = MODELS[model]
+    cfg = getattr(transformers, cfg_name)(**kwargs)
+    cfg._experts_implementation = "eager"
+    cls = getattr(importlib.import_module(f"transformers.models.{model}.modeling_{model}"), cls_name)
+    torch.manual_seed(seed)
+    module = cls(cfg)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.2)
+    return module
+
+
+@pytest.mark.parametrize("layer", ["MoEExpertsSm80", "MoEExpertsSm90", "MoEExperts"])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_layer_forward_and_grads_equal_eager(model, layer):
+    module = build_experts(model)
+    E = module.gate_up_proj.shape[0]
+    T, K = 6, 2
+    g = torch.Generator().manual_seed(11)
+    hidden = torch.randn(T, 32, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    idx[1, 0] = E  # transformers skips id == E (the EP sentinel)
+    weights = torch.rand(T, K, generator=g)
+    dy = torch.randn(T, 32, generator=g)
+
+    def run(forward):
+        module.zero_grad()
+        h = hidden.clone().requires_grad_()
+        w = weights.clone().requires_grad_()
+        out = forward(h, idx, w)
+        (out * dy).sum().backward()
+        grads = {n: p.grad.clone() for n, p in module.named_parameters()}
+        return out.detach(), h.grad, w.grad, grads
+
+    eager = run(module.forward)
+    kernel = run(types.MethodType(getattr(moe.layers, layer).forward, module))
+    torch.testing.assert_close(kernel[0], eager[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(kernel[1], eager[1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(kernel[2], eager[2], rtol=1e-4, atol=1e-5)
+    assert kernel[3].keys() == eager[3].keys()
+    for name in eager[3]:
+        torch.testing.assert_close(kernel[3][name], eager[3][name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_layer_classes_declare_backward():
+    for name in ("MoEExperts", "MoEExpertsSm90", "MoEExpertsSm80", "MoEExpertsReference"):
+        cls = getattr(moe.layers, name)
+        assert cls.has_backward is True
+        assert isinstance(cls.can_torch_compile, bool)
+        assert list(cls().parameters()) == []
+
+
+def test_gpt_oss_is_reported_unsupported_and_falls_back_to_eager():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    cfg = transformers.GptOssConfig(hidden_size=32, intermediate_size=16, num_local_experts=4,
+                                    num_experts_per_tok=2)
+    cfg._experts_implementation = "eager"
+    module = GptOssExperts(cfg)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0, 0.2)
+    reason = moe.unsupported_reason(module)
+    assert reason is not None and "transposed" in reason
+    assert moe.unsupported_reason(build_experts("qwen3_moe")) is None
+    hidden = torch.randn(3, 32)
+    idx = torch.tensor([[0, 1], [2, 3], [1, 2]])
+    w = torch.rand(3, 2)
+    with pytest.raises(ValueError, match="MoEExperts.forward: GptOssExperts"):
+        types.MethodType(moe.MoEExpertsSm80.forward, module)(hidden, idx, w)
+    torch.testing.assert_close(moe.experts_forward(module, hidden, idx, w), module(hidden, idx, w))
+
+
+def test_registered_as_transformers_experts_implementation():
+    pytest.importorskip("transformers")
+    from transformers.integrations.moe import ExpertsInterface
+
+    module = build_experts("mixtral")
+    hidden = torch.randn(4, 32)
+    idx = torch.tensor([[0, 1], [2, 3], [4, 0], [1, 2]])
+    w = torch.rand(4, 2)
+    eager = module(hidden, idx, w)
+    ExpertsInterface.register("kernelhub", moe.experts_forward)
+    try:
+        module.config._experts_implementation = "kernelhub"
+        out = module(hidden, idx, w)
+    finally:
+        ExpertsInterface._global_mapping.pop("kernelhub", None)
+    torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-5)
+
+
+def test_tile_configs_have_every_stage():
+    cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
+    for cap in (80, 90):
+        for pairs in (8, 256, 4096, 131072):
+            bucket = cfgs.pick_config(cap, 128, 2048, 768, pairs)
+            assert {"block_m", "gate_up", "down", "dgrad", "wgrad"} <= bucket.keys()
+    assert cfgs.pick_config(90, 128, 2048, 768, 8)["block_m"] <= cfgs.pick_config(90, 128, 2048, 768, 131072)[
+        "block_m"]
+
+
+# ------------------------------------------------------------------ GPU
+
+
+SHAPES = {
+    "qwen3_30b_a3b": dict(E=128, H=2048, I=768, K=8),
+    "mixtral_8x7b": dict(E=8, H=4096, I=14336, K=2),
+}
+
+
+def gpu_inputs(E, H, I, K, T, dtype=torch.bfloat16):
+    dev = torch.device("cuda")
+    x = torch.randn(T, H, device=dev, dtype=dtype)
+    gu = torch.randn(E, 2 * I, H, device=dev, dtype=dtype) * H**-0.5
+    dn = torch.randn(E, H, I, device=dev, dtype=dtype) * I**-0.5
+    logits = torch.randn(T, E, device=dev)
+    w, idx = torch.topk(torch.softmax(logits, -1), K, dim=-1)
+    return x, gu, dn, idx, w
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", TRITON_VARIANTS)
+@pytest.mark.parametrize("T", [1, 37, 1024])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_gpu_bf16_matches_reference(shape, T, variant):
+    s = SHAPES[shape]
+    if variant == "sm90" and moe.select_variant(torch.device("cuda")) != "sm90":
+        pytest.skip("sm90 path needs a capability 9.x GPU")
+    x, gu, dn, idx, w = gpu_inputs(s["E"], s["H"], s["I"], s["K"], T)
+    dy = torch.randn_like(x)
+    out, grads = run_with_grads(lambda *a: moe.fused_experts(*a, variant=variant), x, gu, dn, idx, w, dy,
+                                torch.bfloat16)
+    ref, ref_grads = run_with_grads(moe.fused_experts_reference, x, gu, dn, idx, w, dy, torch.float32)
+    assert_close_rel(out, ref, 1e-2, "output")
+    for name, got, want in zip(NAMES, grads, ref_grads, strict=True):
+        assert_close_rel(got, want, 1e-2, name)
+
+
+@pytest.mark.gpu
+def test_gpu_inference_is_cuda_graph_capturable():
+    s = SHAPES["qwen3_30b_a3b"]
+    x, gu, dn, idx, w = gpu_inputs(s["E"], s["H"], s["I"], s["K"], 64)
+    with torch.no_grad():
+        expected = moe.fused_experts(x, gu, dn, idx, w)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            moe.fused_experts(x, gu, dn, idx, w)  # warm-up compiles outside the capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe.fused_experts(x, gu, dn, idx, w)
+        x2, _, _, idx2, w2 = gpu_inputs(s["E"], s["H"], s["I"], s["K"], 64)
+        x.copy_(x2)
+        idx.copy_(idx2)
+        w.copy_(w2)
+        graph.replay()
+        torch.cuda.synchronize()
+        fresh = moe.fused_experts(x, gu, dn, idx, w)
+    assert not torch.equal(fresh, expected)
+    torch.testing.assert_close(out, fresh, rtol=0, atol=0)

@@ -1,0 +1,385 @@
+"""MoE routing kernels against their torch references and against the layout's own invariants.
+
+CPU: the Triton interpreter on small shapes (both the sm90 and sm80 launch configs forced).
+GPU (`-m gpu`): DeepSeek-V3-like shapes, T=16384, K=8, E=256, H=7168.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import fake_cuda_tensor
+from kernelhub.hub import get_local_kernel
+
+moe = get_local_kernel(Path(__file__).resolve().parents[1])
+routing = moe.routing
+ref = moe.reference_routing
+checks = moe._routing_checks
+kernels = moe._routing_kernels
+
+GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+DEV = "cuda" if GPU else "cpu"
+
+
+_torch_empty = torch.empty
+
+
+def _poisoned_empty(*args, **kwargs):
+    """torch.empty whose memory holds NaN / -12345, so an element a kernel forgets shows up."""
+    t = _torch_empty(*args, **kwargs)
+    if t.is_floating_point():
+        t.fill_(float("nan"))
+    elif t.dtype in (torch.int32, torch.int64):
+        t.fill_(-12345)
+    return t
+
+
+@pytest.fixture(params=["sm90", "sm80"])
+def variant(request, monkeypatch):
+    """Force one capability's launch config for every entry point (4 'SMs' on the CPU), and
+    poison every buffer the entry points allocate with torch.empty."""
+    cfg = kernels.SM90 if request.param == "sm90" else kernels.SM80
+    sms = 132 if GPU else 4
+    monkeypatch.setattr(checks, "select_config", lambda device: (cfg, sms))
+    monkeypatch.setattr(torch, "empty", _poisoned_empty)
+    return cfg
+
+
+def random_topk(t: int, k: int, e: int, *, drop: float = 0.1, device=DEV, skew: bool = False):
+    """Distinct experts per row (like a real router), some slots -1; optionally skewed load."""
+    g = torch.Generator().manual_seed(t * 1000 + k * 10 + e)
+    if skew:  # a few hot experts, several experts with no tokens
+        weights = torch.rand(t, e, generator=g) ** 4
+    else:
+        weights = torch.rand(t, e, generator=g)
+    idx = torch.topk(weights, k, dim=1).indices
+    idx[torch.rand(t, k, generator=g) < drop] = -1
+    return idx.to(device)
+
+
+def align(n, a):
+    return (n + a - 1) // a * a
+
+
+def check_mapping(topk_idx, e, a, outs, *, num_pos=None, synced=True):
+    """Every documented property of get_fused_mapping's outputs, checked directly."""
+    p2e, p2t, p2tk, inv, start, end, ntpe, lst = outs
+    t, k = topk_idx.shape
+    idx = topk_idx.long()
+    for tensor in (p2e, p2t, p2tk, inv, start, end, ntpe):
+        assert tensor.dtype == torch.int32 and tensor.device == topk_idx.device
+    counts = torch.bincount(idx[idx >= 0], minlength=e)
+    aligned = align(counts, a)
+    assert torch.equal(ntpe.long(), aligned)
+    assert torch.equal((end - start).long(), aligned)
+    assert start[0].item() == 0 and torch.equal(start[1:], end[:-1])  # contiguous, expert order
+    total = int(aligned.sum())
+    assert p2e.numel() == (total if num_pos is None else num_pos)
+    assert lst == (aligned.tolist() if synced else [])
+    for ex in range(e):
+        s, c, en = int(start[ex]), int(counts[ex]), int(end[ex])
+        assert (p2e[s : s + c] == ex).all() and (p2e[s + c : en] == -1).all()  # real rows first
+        rows = p2tk[s : s + c].long()
+        assert (rows[1:] > rows[:-1]).all()  # token order inside an expert
+    assert (p2e[total:] == -1).all()
+    pad = p2e < 0
+    assert torch.equal(pad, p2t < 0) and torch.equal(pad, p2tk < 0)  # -1 coincide
+    real = torch.nonzero(~pad).flatten()
+    flat_pos = p2tk[real].long()
+    assert torch.equal(p2t[real].long(), flat_pos // k)
+    assert torch.equal(idx.flatten()[flat_pos], p2e[real].long())
+    assert torch.equal(inv.flatten()[flat_pos].long(), real)  # inverse on real rows
+    assert torch.equal(inv < 0, idx < 0)  # -1 exactly where topk_idx is -1
+    used = inv[inv >= 0]
+    assert used.unique().numel() == used.numel()  # positions are distinct
+
+
+MAP_SHAPES = [  # T, K, E, alignment
+    (1, 1, 1, 1),
+    (300, 4, 16, 8),
+    (257, 6, 33, 16),
+    (64, 8, 256, 128),
+    (0, 4, 8, 16),
+]
+
+
+@pytest.mark.parametrize("t,k,e,a", MAP_SHAPES)
+def test_fused_mapping_with_host_sync_has_every_property(variant, t, k, e, a):
+    idx = random_topk(t, k, e, skew=e > 32)
+    outs = moe.get_fused_mapping(idx, e, 0, a)
+    check_mapping(idx, e, a, outs)
+    expected = ref.get_fused_mapping_ref(idx, e, outs[0].numel(), a)
+    for got, want in zip(outs[:7], expected, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_fused_mapping_int32_and_strided_topk_idx(variant):
+    idx = random_topk(100, 3, 12).to(torch.int32).t().contiguous().t()  # column-major [T, K]
+    assert not idx.is_contiguous()
+    check_mapping(idx, 12, 4, moe.get_fused_mapping(idx, 12, 0, 4))
+
+
+def test_fused_mapping_explicit_p_needs_no_sync_and_pads_the_tail(variant):
+    idx = random_topk(200, 4, 10)
+    synced = moe.get_fused_mapping(idx, 10, 0, 8)
+    needed = synced[0].numel()
+    for num_pos in (needed, needed + 37):
+        outs = moe.get_fused_mapping(idx, 10, num_pos, 8)
+        check_mapping(idx, 10, 8, outs, num_pos=num_pos, synced=False)
+        assert torch.equal(outs[3], synced[3])
+
+
+def test_fused_mapping_force_no_sync_uses_the_upper_bound(variant):
+    t, k, e, a = 50, 4, 8, 16
+    idx = random_topk(t, k, e)
+    outs = moe.get_fused_mapping(idx, e, 0, a, force_no_sync=True)
+    check_mapping(idx, e, a, outs, num_pos=(t * k + (a - 1) * e) // a * a, synced=False)
+
+
+def test_fused_mapping_too_small_p_fails_loudly_without_sync(variant):
+    idx = random_topk(64, 4, 8, drop=0.0)
+    with pytest.raises(RuntimeError, match="num_expanded_tokens"):
+        moe.get_fused_mapping(idx, 8, 64 * 4 - 1, 1)
+
+
+def test_fused_mapping_reference_path_raises_value_errors(monkeypatch):
+    monkeypatch.setattr(checks, "interpreting", lambda: False)
+    idx = random_topk(64, 4, 8, drop=0.0, device="cpu")
+    with pytest.raises(ValueError, match="too small"):
+        moe.get_fused_mapping(idx, 8, 100, 1)
+    idx[3, 1] = 8
+    with pytest.raises(ValueError, match="topk_idx"):
+        moe.get_fused_mapping(idx, 8, 0, 1)
+    check_mapping(random_topk(30, 2, 5, device="cpu"), 5, 4,
+                  moe.get_fused_mapping(random_topk(30, 2, 5, device="cpu"), 5, 0, 4))
+
+
+@pytest.mark.parametrize("bad", [8, 1000, -2])
+def test_fused_mapping_out_of_range_ids(variant, bad):
+    idx = random_topk(40, 4, 8)
+    idx[7, 2] = bad
+    with pytest.raises(ValueError, match="expert ids"):
+        moe.get_fused_mapping(idx, 8, 0, 4)  # host sync path: plain ValueError
+    with pytest.raises(RuntimeError, match="expert ids"):
+        moe.get_fused_mapping(idx, 8, 4096, 4)  # graph-capturable path: async assert
+
+
+def test_fused_mapping_argument_errors():
+    idx = random_topk(10, 2, 4)
+    with pytest.raises(TypeError, match="get_fused_mapping: `topk_idx`"):
+        moe.get_fused_mapping(idx.float(), 4, 0, 1)
+    with pytest.raises(ValueError, match="`topk_idx` must be 2-D"):
+        moe.get_fused_mapping(idx.flatten(), 4, 0, 1)
+    with pytest.raises(ValueError, match="`num_experts`"):
+        moe.get_fused_mapping(idx, 0, 0, 1)
+    with pytest.raises(ValueError, match="`alignment`"):
+        moe.get_fused_mapping(idx, 4, 0, 0)
+    with pytest.raises(ValueError, match="`num_expanded_tokens`"):
+        moe.get_fused_mapping(idx, 4, -1, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("t,k,e,h", [(37, 4, 8, 100), (16, 2, 3, 64), (0, 2, 4, 32)])
+def test_expand_then_reduce_match_references(variant, dtype, t, k, e, h):
+    idx = random_topk(t, k, e)
+    p2e, _, _, inv, *_ = moe.get_fused_mapping(idx, e, 0, 8)
+    base = torch.randn(t, h + 5, device=DEV).to(dtype)
+    x = base[:, 3 : 3 + h]  # strided rows
+    y = moe.expand_to_fused(x, inv, p2e)
+    want = ref.expand_to_fused_ref(x, inv, p2e.numel())
+    assert y.shape == (p2e.numel(), h) and y.dtype == dtype and y.device == x.device
+    assert torch.equal(y.view(torch.uint8), want.view(torch.uint8))  # bit-exact, padding zero
+    assert (y[p2e < 0] == 0).all()
+    z = torch.randn(p2e.numel(), h, device=DEV).to(dtype)
+    w = torch.rand(t, k, device=DEV)
+    for weights in (w, None):
+        got = moe.reduce_fused(z, weights, inv)
+        exact = ref.reduce_fused_ref(z, weights, inv, acc_dtype=torch.float64)
+        assert got.dtype == dtype and got.shape == (t, h)
+        tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+        torch.testing.assert_close(got.double(), exact, rtol=tol, atol=tol)
+
+
+def test_reduce_fused_writes_into_out_and_validates_it(variant):
+    idx = random_topk(20, 3, 6)
+    p2e, _, _, inv, *_ = moe.get_fused_mapping(idx, 6, 0, 4)
+    z = torch.randn(p2e.numel(), 48, device=DEV)
+    w = torch.rand(20, 3, device=DEV)
+    out = torch.full((20, 48), float("nan"), device=DEV)
+    res = moe.reduce_fused(z, w, inv, out=out)
+    assert res is out and not out.isnan().any()
+    torch.testing.assert_close(out.double(), ref.reduce_fused_ref(z, w, inv, torch.float64),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match="reduce_fused: `out`"):
+        moe.reduce_fused(z, w, inv, out=out.half())
+    with pytest.raises(ValueError, match="reduce_fused: `out` must have shape"):
+        moe.reduce_fused(z, w, inv, out=out[:5])
+    with pytest.raises(ValueError, match="reduce_fused: `out` must be contiguous"):
+        moe.reduce_fused(z, w, inv, out=torch.empty(48, 20, device=DEV).t())
+    with pytest.raises(ValueError, match="`topk_weights` must have shape"):
+        moe.reduce_fused(z, w[:, :2], inv)
+
+
+def test_tensors_on_different_devices_are_named(fake_gpus):
+    x = torch.randn(4, 8)
+    inv = fake_cuda_tensor((4, 2), 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"`token_topk_to_pos` is on cuda:1 but `x` is on cpu"):
+        moe.expand_to_fused(x, inv, torch.zeros(8, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"`out` is on cuda:0 but `x` is on cpu"):
+        moe.reduce_fused(x, None, torch.zeros(4, 2, dtype=torch.int32),
+                         out=fake_cuda_tensor((4, 8), 0))
+
+
+def test_config_and_sm_count_are_per_device_index(fake_gpus):
+    cfg0, sms0 = checks.select_config(torch.device("cuda", 0))
+    cfg1, sms1 = checks.select_config(torch.device("cuda", 1))
+    assert (cfg0.name, sms0, cfg1.name, sms1) == ("sm80", 108, "sm90", 132)
+    moe.set_num_sms("cuda:1", 7)
+    try:
+        assert moe.get_num_sms("cuda:1") == 7 and moe.get_num_sms("cuda:0") == 108
+    finally:
+        moe.set_num_sms("cuda:1", None)
+    assert moe.get_num_sms(torch.device("cuda", 1)) == 132
+    with pytest.raises(ValueError, match="set_num_sms: `num_sms`"):
+        moe.set_num_sms("cuda:0", 0)
+
+
+def test_topk_gate_matches_stable_sort_and_breaks_ties_to_smaller_index(variant):
+    scores = torch.randint(0, 4, (50, 40), device=DEV).float()  # many ties
+    for s in (scores, torch.randn(40, 50, device=DEV).t()):  # ties; strided
+        for k in (1, 6, s.shape[1]):
+            got = moe.topk_gate(s, k)
+            assert got.dtype == torch.int64 and got.is_contiguous()
+            assert torch.equal(got, ref.topk_gate_ref(s, k))
+    row = torch.zeros(1, 9, device=DEV)
+    assert moe.topk_gate(row, 3).tolist() == [[0, 1, 2]]
+    assert moe.topk_gate(torch.empty(0, 9, device=DEV), 2).shape == (0, 2)
+    with pytest.raises(ValueError, match="topk_gate: `num_topk`"):
+        moe.topk_gate(scores, 41)
+    with pytest.raises(TypeError, match="topk_gate: `scores`"):
+        moe.topk_gate(scores.half(), 2)
+
+
+def test_normalize_weight_is_bit_exact(variant):
+    w = torch.rand(300, 6, device=DEV)
+    for inp in (w, w.t().contiguous().t()):
+        denom, norm = moe.normalize_weight(inp)
+        d_ref, n_ref = ref.normalize_weight_ref(inp)
+        assert torch.equal(denom, d_ref) and torch.equal(norm, n_ref)
+    d0, n0 = moe.normalize_weight(torch.zeros(2, 3, device=DEV))
+    assert torch.equal(d0, torch.full((2,), 1e-20, device=DEV)) and not n0.isnan().any()
+    with pytest.raises(TypeError, match="normalize_weight: `topk_weights`"):
+        moe.normalize_weight(w.double())
+
+
+def test_group_count_and_aux_fi_are_exact(variant):
+    idx = random_topk(333, 6, 20)
+    for dt in (torch.int64, torch.int32):
+        got = moe.group_count(idx.to(dt), 20)
+        assert got.dtype == torch.int32 and torch.equal(got, ref.group_count_ref(idx, 20))
+    fi = moe.aux_fi(idx, 20, 6)
+    assert fi.dtype == torch.float32 and torch.equal(fi, ref.aux_fi_ref(idx, 20, 6))
+    assert torch.equal(moe.aux_fi(idx[:0], 20, 6), torch.zeros(20, device=DEV))
+    bad = idx.clone()
+    bad[0, 0] = 20
+    with pytest.raises(RuntimeError, match="group_count"):
+        moe.group_count(bad, 20)
+    with pytest.raises(RuntimeError, match="aux_fi"):
+        moe.aux_fi(bad, 20, 6)
+    with pytest.raises(TypeError, match="group_count: `group_idx`"):
+        moe.group_count(idx.float(), 20)
+
+
+def test_group_count_reference_path_raises_value_error(monkeypatch):
+    monkeypatch.setattr(checks, "interpreting", lambda: False)
+    idx = random_topk(10, 2, 4, device="cpu")
+    idx[1, 1] = -3
+    with pytest.raises(ValueError, match="group_count: `group_idx` holds group id -3"):
+        moe.group_count(idx, 4)
+
+
+@pytest.mark.parametrize("ep,tp", [(1, 2), (2, 4), (4, 8), (3, 1)])
+def test_mask_indices_by_tp_matches_reference(variant, ep, tp):
+    n = 16 * ep * tp
+    idx = random_topk(64, 6, n)
+    for rank in range(tp):
+        got = moe.mask_indices_by_tp(idx, n, ep, rank, tp)
+        assert got.dtype == idx.dtype and torch.equal(got, ref.mask_indices_by_tp_ref(idx, n, ep, rank, tp))
+    with pytest.raises(ValueError, match="mask_indices_by_tp: `tp_rank`"):
+        moe.mask_indices_by_tp(idx, n, ep, tp, tp)
+
+
+def test_inplace_unique_group_indices(variant):
+    g = torch.randint(-1, 5, (100, 7), device=DEV)
+    for inp in (g.clone(), g.t().contiguous().t()):
+        want = inp.clone()
+        ref.inplace_unique_group_indices_ref(want, 5)
+        assert moe.inplace_unique_group_indices(inp, 5) is None
+        assert torch.equal(inp, want)
+        for row in inp.tolist():  # each id >= 0 at most once, first occurrence kept
+            kept = [v for v in row if v >= 0]
+            assert len(kept) == len(set(kept))
+    assert torch.equal(want[:, 0], g[:, 0])
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: DeepSeek-V3 routing shape
+# ----------------------------------------------------------------------------------------------
+
+T_GPU, K_GPU, E_GPU, H_GPU = 16384, 8, 256, 7168
+
+
+@pytest.mark.gpu
+def test_gpu_fused_mapping_expand_reduce_at_scale(variant):
+    idx = random_topk(T_GPU, K_GPU, E_GPU, drop=0.02, skew=True)
+    outs = moe.get_fused_mapping(idx, E_GPU, 0, 128)
+    check_mapping(idx, E_GPU, 128, outs)
+    expected = ref.get_fused_mapping_ref(idx, E_GPU, outs[0].numel(), 128)
+    for got, want in zip(outs[:7], expected, strict=True):
+        assert torch.equal(got, want)
+    p2e, _, _, inv, *_ = outs
+    explicit = moe.get_fused_mapping(idx, E_GPU, p2e.numel() + 128, 128)
+    check_mapping(idx, E_GPU, 128, explicit, num_pos=p2e.numel() + 128, synced=False)
+    x = torch.randn(T_GPU, H_GPU, device="cuda", dtype=torch.bfloat16)
+    y = moe.expand_to_fused(x, inv, p2e)
+    assert torch.equal(y.view(torch.int16), ref.expand_to_fused_ref(x, inv, p2e.numel()).view(torch.int16))
+    w = torch.rand(T_GPU, K_GPU, device="cuda")
+    got = moe.reduce_fused(y, w, inv)
+    exact = ref.reduce_fused_ref(y, w, inv, acc_dtype=torch.float64)
+    rel = ((got.double() - exact).norm() / exact.norm()).item()
+    assert rel < 1e-2 and not got.isnan().any()
+    torch.testing.assert_close(got.double(), exact, rtol=1.6e-2, atol=1.6e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_small_ops_at_scale(variant):
+    scores = torch.randn(T_GPU, E_GPU, device="cuda")
+    scores[:, 100] = scores[:, 7]  # exact ties
+    assert torch.equal(moe.topk_gate(scores, K_GPU), ref.topk_gate_ref(scores, K_GPU))
+    idx = random_topk(T_GPU, K_GPU, E_GPU)
+    assert torch.equal(moe.group_count(idx, E_GPU), ref.group_count_ref(idx, E_GPU))
+    assert torch.equal(moe.aux_fi(idx, E_GPU, K_GPU), ref.aux_fi_ref(idx, E_GPU, K_GPU))
+    w = torch.rand(T_GPU, K_GPU, device="cuda")
+    (d, n), (d_ref, n_ref) = moe.normalize_weight(w), ref.normalize_weight_ref(w)
+    assert torch.equal(d, d_ref) and torch.equal(n, n_ref)
+
+
+@pytest.mark.gpu
+def test_gpu_too_small_p_triggers_a_device_assert_in_a_subprocess():
+    # A device-side assert poisons the CUDA context, so it runs in its own process.
+    code = (
+        "import sys, torch; from pathlib import Path; from kernelhub.hub import get_local_kernel;"
+        f"moe = get_local_kernel(Path({str(Path(__file__).resolve().parents[1])!r}));"
+        "idx = torch.randint(0, 8, (256, 4), device='cuda');"
+        "moe.get_fused_mapping(idx, 8, 100, 1); torch.cuda.synchronize(); print('NO ASSERT')"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert res.returncode != 0 and "NO ASSERT" not in res.stdout
+    assert "assert" in (res.stderr + res.stdout).lower()

@@ -1,0 +1,254 @@
+"""SwiGLU entry points: validate -> allocate on the input's device -> guard -> pick variant -> launch.
+
+`swiglu(gate, up)` and `swiglu_packed(x)` compute silu(gate) * up in fp32 with one rounding,
+forward and backward (the backward recomputes the activation and allocates only the gradients).
+The variant is chosen per call from the capability of the input's own device index (>= 90:
+`_sm90`, else `_sm80`); CPU tensors run the Triton kernels under TRITON_INTERPRET=1 (tests) and
+the torch reference otherwise. Everything that touches a device lives in this module.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernelhub.device import device_guard, device_properties
+
+from . import _sm80, _sm90
+from ._launcher import CachedLaunch
+from .reference import swiglu_packed_reference, swiglu_reference
+
+__all__ = ["swiglu", "swiglu_packed", "IMPLS"]
+
+IMPLS = ("sm90", "sm80", "reference")
+_SUPPORTED = frozenset({torch.float16, torch.bfloat16, torch.float32})
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# The interpreter has no SMs; 2 keeps the persistent (sm90) grid smaller than the tile count in
+# tests, so its grid-stride loop runs more than once.
+_INTERPRETER_SM_COUNT = 2
+_MAX_CONFIGS = 4096
+
+
+class _Variant:
+    """One generation's kernels, launch configs and cached launchers."""
+
+    def __init__(self, name: str, module) -> None:
+        self.name = name
+        self._config = module.config
+        self._configs: dict[tuple, tuple] = {}
+        self.fwd = CachedLaunch(module.fwd_kernel, module.OPTIONS)
+        self.bwd = CachedLaunch(module.bwd_kernel, module.OPTIONS)
+
+    def config(self, M: int, N: int, elem_bytes: int, sm_count: int) -> tuple[int, int, int, int]:
+        key = (M, N, elem_bytes, sm_count)
+        cfg = self._configs.get(key)
+        if cfg is None:
+            if len(self._configs) >= _MAX_CONFIGS:
+                self._configs.clear()
+            cfg = self._configs[key] = self._config(M, N, elem_bytes, sm_count)
+        return cfg
+
+    def __repr__(self) -> str:
+        return f"<swiglu variant {self.name}>"
+
+
+# ROCm reports capabilities like 94 but takes none of the sm90 options: the generic path there.
+_VARIANTS = {"sm90": _Variant("sm90", _sm90), "sm80": _Variant("sm80", _sm80)}
+if torch.version.hip is not None:
+    _VARIANTS["sm90"] = _VARIANTS["sm80"]
+
+
+def _check_pair(fn: str, gate: object, up: object) -> None:
+    if not isinstance(gate, torch.Tensor):
+        raise TypeError(f"{fn}: `gate` must be a torch.Tensor, got {type(gate).__name__}")
+    if not isinstance(up, torch.Tensor):
+        raise TypeError(f"{fn}: `up` must be a torch.Tensor, got {type(up).__name__}")
+    if gate.dtype not in _SUPPORTED:
+        raise TypeError(f"{fn}: `gate` must be float16, bfloat16 or float32, got {gate.dtype}")
+    if up.dtype != gate.dtype:
+        raise TypeError(f"{fn}: `up` must have dtype {gate.dtype} like `gate`, got {up.dtype}")
+    if up.device != gate.device:
+        raise ValueError(f"{fn}: `up` must be on {gate.device} like `gate`, got {up.device}")
+    if up.shape != gate.shape:
+        raise ValueError(
+            f"{fn}: `up` must have the shape of `gate` {tuple(gate.shape)}, got {tuple(up.shape)}"
+        )
+    if gate.dim() == 0:
+        raise ValueError(f"{fn}: `gate` must have at least one dimension, got a 0-d tensor")
+
+
+def _check_packed(x: object) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"swiglu_packed: `x` must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _SUPPORTED:
+        raise TypeError(f"swiglu_packed: `x` must be float16, bfloat16 or float32, got {x.dtype}")
+    if x.dim() == 0 or x.shape[-1] % 2:
+        raise ValueError(
+            f"swiglu_packed: `x` must have an even last dimension [..., 2I], got shape {tuple(x.shape)}"
+        )
+
+
+def _resolve(fn: str, x: torch.Tensor, impl: str | None) -> _Variant | None:
+    """The variant for x's device (None: the torch reference)."""
+    if impl is None:
+        if x.is_cuda:
+            return _VARIANTS["sm90" if device_properties(x.device).capability >= 90 else "sm80"]
+        return _VARIANTS["sm80"] if _INTERPRET else None
+    if impl == "reference":
+        return None
+    variant = _VARIANTS.get(impl) if isinstance(impl, str) else None
+    if variant is None:
+        raise ValueError(f"{fn}: `impl` must be one of {IMPLS} or None, got {impl!r}")
+    if not x.is_cuda and not _INTERPRET:
+        raise ValueError(f"{fn}: `impl` {impl!r} needs a CUDA tensor (or TRITON_INTERPRET=1), got {x.device}")
+    return variant
+
+
+def _rows(shape: torch.Size, strides: tuple[int, ...]) -> tuple[int, int] | None:
+    """(M, row stride) of a [..., N] tensor seen as [M, N] without a copy, or None if impossible."""
+    if len(shape) == 2:
+        return shape[0], strides[0]
+    M, stride_m = 1, 0
+    for size, st in zip(reversed(shape[:-1]), reversed(strides[:-1]), strict=True):
+        if size == 1:
+            continue
+        if M == 1:
+            M, stride_m = size, st
+        elif st == stride_m * M:
+            M *= size
+        else:
+            return None
+    return M, stride_m
+
+
+def _launch(variant: _Variant, backward: bool, tensors: tuple[torch.Tensor, ...], sm_count: int,
+            device_index: int) -> None:
+    """Launch over [..., N] tensors (inputs then outputs) viewed as rows; loop where no view exists."""
+    shape = tensors[0].shape
+    N = shape[-1]
+    rows = [_rows(shape, t.stride()) for t in tensors]
+    if None in rows:
+        # leading dims that no single row stride spans (rare): one launch per outer index
+        for i in range(shape[0]):
+            _launch(variant, backward, tuple(t[i] for t in tensors), sm_count, device_index)
+        return
+    M = rows[0][0]
+    block_m, block_n, num_warps, grid = variant.config(M, N, tensors[0].element_size(), sm_count)
+    if backward:
+        dy, g, u, dg, du = tensors
+        ints = (M, N, rows[0][1], dy.stride(-1), rows[1][1], g.stride(-1), rows[2][1], u.stride(-1),
+                rows[3][1], rows[4][1])
+        launcher = variant.bwd
+    else:
+        g, u, _ = tensors
+        ints = (M, N, rows[0][1], g.stride(-1), rows[1][1], u.stride(-1), rows[2][1])
+        launcher = variant.fwd
+    launcher(grid, num_warps, device_index, tensors, ints, (block_m, block_n, N % block_n == 0))
+
+
+def _run(variant: _Variant, backward: bool, tensors: tuple[torch.Tensor, ...]) -> None:
+    """Launch inside the guard of the tensors' device, on its current stream."""
+    x = tensors[0]
+    if x.numel() == 0:
+        return
+    if not x.is_cuda:
+        _launch(variant, backward, tensors, _INTERPRETER_SM_COUNT, -1)
+        return
+    with device_guard(x.device) as dev:
+        _launch(variant, backward, tensors, device_properties(dev).sm_count, dev.index)
+
+
+def _forward(variant: _Variant, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    _run(variant, False, (gate, up, out))
+    return out
+
+
+def _grad_output(dy: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    if dy.dtype != like.dtype or dy.device != like.device:
+        dy = dy.to(device=like.device, dtype=like.dtype)
+    return dy
+
+
+class _SwiGLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, variant: _Variant) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        ctx.variant = variant
+        return _forward(variant, gate, up)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        dy = _grad_output(dy, gate)
+        dg = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        du = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+        _run(ctx.variant, True, (dy, gate, up, dg, du))
+        return dg, du, None
+
+
+class _SwiGLUPackedFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, variant: _Variant) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.variant = variant
+        n = x.shape[-1] // 2
+        return _forward(variant, x.narrow(-1, 0, n), x.narrow(-1, n, n))
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        dy = _grad_output(dy, x)
+        n = x.shape[-1] // 2
+        # one [..., 2I] gradient; its two halves are written in place by the kernel
+        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        _run(ctx.variant, True, (dy, x.narrow(-1, 0, n), x.narrow(-1, n, n), dx.narrow(-1, 0, n),
+                                 dx.narrow(-1, n, n)))
+        return dx, None
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
+    """silu(gate) * up, computed in fp32 and rounded once; differentiable.
+
+    Args:
+        gate: [..., I], float16/bfloat16/float32, any strides (a `chunk` view works, no copy).
+        up: same shape, dtype and device as `gate`.
+        impl: None picks by the capability of `gate`'s device (>= 90: "sm90", else "sm80");
+            "sm90"/"sm80" force a Triton variant (CUDA, or CPU under TRITON_INTERPRET=1),
+            "reference" the torch reference.
+
+    Returns:
+        [..., I] contiguous, dtype and device of `gate`.
+
+    Raises:
+        TypeError: not tensors, unsupported dtype, or dtypes differ.
+        ValueError: devices or shapes differ, 0-d input, unknown `impl`.
+    """
+    _check_pair("swiglu", gate, up)
+    variant = _resolve("swiglu", gate, impl)
+    if variant is None:
+        return swiglu_reference(gate, up)
+    if (gate.requires_grad or up.requires_grad) and torch.is_grad_enabled():
+        return _SwiGLUFunction.apply(gate, up, variant)
+    return _forward(variant, gate, up)
+
+
+def swiglu_packed(x: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
+    """`swiglu` of x's halves: gate = x[..., :I], up = x[..., I:] (views, no copies).
+
+    Args:
+        x: [..., 2I], float16/bfloat16/float32, any strides.
+        impl: as for `swiglu`.
+
+    Returns:
+        [..., I] contiguous; the gradient is one [..., 2I] tensor.
+    """
+    _check_packed(x)
+    variant = _resolve("swiglu_packed", x, impl)
+    if variant is None:
+        return swiglu_packed_reference(x)
+    if x.requires_grad and torch.is_grad_enabled():
+        return _SwiGLUPackedFunction.apply(x, variant)
+    n = x.shape[-1] // 2
+    return _forward(variant, x.narrow(-1, 0, n), x.narrow(-1, n, n))

@@ -1,0 +1,344 @@
+"""SwiGLU kernels vs the fp32 reference on the CPU (Triton interpreter), plus GPU tests (`gpu`)."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import fake_cuda_tensor
+from kernelhub.hub import get_local_kernel
+
+kernel = get_local_kernel(Path(__file__).resolve().parents[1])
+ops = kernel.ops
+layers = kernel.layers
+
+TOL = {  # (rtol, atol) per dtype, KERNELS.md
+    torch.float32: (1e-5, 1e-6),
+    torch.float16: (1e-3, 1e-5),
+    torch.bfloat16: (1.6e-2, 1e-5),
+}
+DTYPES = list(TOL)
+IMPLS = ["sm80", "sm90"]
+
+
+def _rand(shape, dtype, device="cpu"):
+    return torch.randn(shape, dtype=torch.float32, device=device).to(dtype)
+
+
+def _reference(gate, up, dy=None):
+    """fp32 forward (and grads) on the dtype-rounded inputs, through torch autograd."""
+    g = gate.detach().float().requires_grad_()
+    u = up.detach().float().requires_grad_()
+    y = F.silu(g) * u
+    if dy is None:
+        return y
+    y.backward(dy.float())
+    return y, g.grad, u.grad
+
+
+def _close(actual, expected, dtype):
+    rtol, atol = TOL[dtype]
+    assert not torch.isnan(actual).any()
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(37, 200), (2, 3, 64), (1, 48), (3, 4100), (130,)])
+def test_forward_and_grads_match_fp32_reference(impl, dtype, shape):
+    gate = _rand(shape, dtype).requires_grad_()
+    up = _rand(shape, dtype).requires_grad_()
+    dy = _rand(shape, dtype)
+    out = ops.swiglu(gate, up, impl=impl)
+    out.backward(dy)
+    ref, ref_dg, ref_du = _reference(gate, up, dy)
+    assert out.dtype == dtype and out.shape == gate.shape and out.is_contiguous()
+    _close(out, ref, dtype)
+    _close(gate.grad, ref_dg, dtype)
+    _close(up.grad, ref_du, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sm90_and_sm80_paths_are_bit_identical(dtype):
+    # different schedules (persistent grid-stride vs one tile per program), same tile math
+    gate, up, dy = (_rand((45, 320), dtype) for _ in range(3))
+    a = ops.swiglu(gate, up, impl="sm90")
+    b = ops.swiglu(gate, up, impl="sm80")
+    assert torch.equal(a, b)
+    da, ua = torch.full_like(gate, float("nan")), torch.full_like(gate, float("nan"))
+    db, ub = torch.full_like(gate, float("nan")), torch.full_like(gate, float("nan"))
+    ops._run(ops._VARIANTS["sm90"], True, (dy, gate, up, da, ua))
+    ops._run(ops._VARIANTS["sm80"], True, (dy, gate, up, db, ub))
+    assert not torch.isnan(da).any() and not torch.isnan(ua).any()
+    assert torch.equal(da, db) and torch.equal(ua, ub)
+
+
+def test_sm90_persistent_grid_is_smaller_than_tile_count_on_cpu():
+    # the grid-stride loop only runs more than once if the grid is smaller than the tile count
+    bm, bn, _, grid = ops._VARIANTS["sm90"].config(45, 320, 2, ops._INTERPRETER_SM_COUNT)
+    tiles = -(-45 // bm) * -(-320 // bn)
+    assert grid < tiles
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_strided_inputs(impl, dtype):
+    base_g = _rand((40, 2 * 96), dtype)
+    base_u = _rand((96, 40), dtype)
+    gate = base_g[:, ::2]  # column stride 2
+    up = base_u.t()  # transposed: column stride 40, row stride 1
+    out = ops.swiglu(gate, up, impl=impl)
+    _close(out, _reference(gate, up), dtype)
+    # leading dims that no single row stride spans: [6, 4, 32] permuted from [4, 6, 32]
+    g3 = _rand((4, 6, 32), dtype).permute(1, 0, 2)
+    u3 = _rand((6, 4, 32), dtype)
+    assert ops._rows(g3.shape, g3.stride()) is None
+    g3.requires_grad_()
+    u3.requires_grad_()
+    dy = _rand((6, 4, 32), dtype).expand(6, 4, 32)
+    y = ops.swiglu(g3, u3, impl=impl)
+    y.backward(dy)
+    ref, rdg, rdu = _reference(g3, u3, dy)
+    _close(y, ref, dtype)
+    _close(g3.grad, rdg, dtype)
+    _close(u3.grad, rdu, dtype)
+
+
+def test_expanded_grad_output_from_sum():
+    gate = _rand((8, 48), torch.float32).requires_grad_()
+    up = _rand((8, 48), torch.float32).requires_grad_()
+    ops.swiglu(gate, up).sum().backward()  # dy is a stride-0 expanded tensor
+    _, rdg, rdu = _reference(gate, up, torch.ones(8, 48))
+    _close(gate.grad, rdg, torch.float32)
+    _close(up.grad, rdu, torch.float32)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_packed_matches_reference_and_chunk_view(impl, dtype):
+    x = _rand((3, 5, 2 * 72), dtype).requires_grad_()
+    dy = _rand((3, 5, 72), dtype)
+    y = ops.swiglu_packed(x, impl=impl)
+    y.backward(dy)
+    gate, up = x.detach().chunk(2, dim=-1)
+    ref, rdg, rdu = _reference(gate, up, dy)
+    _close(y, ref, dtype)
+    assert x.grad.shape == x.shape
+    _close(x.grad, torch.cat([rdg, rdu], dim=-1), dtype)
+    # the chunk views of a packed tensor go through `swiglu` without a copy, same bits
+    assert torch.equal(ops.swiglu(gate, up, impl=impl), y.detach())
+
+
+def test_packed_input_that_is_itself_strided():
+    x = _rand((16, 160), torch.float16)[:, :80]  # row stride 160, width 2I = 80
+    y = ops.swiglu_packed(x)
+    g, u = x.chunk(2, -1)
+    _close(y, _reference(g, u), torch.float16)
+
+
+@pytest.mark.parametrize("impl", IMPLS + ["reference"])
+def test_empty_inputs(impl):
+    for shape in [(0, 64), (4, 0), (2, 0, 8)]:
+        gate = torch.randn(shape, requires_grad=True)
+        up = torch.randn(shape, requires_grad=True)
+        y = ops.swiglu(gate, up, impl=impl)
+        assert y.shape == gate.shape
+        y.sum().backward()
+        assert gate.grad.shape == gate.shape and up.grad.shape == up.shape
+    x = torch.randn(0, 10, requires_grad=True)
+    y = ops.swiglu_packed(x, impl=impl)
+    assert y.shape == (0, 5)
+    y.sum().backward()
+    assert x.grad.shape == (0, 10)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_deterministic_and_inputs_not_mutated(impl):
+    gate, up, dy = (_rand((33, 96), torch.bfloat16) for _ in range(3))
+    saved = [t.clone() for t in (gate, up, dy)]
+    results = []
+    for _ in range(2):
+        g = gate.clone().requires_grad_()
+        u = up.clone().requires_grad_()
+        y = ops.swiglu(g, u, impl=impl)
+        y.backward(dy)
+        results.append((y, g.grad, u.grad))
+        assert torch.equal(g.detach(), gate) and torch.equal(u.detach(), up)
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+    for t, s in zip((gate, up, dy), saved, strict=True):
+        assert torch.equal(t, s)
+
+
+def test_cpu_default_path_is_the_triton_interpreter_sm80():
+    x = torch.randn(2, 64)
+    assert ops._resolve("swiglu", x, None).name == "sm80"
+    assert ops._resolve("swiglu", x, "reference") is None
+
+
+def test_variant_chosen_per_device_index(fake_gpus):
+    # cuda:0 is sm80, cuda:1 sm90 (conftest); each tensor gets its own device's variant
+    assert ops._resolve("swiglu", fake_cuda_tensor((2, 8), 0), None).name == "sm80"
+    assert ops._resolve("swiglu", fake_cuda_tensor((2, 8), 1), None).name == "sm90"
+    assert ops._resolve("swiglu", fake_cuda_tensor((2, 8), 1), "sm80").name == "sm80"
+    assert ops._resolve("swiglu", fake_cuda_tensor((2, 8), 0), "sm90").name == "sm90"
+
+
+def test_launch_runs_on_the_input_device_and_restores_current(fake_gpus, monkeypatch):
+    seen = []
+
+    def record(variant, backward, tensors, sm_count, device_index):
+        seen.append((variant.name, backward, fake_gpus.current, device_index, sm_count,
+                     {t.device for t in tensors}))
+
+    monkeypatch.setattr(ops, "_launch", record)
+    x = fake_cuda_tensor((4, 64), 1, torch.bfloat16)
+    with x.fake_mode:
+        y = ops.swiglu_packed(x)
+        assert y.device == torch.device("cuda", 1) and y.shape == (4, 32)
+        # backward: the same guard, and the gradient allocated on x's device
+        ctx = types.SimpleNamespace(saved_tensors=(x,), variant=ops._VARIANTS["sm90"])
+        dx, _ = ops._SwiGLUPackedFunction.backward(ctx, torch.empty((4, 32), dtype=torch.bfloat16,
+                                                                    device=x.device))
+        assert dx.device == x.device and dx.shape == x.shape
+        g0 = fake_cuda_tensor((4, 32), 0, torch.float16)
+        ops.swiglu(g0, fake_cuda_tensor((4, 32), 0, torch.float16))
+    cuda1 = {torch.device("cuda", 1)}
+    assert seen[0] == ("sm90", False, 1, 1, 132, cuda1)
+    assert seen[1] == ("sm90", True, 1, 1, 132, cuda1)
+    assert seen[2] == ("sm80", False, 0, 0, 108, {torch.device("cuda", 0)})
+    assert fake_gpus.current == 0
+    assert fake_gpus.set_calls == [1, 0, 1, 0]  # made current for each launch, then restored
+
+
+# ---------------------------------------------------------------- errors
+
+def test_errors_name_the_function_and_argument(fake_gpus):
+    g = torch.randn(4, 8)
+    a, b = fake_cuda_tensor((4, 8), 0), fake_cuda_tensor((4, 8), 1)
+    cases = [
+        (TypeError, r"swiglu: `gate` must be a torch.Tensor", lambda: ops.swiglu([1.0], g)),
+        (TypeError, r"swiglu: `up` must be a torch.Tensor", lambda: ops.swiglu(g, None)),
+        (TypeError, r"swiglu: `gate` must be float16, bfloat16 or float32, got torch.float64",
+         lambda: ops.swiglu(g.double(), g.double())),
+        (TypeError, r"`gate` must be float16.*torch.int32", lambda: ops.swiglu(g.int(), g.int())),
+        (TypeError, r"swiglu: `up` must have dtype torch.float32 like `gate`, got torch.bfloat16",
+         lambda: ops.swiglu(g, g.bfloat16())),
+        (ValueError, r"swiglu: `up` must have the shape of `gate` \(4, 8\), got \(4, 9\)",
+         lambda: ops.swiglu(g, torch.randn(4, 9))),
+        (ValueError, r"swiglu: `up` must be on cpu like `gate`, got meta",
+         lambda: ops.swiglu(g, torch.empty(4, 8, device="meta"))),
+        (ValueError, r"`up` must be on cuda:0 like `gate`, got cuda:1", lambda: ops.swiglu(a, b)),
+        (ValueError, r"swiglu: `gate` must have at least one dimension",
+         lambda: ops.swiglu(torch.tensor(1.0), torch.tensor(1.0))),
+        (ValueError, r"swiglu: `impl` must be one of", lambda: ops.swiglu(g, g, impl="sm70")),
+        (ValueError, r"swiglu_packed: `x` must have an even last dimension",
+         lambda: ops.swiglu_packed(torch.randn(4, 7))),
+        (TypeError, r"swiglu_packed: `x` must be float16, bfloat16 or float32",
+         lambda: ops.swiglu_packed(torch.randn(4, 8).double())),
+        (TypeError, r"swiglu_packed: `x` must be a torch.Tensor", lambda: ops.swiglu_packed(3)),
+    ]
+    for exc, pattern, call in cases:
+        with pytest.raises(exc, match=pattern):
+            call()
+
+
+# ---------------------------------------------------------------- layers on a real transformers MLP
+
+def _llama_mlp(dtype, act="silu"):
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=200, hidden_act=act,
+                                   num_hidden_layers=1, num_attention_heads=4, vocab_size=32)
+    torch.manual_seed(0)
+    return LlamaMLP(cfg).to(dtype)
+
+
+MLP_LAYERS = ["SwiGLUMLP", "SwiGLUMLPSm90", "SwiGLUMLPSm80", "SwiGLUMLPReference"]
+
+
+@pytest.mark.parametrize("name", MLP_LAYERS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mlp_layer_replaces_llama_forward(name, dtype):
+    mlp = _llama_mlp(dtype)
+    layer = getattr(layers, name)
+    assert layer.has_backward is True and isinstance(layer.can_torch_compile, bool)
+    assert list(layer().parameters()) == [] and list(layer().buffers()) == []
+    x = _rand((2, 5, 64), dtype)
+    expected = mlp(x)
+    expected.float().sum().backward()
+    host_grads = [p.grad.clone() for p in mlp.parameters()]
+    mlp.zero_grad()
+    mlp.forward = types.MethodType(layer.forward, mlp)  # what kernelize does
+    out = mlp(x)
+    out.float().sum().backward()
+    rtol, atol = (1.3e-6, 1e-5) if dtype == torch.float32 else (1.6e-2, 1e-2)
+    torch.testing.assert_close(out, expected, rtol=rtol, atol=atol)
+    for p, hg in zip(mlp.parameters(), host_grads, strict=True):
+        torch.testing.assert_close(p.grad, hg, rtol=rtol, atol=atol * 10)
+
+
+def test_mlp_layer_keeps_a_non_silu_host_activation():
+    mlp = _llama_mlp(torch.float32, act="gelu")
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layers.SwiGLUMLP.forward(mlp, x), mlp(x))
+
+
+@pytest.mark.parametrize("name", ["SiluAndMul", "SiluAndMulSm90", "SiluAndMulSm80", "SiluAndMulReference"])
+def test_silu_and_mul_layers(name):
+    layer = getattr(layers, name)
+    assert layer.has_backward is True
+    host = torch.nn.Module()
+    x = _rand((3, 2 * 40), torch.bfloat16)
+    g, u = x.chunk(2, -1)
+    _close(layer.forward(host, x), _reference(g, u), torch.bfloat16)
+
+
+# ---------------------------------------------------------------- GPU (TRITON_INTERPRET=0 pytest -m gpu)
+
+GPU_SHAPES = [(4096, 6144), (64, 14336), (1, 11008), (333, 4100)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+def test_gpu_variants_match_reference(impl, dtype, shape):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x = _rand((shape[0], 2 * shape[1]), dtype, dev).requires_grad_()
+    dy = _rand(shape, dtype, dev)
+    for _ in range(2):  # the second call takes the cached launch
+        x.grad = None
+        y = ops.swiglu_packed(x, impl=impl)
+        y.backward(dy)
+        g, u = x.detach().chunk(2, -1)
+        ref, rdg, rdu = _reference(g, u, dy)
+        _close(y, ref, dtype)
+        _close(x.grad, torch.cat([rdg, rdu], -1), dtype)
+    # a misaligned view after an aligned one must not reuse the aligned specialization
+    g1, u1 = (_rand((shape[0] * shape[1] + 1,), dtype, dev)[1:].view(shape) for _ in range(2))
+    _close(ops.swiglu(g1, u1, impl=impl), _reference(g1, u1), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gpu_work_lands_on_the_current_stream(impl):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gate, up = (_rand((2048, 4096), torch.bfloat16, dev) for _ in range(2))
+    ops.swiglu(gate, up, impl=impl)  # compile and cache outside the capture
+    side = torch.cuda.Stream(dev)
+    graph = torch.cuda.CUDAGraph()
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        # capture fails (or records nothing) unless the launch goes to the capturing stream
+        with torch.cuda.graph(graph, stream=side):
+            out = ops.swiglu(gate, up, impl=impl)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize(dev)
+    _close(out, _reference(gate, up), torch.bfloat16)

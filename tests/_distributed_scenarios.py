@@ -1,0 +1,224 @@
+"""Per-rank bodies of the distributed tests (run by `_distributed_harness.run_ranks`).
+
+Each returns plain data (CPU tensors, strings) so the parent test asserts on it; expected errors
+are caught here and returned as (type name, message), unexpected ones fail the run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from kernelhub.distributed import (
+    ExpertParallelMoE,
+    SymmetricHeap,
+    ep_moe,
+    local_expert_range,
+    reference_experts,
+)
+
+# (shape, dtype) of the allocations the peer tests make: mixed sizes so alignment matters.
+LAYOUT = [((3, 5), torch.float32), ((7,), torch.int64), ((4, 4), torch.bfloat16), ((3,), torch.uint8)]
+
+
+def pattern(rank: int, index: int, shape, dtype) -> torch.Tensor:
+    """What `rank` writes into its allocation number `index`: distinct per rank and allocation."""
+    n = 1
+    for d in shape:
+        n *= d
+    values = torch.arange(n, dtype=torch.float64) % 50 + 1000 * rank + 100 * index
+    if dtype == torch.uint8:
+        values = (torch.arange(n) + 40 * rank + 7 * index) % 256
+    return values.reshape(shape).to(dtype)
+
+
+def _caught(fn) -> tuple[str, str]:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test asserts on the type name
+        return type(e).__name__, str(e)
+    return "no error", ""
+
+
+def peer_reads_and_writes(rank: int, world: int, device: str = "cpu") -> dict[str, Any]:
+    dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
+    out: dict[str, Any] = {}
+    with SymmetricHeap(1 << 14, device=dev) as heap:
+        ts = [heap.allocate(shape, dtype, tag=f"t{i}") for i, (shape, dtype) in enumerate(LAYOUT)]
+        for i, t in enumerate(ts):
+            t.copy_(pattern(rank, i, t.shape, t.dtype))
+        heap.barrier()
+        # Reads: every peer's allocation i, through peer() of the local one.
+        out["reads"] = {(r, i): heap.peer(t, r).cpu().clone() for r in range(world) for i, t in enumerate(ts)}
+        out["strided"] = {r: heap.peer(ts[0][1:, ::2], r).cpu().clone() for r in range(world)}
+        out["same_ptr"] = heap.peer(ts[0], rank).data_ptr() == ts[0].data_ptr()
+        out["offsets"] = [a.offset for a in heap.allocations]
+        heap.barrier()
+        # Writes: rank r writes -(r+1) into row r of allocation 0 on rank (r+1) % world.
+        dst = (rank + 1) % world
+        heap.peer(ts[0], dst)[rank % 3].fill_(-(rank + 1))
+        heap.barrier()
+        out["after_write"] = [t.cpu().clone() for t in ts]
+    out["closed"] = heap.closed
+    return out
+
+
+def divergent_allocation(rank: int, world: int, at: int, via: str = "allocate") -> dict[str, Any]:
+    """The last rank allocates a private scratch buffer before allocation number `at`."""
+    heap = SymmetricHeap(1 << 14)
+    outcome = {"check": heap.check_symmetry}
+
+    def body():
+        for i in range(3):
+            if i == at and rank == world - 1:
+                heap.allocate(64, torch.uint8, tag="scratch")
+            heap.allocate((8, 32), torch.float32, tag=f"a{i}")
+        if via == "barrier":
+            heap.barrier()
+        elif via == "close":
+            heap.close()
+
+    outcome["error"] = _caught(body)
+    outcome["allocations"] = len(heap.allocations)
+    heap._release()  # the heap is broken; release locally, without collectives
+    return outcome
+
+
+def alignment_and_full(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with SymmetricHeap(1000, alignment=128) as heap:
+        heap.allocate(3, torch.uint8)
+        heap.allocate(5, torch.float32)
+        heap.allocate((2, 2), torch.float64)
+        out["offsets_128"] = [a.offset for a in heap.allocations]
+        out["full"] = _caught(lambda: heap.allocate(700, torch.uint8, tag="big"))
+        out["count_after_full"] = len(heap.allocations)
+        last = heap.allocate(1000 - 384, torch.uint8)  # exactly fills the heap
+        out["last_offset"] = heap.allocations[-1].offset
+        out["last_numel"] = last.numel()
+        out["after_exact_fill"] = _caught(lambda: heap.allocate(1, torch.uint8))
+    with SymmetricHeap(64, alignment=1) as heap:
+        heap.allocate(3, torch.uint8)
+        heap.allocate(1, torch.float64)  # dtype alignment still applies
+        heap.allocate(1, torch.int16)
+        out["offsets_1"] = [a.offset for a in heap.allocations]
+    return out
+
+
+def mismatched_settings(rank: int, world: int) -> tuple[str, str]:
+    return _caught(lambda: SymmetricHeap(1024 + 256 * (rank == 1)))
+
+
+def moe_case(world: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """Weights and per-rank routed tokens; identical in the parent and every rank (seeded).
+
+    One rank has no tokens; with 4 ranks nothing is routed to the last rank's experts (it receives
+    no rows); a few slots are -1 ("no expert").
+    """
+    g = torch.Generator().manual_seed(seed)
+    E, H, I, K = 8, 16, 12, 3
+    gate_up = (torch.randn(E, 2 * I, H, generator=g) * H**-0.5).to(dtype)
+    down = (torch.randn(E, H, I, generator=g) * I**-0.5).to(dtype)
+    allowed = torch.arange(E) if world < 4 else torch.arange(E - E // world)
+    ranks = []
+    for r in range(world):
+        T = 0 if (world > 2 and r == 1) else 5 + 3 * r
+        rows = [allowed[torch.randperm(len(allowed), generator=g)[:K]] for _ in range(T)]
+        idx = torch.stack(rows) if rows else torch.empty(0, K, dtype=torch.int64)
+        if T:
+            idx[0, 1] = -1
+            idx[T // 2, 0] = -1
+        ranks.append(
+            {
+                "x": torch.randn(T, H, generator=g).to(dtype),
+                "topk_idx": idx,
+                "topk_weights": torch.rand(T, K, generator=g),
+                "grad_out": torch.randn(T, H, generator=g).to(dtype),
+            }
+        )
+    return {"gate_up_proj": gate_up, "down_proj": down, "num_experts": E, "ranks": ranks}
+
+
+def ep_forward_backward(
+    rank: int, world: int, device: str = "cpu", experts: str = "reference", dtype: str = "float32"
+) -> dict:
+    dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+    case = moe_case(world, dtype=getattr(torch, dtype))
+    mine = {k: v.to(dev) for k, v in case["ranks"][rank].items()}
+    E = case["num_experts"]
+    start, end = local_expert_range(rank, E, world)
+    experts_fn = None
+    if experts == "fused":
+        from pathlib import Path
+
+        from kernelhub.hub import get_local_kernel
+
+        experts_fn = get_local_kernel(
+            Path(__file__).resolve().parents[1] / "kernels_repo" / "moe"
+        ).fused_experts
+    x = mine["x"].clone().requires_grad_()
+    w = mine["topk_weights"].clone().requires_grad_()
+    gate_up = case["gate_up_proj"][start:end].to(dev).requires_grad_()
+    down = case["down_proj"][start:end].to(dev).requires_grad_()
+    out = ep_moe(x, mine["topk_idx"], w, gate_up, down, E, experts_fn=experts_fn)
+    (out * mine["grad_out"]).sum().backward()
+    module = ExpertParallelMoE.from_full(case["gate_up_proj"].to(dev), case["down_proj"].to(dev))
+    with torch.no_grad():
+        module_out = module(mine["x"], mine["topk_idx"], mine["topk_weights"])
+    return {
+        "out": out.detach().cpu(),
+        "module_out": module_out.cpu(),
+        "grad_x": x.grad.cpu(),
+        "grad_w": w.grad.cpu(),
+        "grad_gate_up": gate_up.grad.cpu(),
+        "grad_down": down.grad.cpu(),
+        "backend": dist.get_backend(),
+    }
+
+
+def single_process_moe(case: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
+    """The oracle: every rank's tokens through all E experts in one process, with grads."""
+    gate_up = case["gate_up_proj"].clone().requires_grad_()
+    down = case["down_proj"].clone().requires_grad_()
+    xs, ws, outs, loss = [], [], [], 0
+    for r in case["ranks"]:
+        x = r["x"].clone().requires_grad_()
+        w = r["topk_weights"].clone().requires_grad_()
+        out = reference_experts(x, gate_up, down, r["topk_idx"], w)
+        loss = loss + (out * r["grad_out"]).sum()
+        xs.append(x)
+        ws.append(w)
+        outs.append(out.detach())
+    loss.backward()
+    zeros = torch.zeros_like
+    return [
+        {
+            "out": outs[i],
+            "grad_x": xs[i].grad if xs[i].grad is not None else zeros(xs[i]),
+            "grad_w": ws[i].grad if ws[i].grad is not None else zeros(ws[i]),
+            "grad_gate_up": gate_up.grad,
+            "grad_down": down.grad,
+        }
+        for i in range(len(xs))
+    ]
+
+
+def invalid_routing(rank: int, world: int) -> tuple[str, str]:
+    case = moe_case(world)
+    mine = case["ranks"][rank]
+    idx = mine["topk_idx"].clone()
+    if rank == 1:
+        idx[0, 0] = case["num_experts"]  # out of range on rank 1 only
+    per = case["num_experts"] // world
+    return _caught(
+        lambda: ep_moe(
+            mine["x"],
+            idx,
+            mine["topk_weights"],
+            case["gate_up_proj"][:per],
+            case["down_proj"][:per],
+            case["num_experts"],
+        )
+    )
