@@ -184,3 +184,23 @@ def test_report_prints_what_each_module_gets_per_device(tmp_path, capsys):
     assert "== cpu ==" in out
     assert out.count("mlp") >= 2  # both decoder layers' MLPs are listed
     assert "TinyScale" in out  # the config's choice reached kernelize
+
+
+KERNELS_REPO = Path(__file__).resolve().parents[1] / "kernels_repo"
+
+
+@pytest.mark.parametrize("kernel", sorted(p.name for p in KERNELS_REPO.iterdir()) if KERNELS_REPO.is_dir() else [])
+def test_bundled_kernel_repositories_pass_check(kernel, capsys):
+    assert main(["check", str(KERNELS_REPO / kernel)]) == 0, capsys.readouterr().err
+
+
+def test_bundled_swiglu_publishes_and_loads_from_the_hub(hub, tmp_path, monkeypatch):
+    if not (KERNELS_REPO / "swiglu").is_dir():
+        pytest.skip("kernels_repo/swiglu not on this branch")
+    from kernelhub.hub import LayerRepository
+
+    src = tmp_path / "swiglu"
+    shutil.copytree(KERNELS_REPO / "swiglu", src, ignore=shutil.ignore_patterns("__pycache__"))
+    assert main(["upload", str(src), "--repo-id", "kernels-community/swiglu"]) == 0
+    layer = LayerRepository("kernels-community/swiglu", layer_name="SwiGLUMLPReference", version=1).load()
+    assert layer.__name__ == "SwiGLUMLPReference" and "snapshots" in sys.modules[layer.__module__].__file__

@@ -1,6 +1,7 @@
 """`kernelhub check DIR`: validate a kernel repository's layout before it is published.
 
-Checked: `kernel.toml` has `name` (identifier), `version` (int >= 1), `layers` (non-empty list);
+Checked: `kernel.toml` (top level or `[general]`) has `name` (identifier), `version` (int >= 1) and
+`layers` (a non-empty list, or a `[layers]` table keyed by layer name);
 `build/` has at least one variant, each a valid variant name holding `<name>/__init__.py`, a
 `metadata.json` (JSON, in the variant or the package directory) and a `layers` module that defines
 every layer named in kernel.toml (read statically; `--import` also imports the package and checks
@@ -47,6 +48,8 @@ def read_manifest(repo: Path) -> KernelManifest:
     data = {**data.get("general", {}), **{k: v for k, v in data.items() if k != "general"}}
     problems = []
     name, version, layers = data.get("name"), data.get("version"), data.get("layers")
+    if isinstance(layers, dict):  # `[layers]` table: {LayerName = {description = ..., has_backward = ...}}
+        layers = list(layers)
     if not isinstance(name, str) or not name.isidentifier():
         problems.append(f"{path}: `name` must be a Python identifier (the package name), got {name!r}")
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
