@@ -255,3 +255,16 @@ def test_variant_parse_reads_every_field():
     assert Variant.parse("torch-universal").backend == "universal"
     with pytest.raises(ValueError, match="unknown backend 'tpu9'"):
         Variant.parse("torch27-tpu9-x86_64-linux")
+
+
+def test_offline_resolves_versions_and_default_from_cached_refs(hub, tmp_path, monkeypatch):
+    _publish(tmp_path, "org/tiny", version=1, factor=2.0)
+    _publish(tmp_path, "org/tiny", version=2, factor=3.0)
+    v1 = get_kernel("org/tiny", version=1, trust_remote_code=True)
+    v2 = get_kernel("org/tiny", version=2, trust_remote_code=True)
+    hub.stop()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert get_kernel("org/tiny", version=1, trust_remote_code=True) is v1
+    assert get_kernel("org/tiny", trust_remote_code=True) is v2  # newest cached vN
+    assert get_kernel("org/tiny", revision=v1.__kernelhub_source__.commit, trust_remote_code=True) is v1
+    assert has_kernel("org/tiny", version=2) and not has_kernel("org/tiny", version=3)

@@ -25,7 +25,13 @@ __all__ = [
     "KernelVariantNotFoundError",
     "KernelVersionNotFoundError",
     "ResolvedKernel",
+    "cache_dir",
+    "choose_variant",
+    "default_repo_type",
+    "endpoint",
     "fetch_variant",
+    "list_variants",
+    "offline",
     "resolve_kernel",
 ]
 
