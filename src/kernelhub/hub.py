@@ -1,15 +1,111 @@
-"""Kernel repositories: where a layer's implementation comes from (local directory or the Hub)."""
+"""Kernel repositories: where a layer's implementation comes from (a local directory, the Hub, a lock).
+
+Every repository kind has the same interface, used by the registry and `kernelize`:
+`.layer_name`, `load() -> type[nn.Module]`, `with_layer_name(name)`, `describe()`, value equality.
+"""
 
 from __future__ import annotations
 
+import os
+import re
+import threading
 from pathlib import Path
 from types import ModuleType
 
 from torch import nn
 
+from kernelhub._fetch import (
+    KernelHubError,
+    KernelNotFoundError,
+    KernelVariantNotFoundError,
+    KernelVersionNotFoundError,
+    ResolvedKernel,
+    default_repo_type,
+    endpoint,
+    list_variants,
+    offline,
+    resolve_kernel,
+)
 from kernelhub._loader import load_kernel_from_dir
+from kernelhub.variants import rank_variants
 
-__all__ = ["LocalLayerRepository", "get_local_kernel"]
+__all__ = [
+    "DEFAULT_TRUSTED_PUBLISHERS",
+    "KernelHubError",
+    "KernelNotFoundError",
+    "KernelVariantNotFoundError",
+    "KernelVersionNotFoundError",
+    "LayerRepository",
+    "LocalLayerRepository",
+    "LockedLayerRepository",
+    "UntrustedKernelError",
+    "get_kernel",
+    "get_local_kernel",
+    "has_kernel",
+    "trusted_publishers",
+]
+
+DEFAULT_TRUSTED_PUBLISHERS = ("kernels-community",)
+_REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_kernel_cache: dict[tuple, ModuleType] = {}
+_cache_lock = threading.Lock()
+
+
+class UntrustedKernelError(KernelHubError, PermissionError):
+    """Hub code from a publisher that is not trusted, without `trust_remote_code=True` or a lock file."""
+
+
+def trusted_publishers() -> frozenset[str]:
+    """Publishers whose Hub kernels are imported without `trust_remote_code`.
+
+    `kernels-community` plus the comma-separated `KERNELHUB_TRUSTED_PUBLISHERS` (read at call time).
+    """
+    extra = os.environ.get("KERNELHUB_TRUSTED_PUBLISHERS", "")
+    return frozenset(DEFAULT_TRUSTED_PUBLISHERS) | {p.strip() for p in extra.split(",") if p.strip()}
+
+
+def _check_repo_id(func: str, repo_id: object) -> str:
+    if not isinstance(repo_id, str) or not _REPO_ID_RE.match(repo_id):
+        raise ValueError(f"{func}: `repo_id` must look like 'org/name', got {repo_id!r}")
+    return repo_id
+
+
+def _check_ref(func: str, revision: object, version: object) -> None:
+    if revision is not None and (not isinstance(revision, str) or not revision):
+        raise TypeError(f"{func}: `revision` must be a non-empty str, got {revision!r}")
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 1):
+        raise TypeError(f"{func}: `version` must be an int >= 1, got {version!r}")
+    if revision is not None and version is not None:
+        raise ValueError(f"{func}: give `revision` or `version`, not both (got {revision!r} and {version!r})")
+
+
+def _check_layer_name(func: str, layer_name: object) -> str:
+    if not isinstance(layer_name, str) or not layer_name.isidentifier():
+        raise ValueError(f"{func}: `layer_name` must be a Python identifier, got {layer_name!r}")
+    return layer_name
+
+
+def _check_trust(repo_id: str, trust_remote_code: bool) -> None:
+    if trust_remote_code:
+        return
+    publisher = repo_id.split("/", 1)[0]
+    trusted = trusted_publishers()
+    if publisher not in trusted:
+        raise UntrustedKernelError(
+            f"get_kernel: {repo_id!r} is from publisher {publisher!r}, which is not trusted "
+            f"(trusted: {sorted(trusted)}). Code from the Hub runs in this process: pass "
+            "trust_remote_code=True, add the publisher to KERNELHUB_TRUSTED_PUBLISHERS (or "
+            "`trusted_publishers` in the kernelhub config), or load it through a lock file."
+        )
+
+
+def _layer_from(kernel: ModuleType, layer_name: str, where: str) -> type[nn.Module]:
+    layers = getattr(kernel, "layers", None)
+    layer = getattr(layers, layer_name, None) if layers is not None else None
+    if layer is None:
+        found = sorted(n for n in dir(layers) if not n.startswith("_")) if layers is not None else []
+        raise AttributeError(f"kernel {where} has no layer {layer_name!r} in its `layers` (found {found})")
+    return layer
 
 
 def get_local_kernel(path: str | Path) -> ModuleType:
@@ -17,22 +113,64 @@ def get_local_kernel(path: str | Path) -> ModuleType:
     return load_kernel_from_dir(path)
 
 
+def get_kernel(
+    repo_id: str, *, revision: str | None = None, version: int | None = None, trust_remote_code: bool = False
+) -> ModuleType:
+    """Download (only the build variant this system runs) and import a kernel from the Hub.
+
+    Args:
+        repo_id: "org/name".
+        revision: a branch, tag or commit. Exclusive with `version`.
+        version: N selects branch `vN` (a log warning says when a newer version exists).
+            Neither given: the newest `vN` branch, else `main`.
+        trust_remote_code: import code from a publisher not in `trusted_publishers()`.
+
+    Raises:
+        UntrustedKernelError, KernelNotFoundError (repo/revision), KernelVersionNotFoundError,
+        KernelVariantNotFoundError.
+    """
+    _check_repo_id("get_kernel", repo_id)
+    _check_ref("get_kernel", revision, version)
+    _check_trust(repo_id, trust_remote_code)
+    resolved = resolve_kernel(repo_id, revision=revision, version=version)
+    return _import_resolved(resolved)
+
+
+def _import_resolved(resolved: ResolvedKernel) -> ModuleType:
+    kernel = load_kernel_from_dir(resolved.path)
+    if not hasattr(kernel, "__kernelhub_source__"):
+        kernel.__kernelhub_source__ = resolved  # for reports: which commit and variant this module is
+    return kernel
+
+
+def has_kernel(repo_id: str, *, revision: str | None = None, version: int | None = None) -> bool:
+    """Whether `repo_id` at that revision/version has a build variant this system can run (no download)."""
+    _check_repo_id("has_kernel", repo_id)
+    _check_ref("has_kernel", revision, version)
+    try:
+        _ref, _commit, names = list_variants(repo_id, revision=revision, version=version)
+    except KernelNotFoundError:
+        return False
+    return bool(rank_variants(names)[0])
+
+
 class LocalLayerRepository:
     """A layer class from a kernel repository on disk (e.g. the bundled `kernels_repo/swiglu`)."""
 
     def __init__(self, path: str | Path, *, layer_name: str):
-        if not isinstance(layer_name, str) or not layer_name:
-            raise ValueError(f"LocalLayerRepository: `layer_name` must be a non-empty str, got {layer_name!r}")
+        if not isinstance(path, (str, Path)) or not str(path):
+            raise TypeError(f"LocalLayerRepository: `path` must be a str or Path, got {path!r}")
         self.path = Path(path)
-        self.layer_name = layer_name
+        self.layer_name = _check_layer_name("LocalLayerRepository", layer_name)
 
     def load(self) -> type[nn.Module]:
-        kernel = get_local_kernel(self.path)
-        layers = getattr(kernel, "layers", None)
-        layer = getattr(layers, self.layer_name, None) if layers is not None else None
-        if layer is None:
-            raise AttributeError(f"kernel at {self.path} has no layer {self.layer_name!r} in its `layers`")
-        return layer
+        return _layer_from(get_local_kernel(self.path), self.layer_name, f"at {self.path}")
+
+    def with_layer_name(self, name: str) -> LocalLayerRepository:
+        return LocalLayerRepository(self.path, layer_name=name)
+
+    def describe(self) -> str:
+        return f"local:{self.path}/{self.layer_name}"
 
     def __repr__(self) -> str:
         return f"LocalLayerRepository({str(self.path)!r}, layer_name={self.layer_name!r})"
@@ -46,3 +184,148 @@ class LocalLayerRepository:
 
     def __hash__(self) -> int:
         return hash((str(self.path.resolve()), self.layer_name))
+
+
+class LayerRepository:
+    """A layer class from a kernel on the Hub, by version (branch `vN`) or revision (branch/tag/commit).
+
+    The kernel is resolved and imported once per process and endpoint; several versions of one
+    kernel load side by side (each snapshot imports under its own module name).
+    """
+
+    def __init__(
+        self,
+        repo_id: str,
+        *,
+        layer_name: str,
+        revision: str | None = None,
+        version: int | None = None,
+        trust_remote_code: bool = False,
+    ):
+        self.repo_id = _check_repo_id("LayerRepository", repo_id)
+        self.layer_name = _check_layer_name("LayerRepository", layer_name)
+        _check_ref("LayerRepository", revision, version)
+        if not isinstance(trust_remote_code, bool):
+            raise TypeError(f"LayerRepository: `trust_remote_code` must be a bool, got {trust_remote_code!r}")
+        self.revision, self.version, self.trust_remote_code = revision, version, trust_remote_code
+
+    def load_kernel(self) -> ModuleType:
+        key = (endpoint(), offline(), default_repo_type(), self.repo_id, self.revision, self.version)
+        with _cache_lock:
+            kernel = _kernel_cache.get(key)
+        if kernel is None:
+            kernel = get_kernel(
+                self.repo_id,
+                revision=self.revision,
+                version=self.version,
+                trust_remote_code=self.trust_remote_code,
+            )
+            with _cache_lock:
+                _kernel_cache[key] = kernel
+        return kernel
+
+    def load(self) -> type[nn.Module]:
+        return _layer_from(self.load_kernel(), self.layer_name, self.describe())
+
+    def with_layer_name(self, name: str) -> LayerRepository:
+        return LayerRepository(
+            self.repo_id,
+            layer_name=name,
+            revision=self.revision,
+            version=self.version,
+            trust_remote_code=self.trust_remote_code,
+        )
+
+    def _ref(self) -> str:
+        return (
+            f"@v{self.version}"
+            if self.version is not None
+            else (f"@{self.revision}" if self.revision else "")
+        )
+
+    def describe(self) -> str:
+        return f"hub:{self.repo_id}{self._ref()}/{self.layer_name}"
+
+    def _key(self) -> tuple:
+        return (self.repo_id, self.layer_name, self.revision, self.version, self.trust_remote_code)
+
+    def __repr__(self) -> str:
+        return (
+            f"LayerRepository({self.repo_id!r}, layer_name={self.layer_name!r}, revision={self.revision!r}, "
+            f"version={self.version!r})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LayerRepository) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(("hub",) + self._key())
+
+
+class LockedLayerRepository:
+    """A layer class from a Hub kernel pinned in a lock file (`kernels.lock`): exact commit, hashed files.
+
+    Loading refuses files whose sha256 differs from the lock. Locked kernels are trusted: the lock
+    is the user's review of that exact code. `lockfile` defaults to `KERNELHUB_LOCKFILE` or
+    `./kernels.lock`; `version`/`revision` choose among several lock entries of one repository.
+    """
+
+    def __init__(
+        self,
+        repo_id: str,
+        *,
+        layer_name: str,
+        lockfile: str | Path | None = None,
+        version: int | None = None,
+        revision: str | None = None,
+    ):
+        self.repo_id = _check_repo_id("LockedLayerRepository", repo_id)
+        self.layer_name = _check_layer_name("LockedLayerRepository", layer_name)
+        if lockfile is not None and not isinstance(lockfile, (str, Path)):
+            raise TypeError(f"LockedLayerRepository: `lockfile` must be a str or Path, got {lockfile!r}")
+        _check_ref("LockedLayerRepository", revision, version)
+        self.lockfile = Path(lockfile) if lockfile is not None else None
+        self.version, self.revision = version, revision
+
+    def load_kernel(self) -> ModuleType:
+        from kernelhub.lock import get_locked_kernel
+
+        return get_locked_kernel(
+            self.repo_id, lockfile=self.lockfile, version=self.version, revision=self.revision
+        )
+
+    def load(self) -> type[nn.Module]:
+        return _layer_from(self.load_kernel(), self.layer_name, self.describe())
+
+    def with_layer_name(self, name: str) -> LockedLayerRepository:
+        return LockedLayerRepository(
+            self.repo_id,
+            layer_name=name,
+            lockfile=self.lockfile,
+            version=self.version,
+            revision=self.revision,
+        )
+
+    def describe(self) -> str:
+        ref = (
+            f"@v{self.version}"
+            if self.version is not None
+            else (f"@{self.revision}" if self.revision else "")
+        )
+        return f"locked:{self.repo_id}{ref}/{self.layer_name}"
+
+    def _key(self) -> tuple:
+        lock = str(self.lockfile.resolve()) if self.lockfile is not None else None
+        return (self.repo_id, self.layer_name, lock, self.version, self.revision)
+
+    def __repr__(self) -> str:
+        return (
+            f"LockedLayerRepository({self.repo_id!r}, layer_name={self.layer_name!r}, "
+            f"lockfile={str(self.lockfile) if self.lockfile else None!r})"
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LockedLayerRepository) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(("locked",) + self._key())

@@ -1,0 +1,7 @@
+"""`python -m kernelhub ...` runs the command line."""
+
+import sys
+
+from kernelhub.cli import main
+
+sys.exit(main())

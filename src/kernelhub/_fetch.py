@@ -1,0 +1,307 @@
+"""Resolve a kernel on the Hub to (commit, build variant) and download just that variant.
+
+Everything that talks to `huggingface_hub` lives here. Settings are read at call time, not import
+time, so `HF_ENDPOINT`, `HF_HUB_CACHE`/`HF_HOME`, `HF_HUB_OFFLINE` and `KERNELHUB_*` set after import
+(tests, notebooks) take effect.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from filelock import FileLock
+
+from kernelhub.variants import SystemInfo, rank_variants
+
+logger = logging.getLogger("kernelhub.hub")
+
+__all__ = [
+    "KernelHubError",
+    "KernelNotFoundError",
+    "KernelVariantNotFoundError",
+    "KernelVersionNotFoundError",
+    "ResolvedKernel",
+    "cache_dir",
+    "choose_variant",
+    "default_repo_type",
+    "endpoint",
+    "fetch_variant",
+    "list_variants",
+    "offline",
+    "resolve_kernel",
+]
+
+_COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
+_VERSION_BRANCH_RE = re.compile(r"^v(\d+)$")
+_warned_newer: set[tuple] = set()  # (hub, repo, version, newest): warn once each
+
+
+class KernelHubError(Exception):
+    """Base of kernelhub's Hub errors."""
+
+
+class KernelNotFoundError(KernelHubError, LookupError):
+    """The repository or revision does not exist (or is not reachable and not cached)."""
+
+
+class KernelVersionNotFoundError(KernelNotFoundError):
+    """The repository has no branch `vN` for the requested version."""
+
+
+class KernelVariantNotFoundError(KernelNotFoundError):
+    """The revision has no build variant this system can run."""
+
+
+@dataclass(frozen=True)
+class ResolvedKernel:
+    """Where a kernel request landed: the exact commit and the build variant chosen for this system."""
+
+    repo_id: str
+    repo_type: str
+    ref: str  # what was asked for: "v1", "main", a tag, or a commit
+    commit: str
+    variant: str
+    path: Path  # build/<variant> inside the cached snapshot
+
+
+def endpoint() -> str:
+    from huggingface_hub import constants
+
+    return os.environ.get("HF_ENDPOINT", constants.ENDPOINT).rstrip("/")
+
+
+def cache_dir() -> Path:
+    """KERNELHUB_CACHE, else the Hugging Face hub cache (HF_HUB_CACHE, HF_HOME/hub)."""
+    from huggingface_hub import constants
+
+    for var, suffix in (("KERNELHUB_CACHE", ""), ("HF_HUB_CACHE", ""), ("HF_HOME", "hub")):
+        if os.environ.get(var):
+            return Path(os.environ[var]).expanduser() / suffix
+    return Path(constants.HF_HUB_CACHE)
+
+
+def offline() -> bool:
+    from huggingface_hub import constants
+
+    env = os.environ.get("HF_HUB_OFFLINE")
+    if env is not None:
+        return env.strip().upper() in ("1", "ON", "YES", "TRUE")
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def default_repo_type() -> str:
+    """The Hub's `kernel` repository type where this huggingface_hub supports it, else `model`."""
+    from huggingface_hub import constants
+
+    wanted = os.environ.get("KERNELHUB_REPO_TYPE")
+    supported = getattr(constants, "REPO_TYPES_WITH_KERNEL", constants.REPO_TYPES)
+    if wanted:
+        if wanted not in supported:
+            raise ValueError(
+                f"KERNELHUB_REPO_TYPE must be one of {[t for t in supported if t]}, got {wanted!r}"
+            )
+        return wanted
+    return "kernel" if "kernel" in supported else "model"
+
+
+def api():
+    from huggingface_hub import HfApi
+
+    return HfApi(endpoint=endpoint(), library_name="kernelhub")
+
+
+def _storage(repo_id: str, repo_type: str) -> Path:
+    from huggingface_hub.file_download import repo_folder_name
+
+    return cache_dir() / repo_folder_name(repo_id=repo_id, repo_type=repo_type)
+
+
+def _versions(branches) -> list[int]:
+    return sorted(int(m.group(1)) for b in branches if (m := _VERSION_BRANCH_RE.match(b)))
+
+
+def _resolve_online(
+    repo_id: str, repo_type: str, revision: str | None, version: int | None
+) -> tuple[str, str]:
+    """(ref, commit) from the Hub."""
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
+    hub = api()
+    try:
+        if revision is not None and _COMMIT_RE.match(revision):
+            return revision, revision
+        if revision is not None:
+            return revision, hub.repo_info(repo_id, repo_type=repo_type, revision=revision).sha
+        refs = hub.list_repo_refs(repo_id, repo_type=repo_type)
+    except RepositoryNotFoundError as e:
+        raise KernelNotFoundError(
+            f"kernel repository {repo_id!r} ({repo_type}) not found on {endpoint()}"
+        ) from e
+    except RevisionNotFoundError as e:
+        raise KernelNotFoundError(f"kernel repository {repo_id!r} has no revision {revision!r}") from e
+    branches = {b.name: b.target_commit for b in refs.branches}
+    versions = _versions(branches)
+    if version is None:  # neither given: the newest published version, else main
+        ref = f"v{versions[-1]}" if versions else "main"
+        return ref, branches[ref]
+    ref = f"v{version}"
+    if ref not in branches:
+        raise KernelVersionNotFoundError(
+            f"kernel repository {repo_id!r} has no version {version} (branch {ref!r}); "
+            f"available versions: {versions}"
+        )
+    warn_key = (endpoint(), repo_id, version, versions[-1] if versions else version)
+    if versions and versions[-1] > version and warn_key not in _warned_newer:
+        _warned_newer.add(warn_key)
+        logger.warning(
+            "kernel %s: using version %d, a newer version %d exists", repo_id, version, versions[-1]
+        )
+    return ref, branches[ref]
+
+
+def _resolve_cached(
+    repo_id: str, repo_type: str, revision: str | None, version: int | None
+) -> tuple[str, str]:
+    """(ref, commit) from the local cache only (offline)."""
+    storage = _storage(repo_id, repo_type)
+    if revision is not None and _COMMIT_RE.match(revision):
+        return revision, revision
+    refs_dir = storage / "refs"
+    if revision is not None:
+        ref = revision
+    elif version is not None:
+        ref = f"v{version}"
+    else:
+        cached = _versions(p.name for p in refs_dir.iterdir()) if refs_dir.is_dir() else []
+        ref = f"v{cached[-1]}" if cached else "main"
+    ref_file = refs_dir / ref
+    if not ref_file.is_file():
+        raise KernelNotFoundError(
+            f"offline (HF_HUB_OFFLINE=1) and kernel {repo_id!r} at {ref!r} is not in the cache "
+            f"{cache_dir()}; "
+            "download it once online (`kernelhub download`)"
+        )
+    return ref, ref_file.read_text().strip()
+
+
+def _variants_online(repo_id: str, repo_type: str, commit: str) -> list[str]:
+    from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.hf_api import RepoFolder
+
+    try:
+        tree = api().list_repo_tree(repo_id, path_in_repo="build", revision=commit, repo_type=repo_type)
+        return sorted(item.path.split("/")[-1] for item in tree if isinstance(item, RepoFolder))
+    except EntryNotFoundError:
+        return []
+    except RepositoryNotFoundError as e:
+        raise KernelNotFoundError(
+            f"kernel repository {repo_id!r} ({repo_type}) not found on {endpoint()}"
+        ) from e
+    except RevisionNotFoundError as e:
+        raise KernelNotFoundError(f"kernel repository {repo_id!r} has no revision {commit!r}") from e
+
+
+def list_variants(
+    repo_id: str, *, revision: str | None = None, version: int | None = None, repo_type: str | None = None
+) -> tuple[str, str, list[str]]:
+    """(ref, commit, variant names) of a kernel revision, from the Hub or (offline) the cache."""
+    repo_type = repo_type or default_repo_type()
+    if offline():
+        ref, commit = _resolve_cached(repo_id, repo_type, revision, version)
+        build = _storage(repo_id, repo_type) / "snapshots" / commit / "build"
+        return ref, commit, sorted(p.name for p in build.iterdir() if p.is_dir()) if build.is_dir() else []
+    ref, commit = _resolve_online(repo_id, repo_type, revision, version)
+    return ref, commit, _variants_online(repo_id, repo_type, commit)
+
+
+def choose_variant(repo_id: str, commit: str, names: list[str], system: SystemInfo | None = None) -> str:
+    system = system or SystemInfo.current()
+    usable, rejected = rank_variants(names, system)
+    if not usable:
+        why = "; ".join(f"{n}: {r}" for n, r in rejected.items()) or "the revision has no build/ variants"
+        raise KernelVariantNotFoundError(
+            f"kernel {repo_id!r} at {commit[:12]} has no build variant for this system "
+            f"({system.describe()}): {why}"
+        )
+    return usable[0]
+
+
+def fetch_variant(repo_id: str, repo_type: str, ref: str, commit: str, variant: str) -> Path:
+    """Download `build/<variant>/` of `commit` (once; under a file lock) and return its directory.
+
+    The lock plus a completion marker make concurrent loaders safe: one process downloads, the others
+    wait, and nobody imports a tree that is still being written.
+    """
+    from huggingface_hub import snapshot_download
+
+    storage = _storage(repo_id, repo_type)
+    locks = cache_dir() / ".kernelhub-locks" / storage.name
+    locks.mkdir(parents=True, exist_ok=True)
+    marker = locks / f"{commit}-{variant}.complete"
+    target = storage / "snapshots" / commit / "build" / variant
+    with FileLock(str(locks / f"{commit}-{variant}.lock")):
+        if not (marker.is_file() and target.is_dir()):
+            if offline():
+                # A cache filled by another tool has no marker: let huggingface_hub check completeness.
+                try:
+                    snapshot_download(
+                        repo_id,
+                        repo_type=repo_type,
+                        revision=commit,
+                        cache_dir=str(cache_dir()),
+                        allow_patterns=[f"build/{variant}/*"],
+                        local_files_only=True,
+                    )
+                except Exception as e:
+                    raise KernelNotFoundError(
+                        f"offline and kernel {repo_id!r} {variant} at {commit[:12]} is not fully cached: {e}"
+                    ) from e
+            else:
+                snapshot_download(
+                    repo_id,
+                    repo_type=repo_type,
+                    revision=commit,
+                    cache_dir=str(cache_dir()),
+                    allow_patterns=[f"build/{variant}/*"],
+                    endpoint=endpoint(),
+                )
+            if not target.is_dir():
+                raise KernelVariantNotFoundError(
+                    f"kernel {repo_id!r} at {commit[:12]} has no build/{variant}/"
+                )
+            marker.write_text(commit)
+        if (
+            ref != commit
+        ):  # remember the branch/tag -> commit mapping for offline use, as huggingface_hub does
+            ref_file = storage / "refs" / ref
+            ref_file.parent.mkdir(parents=True, exist_ok=True)
+            if not ref_file.is_file() or ref_file.read_text() != commit:
+                tmp = ref_file.with_name(f".{ref_file.name}.{os.getpid()}")
+                tmp.write_text(commit)
+                os.replace(tmp, ref_file)
+    return target
+
+
+def resolve_kernel(
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    version: int | None = None,
+    repo_type: str | None = None,
+    variant: str | None = None,
+) -> ResolvedKernel:
+    """Find the commit and the best variant for this system, download that variant, return where it is."""
+    repo_type = repo_type or default_repo_type()
+    ref, commit, names = list_variants(repo_id, revision=revision, version=version, repo_type=repo_type)
+    if variant is None:
+        variant = choose_variant(repo_id, commit, names)
+    elif variant not in names:
+        raise KernelVariantNotFoundError(
+            f"kernel {repo_id!r} at {commit[:12]} has no variant {variant!r}: {names}"
+        )
+    path = fetch_variant(repo_id, repo_type, ref, commit, variant)
+    return ResolvedKernel(repo_id, repo_type, ref, commit, variant, path)

@@ -1,0 +1,44 @@
+"""`kernelhub` command line: publish, fetch, lock and inspect kernels.
+
+One module per subcommand; each exposes `add_parser(subparsers)` and `run(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kernelhub.cli import check, download, lock, report, upload, variants
+
+__all__ = ["build_parser", "main"]
+
+_COMMANDS = (check, upload, download, lock, variants, report)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kernelhub",
+        description="Publish kernel repositories to the Hugging Face Hub, download and lock them, and report "
+        "which kernel each module of a model gets on each GPU.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module in _COMMANDS:
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `kernelhub` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # a CLI prints the reason, not a traceback; KERNELHUB_DEBUG=1 shows it
+        import os
+
+        if os.environ.get("KERNELHUB_DEBUG") == "1":
+            raise
+        print(f"kernelhub {args.command}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,180 @@
+"""`kernelhub check DIR`: validate a kernel repository's layout before it is published.
+
+Checked: `kernel.toml` (top level or `[general]`) has `name` (identifier), `version` (int >= 1) and
+`layers` (a non-empty list, or a `[layers]` table keyed by layer name);
+`build/` has at least one variant, each a valid variant name holding `<name>/__init__.py`, a
+`metadata.json` (JSON, in the variant or the package directory) and a `layers` module that defines
+every layer named in kernel.toml (read statically; `--import` also imports the package and checks
+each layer is an `nn.Module` subclass).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kernelhub.variants import Variant
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+__all__ = ["KernelManifest", "add_parser", "check_kernel_dir", "read_manifest", "run"]
+
+
+@dataclass
+class KernelManifest:
+    name: str
+    version: int
+    layers: list[str]
+    description: str = ""
+    problems: list[str] = field(default_factory=list)
+
+
+def read_manifest(repo: Path) -> KernelManifest:
+    """Read kernel.toml (top-level keys, or a `[general]` table as in HF build.toml), collecting problems."""
+    path = repo / "kernel.toml"
+    if not path.is_file():
+        return KernelManifest("", 0, [], problems=[f"{path}: missing (needs name, version, layers)"])
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        return KernelManifest("", 0, [], problems=[f"{path}: not valid TOML: {e}"])
+    data = {**data.get("general", {}), **{k: v for k, v in data.items() if k != "general"}}
+    problems = []
+    name, version, layers = data.get("name"), data.get("version"), data.get("layers")
+    if isinstance(layers, dict):  # `[layers]` table: {LayerName = {description = ..., has_backward = ...}}
+        layers = list(layers)
+    if not isinstance(name, str) or not name.isidentifier():
+        problems.append(f"{path}: `name` must be a Python identifier (the package name), got {name!r}")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        problems.append(f"{path}: `version` must be an int >= 1, got {version!r}")
+    if (
+        not isinstance(layers, list)
+        or not layers
+        or not all(isinstance(x, str) and x.isidentifier() for x in layers)
+    ):
+        problems.append(f"{path}: `layers` must be a non-empty list of class names, got {layers!r}")
+    desc = data.get("description", "")
+    return KernelManifest(
+        name if isinstance(name, str) else "",
+        version if isinstance(version, int) else 0,
+        layers if isinstance(layers, list) else [],
+        desc if isinstance(desc, str) else "",
+        problems,
+    )
+
+
+def _defined_names(source: str) -> set[str]:
+    """Top-level names a module defines or imports (classes, assignments, `from x import y`)."""
+    names: set[str] = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return names
+
+
+def _check_variant(vdir: Path, manifest: KernelManifest, do_import: bool) -> list[str]:
+    problems = []
+    try:
+        Variant.parse(vdir.name)
+    except ValueError as e:
+        problems.append(f"{vdir}: {e}")
+    pkg = vdir / manifest.name
+    if not (pkg / "__init__.py").is_file():
+        return problems + [f"{vdir}: missing {manifest.name}/__init__.py (the package named in kernel.toml)"]
+    metas = [p for p in (vdir / "metadata.json", pkg / "metadata.json") if p.is_file()]
+    if not metas:
+        problems.append(f"{vdir}: missing metadata.json (in {vdir.name}/ or {vdir.name}/{manifest.name}/)")
+    for meta in metas:
+        try:
+            json.loads(meta.read_text())
+        except json.JSONDecodeError as e:
+            problems.append(f"{meta}: not valid JSON: {e}")
+    layers_src = pkg / "layers.py" if (pkg / "layers.py").is_file() else pkg / "layers" / "__init__.py"
+    if not layers_src.is_file():
+        return problems + [f"{pkg}: missing layers.py (the layers named in kernel.toml live there)"]
+    try:
+        defined = _defined_names(layers_src.read_text())
+    except SyntaxError as e:
+        return problems + [f"{layers_src}: syntax error: {e}"]
+    missing = [x for x in manifest.layers if x not in defined]
+    if missing:
+        problems.append(f"{layers_src}: layers {missing} named in kernel.toml are not defined")
+    if do_import and not problems:
+        problems += _check_by_import(vdir, manifest)
+    return problems
+
+
+def _check_by_import(vdir: Path, manifest: KernelManifest) -> list[str]:
+    from torch import nn
+
+    from kernelhub._loader import load_kernel_from_dir
+
+    try:
+        kernel = load_kernel_from_dir(vdir)
+    except Exception as e:  # report any import failure as a layout problem
+        return [f"{vdir}: importing the package failed: {type(e).__name__}: {e}"]
+    problems = []
+    for name in manifest.layers:
+        layer = getattr(getattr(kernel, "layers", None), name, None)
+        if not (isinstance(layer, type) and issubclass(layer, nn.Module)):
+            problems.append(f"{vdir}: layers.{name} is not an nn.Module subclass")
+    return problems
+
+
+def check_kernel_dir(repo: str | Path, *, do_import: bool = False) -> tuple[KernelManifest, list[str]]:
+    """(manifest, problems) for a kernel repository directory; no problems means it can be published."""
+    repo = Path(repo)
+    if not repo.is_dir():
+        return KernelManifest("", 0, []), [f"{repo}: not a directory"]
+    manifest = read_manifest(repo)
+    problems = list(manifest.problems)
+    build = repo / "build"
+    variants = sorted(p for p in build.iterdir() if p.is_dir()) if build.is_dir() else []
+    if not variants:
+        problems.append(
+            f"{build}: no build variants (e.g. build/torch-universal/{manifest.name or '<name>'}/)"
+        )
+    if manifest.name:
+        for vdir in variants:
+            problems += _check_variant(vdir, manifest, do_import)
+    return manifest, problems
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "check",
+        help="validate a kernel repository's layout (kernel.toml, build/, layers)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("dir", type=Path, help="kernel repository directory, e.g. kernels_repo/swiglu")
+    p.add_argument(
+        "--import",
+        dest="do_import",
+        action="store_true",
+        help="also import the package and check each layer is an nn.Module",
+    )
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    manifest, problems = check_kernel_dir(args.dir, do_import=args.do_import)
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    if problems:
+        return 2
+    print(f"ok: {manifest.name} v{manifest.version}, layers {', '.join(manifest.layers)}")
+    return 0

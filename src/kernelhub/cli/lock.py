@@ -1,0 +1,62 @@
+"""`kernelhub lock`: write `kernels.lock` for the Hub kernels named in the kernelhub config.
+
+Each entry records the repository, the version/revision asked for, the commit it resolved to, and the
+sha256 of every file of the locked build variant(s) (default: the one this system loads; add others
+with `--variant`, e.g. to lock a CUDA build from a CPU machine). Set `lockfile = "kernels.lock"` in the
+config (or use `LockedLayerRepository`) to load only locked, verified bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from kernelhub.config import load_config
+from kernelhub.lock import DEFAULT_LOCKFILE, lock_kernel, write_lockfile
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "lock",
+        help="resolve the config's Hub kernels to commits and write kernels.lock",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--config", help="kernelhub.toml or pyproject.toml (default: search the current directory)"
+    )
+    p.add_argument(
+        "--output",
+        "-o",
+        default=None,
+        help=f"lock file to write (default: {DEFAULT_LOCKFILE} next to the config)",
+    )
+    p.add_argument("--variant", action="append", default=None, help="lock this build variant (repeatable)")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    config = load_config(args.config)
+    if config is None:
+        raise FileNotFoundError(
+            "no kernelhub config found (kernelhub.toml, or pyproject.toml with [tool.kernelhub])"
+        )
+    kernels = config.hub_kernels()
+    if not kernels:
+        raise ValueError('the kernelhub config names no Hub kernels (`repo = "org/name"`) to lock')
+    entries = []
+    for repo_id, version, revision in kernels:
+        entry = lock_kernel(repo_id, version=version, revision=revision, variants=args.variant)
+        entries.append(entry)
+        ref = f"v{version}" if version else (revision or "default")
+        print(f"locked {repo_id} {ref} -> {entry['commit']} ({', '.join(entry['variants'])})")
+    base = (
+        Path(args.config).parent
+        if args.config and not Path(args.config).is_dir()
+        else Path(args.config or ".")
+    )
+    output = Path(args.output) if args.output else base / (config.lockfile or DEFAULT_LOCKFILE)
+    print(f"wrote {write_lockfile(entries, output)}")
+    return 0

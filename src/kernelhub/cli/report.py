@@ -1,0 +1,109 @@
+"""`kernelhub report`: which kernel each module of a model would get on each visible GPU.
+
+The model is built on the meta device (no weights, no memory) from a transformers config:
+`--config path/to/config.json`, `--model-type llama` (transformers' defaults for that type), or
+`--checkpoint DIR` (a local checkpoint directory; only its config.json is read). For each device
+(`--device cuda:1`, repeatable; default every visible GPU, else cpu) it runs kernelize's resolution
+for that device and prints the report: per module the device, capability, chosen repository and
+layer, or why it falls back. The kernelhub config (`--kernelhub-config`, default searched in the
+current directory) applies as it would in `kernelize(model, config=...)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+__all__ = ["add_parser", "build_meta_model", "report_model", "run"]
+
+
+def _transformers_config(args):
+    from transformers import AutoConfig
+
+    if args.config:
+        data = json.loads(Path(args.config).read_text())
+        model_type = data.pop("model_type", None)
+        if model_type is None:
+            raise ValueError(f"report: `--config` {args.config} has no `model_type`")
+        return AutoConfig.for_model(model_type, **data)
+    if args.model_type:
+        return AutoConfig.for_model(args.model_type)
+    return AutoConfig.from_pretrained(args.checkpoint, local_files_only=True)
+
+
+def build_meta_model(config) -> torch.nn.Module:
+    """The model for a transformers config, on the meta device (a causal-LM head where the type has one)."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        try:
+            return AutoModelForCausalLM.from_config(config)
+        except ValueError:  # no causal-LM class for this type
+            return AutoModel.from_config(config)
+
+
+def _mode(name: str, compile_: bool):
+    from kernelhub.mode import Mode
+
+    mode = Mode.TRAINING if name == "training" else Mode.INFERENCE
+    return mode | Mode.TORCH_COMPILE if compile_ else mode
+
+
+def report_model(model: torch.nn.Module, devices: list[torch.device], *, mode, config=None) -> list[tuple]:
+    """[(device, report)] from kernelize's resolution for each device; the model is left unkernelized."""
+    import importlib
+
+    kz = importlib.import_module("kernelhub.kernelize")  # the package re-exports the function under that name
+
+    out = []
+    for device in devices:
+        if hasattr(kz, "plan"):
+            report = kz.plan(model, mode=mode, device=device, config=config)
+        else:
+            report = kz.kernelize(model, mode=mode, device=device, config=config)
+            kz.unkernelize(model)
+        out.append((device, report))
+    return out
+
+
+def _devices(args) -> list[torch.device]:
+    if args.device:
+        return [torch.device(d) for d in args.device]
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    return [torch.device("cpu")]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "report",
+        help="show which kernel each module of a model gets on each GPU",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--config", help="transformers config.json")
+    src.add_argument("--model-type", help="a transformers model type, e.g. llama, qwen3_moe, mixtral")
+    src.add_argument("--checkpoint", help="local checkpoint directory (its config.json)")
+    p.add_argument("--device", action="append", help="device to report for, e.g. cuda:1 (repeatable)")
+    p.add_argument("--mode", choices=["inference", "training"], default="inference")
+    p.add_argument("--compile", action="store_true", help="add Mode.TORCH_COMPILE")
+    p.add_argument("--kernelhub-config", help="kernelhub.toml / pyproject.toml with [tool.kernelhub]")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from kernelhub.config import load_config
+
+    model = build_meta_model(_transformers_config(args))
+    config = load_config(args.kernelhub_config)
+    devices = _devices(args)
+    if not args.device and devices == [torch.device("cpu")]:
+        print("no GPU visible: reporting for cpu")
+    for device, report in report_model(model, devices, mode=_mode(args.mode, args.compile), config=config):
+        print(f"== {device} ==")
+        print(report)
+    return 0

@@ -1,0 +1,206 @@
+"""The `kernelhub` command line: help, check, upload, download, variants (report: with kernelize)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hub_server import TINY, hub_fixture, tiny_copy  # noqa: F401 - hub_fixture provides `hub`
+from huggingface_hub import HfApi
+
+from kernelhub.cli import build_parser, main
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+SUBCOMMANDS = ["check", "upload", "download", "lock", "variants", "report"]
+
+
+def test_help_lists_and_explains_every_subcommand(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    for name in SUBCOMMANDS:
+        assert name in out
+    for name in SUBCOMMANDS:
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        assert len(capsys.readouterr().out.splitlines()) > 5  # usage plus an explanation
+
+
+def test_python_dash_m_runs_the_cli():
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    out = subprocess.run(
+        [sys.executable, "-m", "kernelhub", "check", str(TINY)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok: tiny v1, layers TinyScale, TinyScaleDouble"
+
+
+def test_check_accepts_the_fixture_and_imports_it(capsys):
+    assert main(["check", str(TINY), "--import"]) == 0
+    assert "ok: tiny v1" in capsys.readouterr().out
+
+
+def _broken(tmp_path: Path, how: str) -> Path:
+    repo = tiny_copy(tmp_path / how)
+    pkg = repo / "build" / "torch-universal" / "tiny"
+    if how == "missing-layer":
+        (repo / "kernel.toml").write_text('name = "tiny"\nversion = 1\nlayers = ["TinyScale", "Ghost"]\n')
+    elif how == "no-metadata":
+        (pkg / "metadata.json").unlink()
+    elif how == "bad-toml-version":
+        (repo / "kernel.toml").write_text('name = "tiny"\nversion = "one"\nlayers = ["TinyScale"]\n')
+    elif how == "bad-variant-name":
+        shutil.move(repo / "build" / "torch-universal", repo / "build" / "universal")
+    elif how == "no-package":
+        shutil.rmtree(pkg)
+    return repo
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        ("missing-layer", r"layers \['Ghost'\] named in kernel.toml are not defined"),
+        ("no-metadata", "missing metadata.json"),
+        ("bad-toml-version", "`version` must be an int >= 1, got 'one'"),
+        ("bad-variant-name", "'universal' is not a build variant name"),
+        ("no-package", r"missing tiny/__init__\.py"),
+    ],
+)
+def test_check_reports_each_layout_problem(tmp_path, capsys, how, message):
+    assert main(["check", str(_broken(tmp_path, how))]) == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_upload_creates_branch_tag_and_prints_the_commit(hub, tmp_path, capsys):
+    repo = tiny_copy(tmp_path / "tiny")
+    assert main(["upload", str(repo), "--repo-id", "org/tiny"]) == 0
+    commit = capsys.readouterr().out.strip()
+    api = HfApi(endpoint=hub.url)
+    refs = api.list_repo_refs("org/tiny", repo_type="kernel")
+    assert {b.name: b.target_commit for b in refs.branches}["v1"] == commit
+    assert {t.name: t.target_commit for t in refs.tags} == {"v1.0": commit}
+    files = api.list_repo_files("org/tiny", repo_type="kernel", revision="v1")
+    assert "kernel.toml" in files and "build/torch-universal/tiny/layers.py" in files
+    assert not any("__pycache__" in f for f in files)
+    # A second release of v1 with a file removed: new tag, stale file deleted.
+    (repo / "build" / "torch-universal" / "tiny" / "metadata.json").rename(
+        repo / "build" / "torch-universal" / "metadata.json"
+    )
+    assert main(["upload", str(repo), "--repo-id", "org/tiny", "--version", "1"]) == 0
+    second = capsys.readouterr().out.strip()
+    tags = {t.name: t.target_commit for t in api.list_repo_refs("org/tiny", repo_type="kernel").tags}
+    assert tags == {"v1.0": commit, "v1.1": second}
+    files = api.list_repo_files("org/tiny", repo_type="kernel", revision="v1")
+    assert "build/torch-universal/metadata.json" in files
+    assert "build/torch-universal/tiny/metadata.json" not in files
+
+
+def test_upload_refuses_a_broken_repository(hub, tmp_path, capsys):
+    assert main(["upload", str(_broken(tmp_path, "missing-layer")), "--repo-id", "org/tiny"]) == 1
+    assert "fails `kernelhub check`" in capsys.readouterr().err
+    assert not hub.store.repos  # nothing was created
+
+
+def test_upload_private_model_type(hub, tmp_path, capsys):
+    assert main(["upload", str(TINY), "--repo-id", "org/tiny", "--private", "--repo-type", "model"]) == 0
+    repo = hub.store.repos[("model", "org/tiny")]
+    assert repo.private and "v1" in repo.branches
+
+
+def test_download_and_variants(hub, tmp_path, capsys):
+    assert (
+        main(
+            [
+                "upload",
+                str(tiny_copy(tmp_path / "t", extra_variants={"torch27-cxx11-cu118-aarch64-linux": 3.0})),
+                "--repo-id",
+                "org/tiny",
+            ]
+        )
+        == 0
+    )
+    commit = capsys.readouterr().out.strip()
+    assert main(["download", "org/tiny", "--version", "1"]) == 0
+    repo_id, ref, got, variant, path = capsys.readouterr().out.split()
+    assert (repo_id, ref, got, variant) == ("org/tiny", "v1", commit, "torch-universal")
+    assert (Path(path) / "tiny" / "layers.py").is_file()
+    assert main(["variants", "org/tiny", "--version", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "torch-universal: selected" in out
+    assert "torch27-cxx11-cu118-aarch64-linux: rejected: platform aarch64-linux" in out
+    assert main(["variants"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("torch-universal")
+
+
+def test_download_from_config(hub, tmp_path, monkeypatch, capsys):
+    main(["upload", str(TINY), "--repo-id", "org/tiny"])
+    capsys.readouterr()
+    (tmp_path / "kernelhub.toml").write_text('[layers.S]\nrepo = "org/tiny"\nversion = 1\n')
+    monkeypatch.chdir(tmp_path)
+    assert main(["download"]) == 0
+    assert capsys.readouterr().out.startswith("org/tiny v1 ")
+
+
+def test_errors_are_one_line_with_the_reason(hub, capsys):
+    assert main(["download", "org/absent"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kernelhub download: error: KernelNotFoundError") and "'org/absent'" in err
+
+
+def test_parser_builds_without_side_effects():
+    parser = build_parser()
+    args = parser.parse_args(["upload", "d", "--repo-id", "o/n", "--version", "3"])
+    assert (args.command, args.version, args.private) == ("upload", 3, False)
+
+
+def test_report_prints_what_each_module_gets_per_device(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    config = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "vocab_size": 128,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    pins = tmp_path / "kernelhub.toml"
+    pins.write_text(f'[layers.SwiGLUMLP]\npath = "{TINY}"\nlayer = "TinyScale"\n')
+    argv = ["report", "--config", str(tmp_path / "config.json"), "--device", "cpu", "--kernelhub-config", str(pins)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "== cpu ==" in out
+    assert out.count("mlp") >= 2  # both decoder layers' MLPs are listed
+    assert "TinyScale" in out  # the config's choice reached kernelize
+
+
+KERNELS_REPO = Path(__file__).resolve().parents[1] / "kernels_repo"
+
+
+@pytest.mark.parametrize("kernel", sorted(p.name for p in KERNELS_REPO.iterdir()) if KERNELS_REPO.is_dir() else [])
+def test_bundled_kernel_repositories_pass_check(kernel, capsys):
+    assert main(["check", str(KERNELS_REPO / kernel)]) == 0, capsys.readouterr().err
+
+
+def test_bundled_swiglu_publishes_and_loads_from_the_hub(hub, tmp_path, monkeypatch):
+    if not (KERNELS_REPO / "swiglu").is_dir():
+        pytest.skip("kernels_repo/swiglu not on this branch")
+    from kernelhub.hub import LayerRepository
+
+    src = tmp_path / "swiglu"
+    shutil.copytree(KERNELS_REPO / "swiglu", src, ignore=shutil.ignore_patterns("__pycache__"))
+    assert main(["upload", str(src), "--repo-id", "kernels-community/swiglu"]) == 0
+    layer = LayerRepository("kernels-community/swiglu", layer_name="SwiGLUMLPReference", version=1).load()
+    assert layer.__name__ == "SwiGLUMLPReference" and "snapshots" in sys.modules[layer.__module__].__file__

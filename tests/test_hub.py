@@ -1,0 +1,270 @@
+"""kernelhub.hub against a local Hub server driven by the real huggingface_hub client."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hub_server import TINY, hub_fixture, tiny_copy  # noqa: F401 - hub_fixture provides `hub`
+
+from kernelhub.cli.upload import upload_kernel
+from kernelhub.hub import (
+    KernelNotFoundError,
+    KernelVariantNotFoundError,
+    KernelVersionNotFoundError,
+    LayerRepository,
+    LocalLayerRepository,
+    LockedLayerRepository,
+    UntrustedKernelError,
+    get_kernel,
+    get_local_kernel,
+    has_kernel,
+)
+from kernelhub.variants import SystemInfo, Variant, rank_variants
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def _publish(tmp_path: Path, repo_id: str, *, version: int = 1, factor: float = 2.0, **kw) -> str:
+    src = tiny_copy(tmp_path / f"src-{repo_id.replace('/', '-')}-v{version}-{factor}", factor=factor, **kw)
+    return upload_kernel(src, repo_id, version=version)[2]
+
+
+def _scale_of(kernel) -> float:
+    return float(kernel.scale(torch.ones(1))[0])
+
+
+def test_upload_then_get_by_version_by_revision_and_by_tag(hub, tmp_path):
+    commit = _publish(tmp_path, "org/tiny", factor=2.0)
+    by_version = get_kernel("org/tiny", version=1, trust_remote_code=True)
+    assert _scale_of(by_version) == 2.0
+    assert by_version.__kernelhub_source__.commit == commit
+    assert by_version.__kernelhub_source__.variant == "torch-universal"
+    by_commit = get_kernel("org/tiny", revision=commit, trust_remote_code=True)
+    by_tag = get_kernel("org/tiny", revision="v1.0", trust_remote_code=True)
+    assert by_commit is by_version and by_tag is by_version  # one snapshot, imported once
+
+
+def test_second_version_loads_beside_the_first_in_one_process(hub, tmp_path, caplog):
+    _publish(tmp_path, "org/tiny", version=1, factor=2.0)
+    _publish(tmp_path, "org/tiny", version=2, factor=3.0)
+    with caplog.at_level(logging.WARNING, logger="kernelhub.hub"):
+        v1 = get_kernel("org/tiny", version=1, trust_remote_code=True)
+    v2 = get_kernel("org/tiny", version=2, trust_remote_code=True)
+    assert v1 is not v2 and v1.__name__ != v2.__name__
+    assert (_scale_of(v1), _scale_of(v2)) == (2.0, 3.0)
+    assert any("newer version 2" in r.getMessage() for r in caplog.records)
+    latest = get_kernel("org/tiny", trust_remote_code=True)  # neither given: newest vN
+    assert latest is v2
+    # The layer classes of both versions are live at once.
+    l1 = LayerRepository("org/tiny", layer_name="TinyScale", version=1, trust_remote_code=True).load()
+    l2 = LayerRepository("org/tiny", layer_name="TinyScale", version=2, trust_remote_code=True).load()
+    assert float(l1()(torch.ones(1))[0]) == 2.0 and float(l2()(torch.ones(1))[0]) == 3.0
+
+
+def test_only_the_best_variant_for_this_system_is_downloaded(hub, tmp_path):
+    s = SystemInfo.current()
+    native = f"torch{s.torch_version[0]}{s.torch_version[1]}-cxx11-{s.backend}-{s.cpu}-{s.os}"
+    foreign = "torch27-cxx11-cu118-aarch64-linux"
+    _publish(tmp_path, "org/tiny", factor=2.0, extra_variants={native: 5.0, foreign: 7.0})
+    kernel = get_kernel("org/tiny", version=1, trust_remote_code=True)
+    assert kernel.__kernelhub_source__.variant == native
+    assert _scale_of(kernel) == 5.0
+    build = kernel.__kernelhub_source__.path.parent
+    assert sorted(p.name for p in build.iterdir()) == [native]
+
+
+def test_offline_reload_from_cache_in_a_fresh_process(hub, tmp_path):
+    _publish(tmp_path, "org/tiny", factor=2.0)
+    get_kernel("org/tiny", version=1, trust_remote_code=True)
+    hub.stop()  # nothing answers any more: the fresh process must use the cache only
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(SRC)}
+    code = (
+        "import torch; from kernelhub.hub import get_kernel; "
+        "k = get_kernel('org/tiny', version=1, trust_remote_code=True); "
+        "print(float(k.scale(torch.ones(1))[0]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "2.0"
+
+
+def test_offline_without_cache_says_so(hub, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(KernelNotFoundError, match="offline"):
+        get_kernel("org/tiny", version=1, trust_remote_code=True)
+
+
+def test_missing_repo_revision_and_version_are_clear_errors(hub, tmp_path):
+    with pytest.raises(KernelNotFoundError, match=r"'org/nothing'.*not found"):
+        get_kernel("org/nothing", version=1, trust_remote_code=True)
+    _publish(tmp_path, "org/tiny")
+    with pytest.raises(KernelVersionNotFoundError, match=r"no version 7 .*available versions: \[1\]"):
+        get_kernel("org/tiny", version=7, trust_remote_code=True)
+    with pytest.raises(KernelNotFoundError, match="no revision 'nope'"):
+        get_kernel("org/tiny", revision="nope", trust_remote_code=True)
+
+
+def test_missing_variant_names_the_variants_and_why(hub, tmp_path):
+    foreign = "torch27-cxx11-cu118-aarch64-linux"
+    _publish(tmp_path, "org/tiny", extra_variants={foreign: 7.0}, universal=False)
+    with pytest.raises(KernelVariantNotFoundError, match=rf"no build variant for this system.*{foreign}: platform"):
+        get_kernel("org/tiny", version=1, trust_remote_code=True)
+    assert not has_kernel("org/tiny", version=1)
+
+
+def test_has_kernel(hub, tmp_path):
+    _publish(tmp_path, "org/tiny")
+    assert has_kernel("org/tiny", version=1)
+    assert not has_kernel("org/tiny", version=2)
+    assert not has_kernel("org/absent")
+
+
+def test_untrusted_publisher_is_refused_before_any_download(hub, tmp_path, monkeypatch):
+    _publish(tmp_path, "someone/tiny")
+    before = len(hub.store.requests)
+    with pytest.raises(UntrustedKernelError, match="publisher 'someone'.*trust_remote_code=True"):
+        get_kernel("someone/tiny", version=1)
+    with pytest.raises(UntrustedKernelError):
+        LayerRepository("someone/tiny", layer_name="TinyScale", version=1).load()
+    assert len(hub.store.requests) == before
+    monkeypatch.setenv("KERNELHUB_TRUSTED_PUBLISHERS", "other, someone")
+    assert _scale_of(get_kernel("someone/tiny", version=1)) == 2.0
+
+
+def test_concurrent_processes_share_one_download(hub, tmp_path):
+    _publish(tmp_path, "org/tiny", factor=2.0)
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    code = (
+        "import torch; from kernelhub.hub import get_kernel; "
+        "k = get_kernel('org/tiny', version=1, trust_remote_code=True); "
+        "print(float(k.scale(torch.ones(1))[0]), k.__kernelhub_source__.commit)"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(3)
+    ]
+    results = [p.communicate(timeout=180) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in results]
+    assert len({out.strip() for out, _ in results}) == 1 and results[0][0].startswith("2.0 ")
+    snapshots = list((tmp_path / "cache").glob("*--org--tiny/snapshots/*"))
+    assert len(snapshots) == 1
+
+
+def test_layer_repository_interface(hub, tmp_path):
+    _publish(tmp_path, "org/tiny")
+    repo = LayerRepository("org/tiny", layer_name="TinyScale", version=1, trust_remote_code=True)
+    assert repo.load().__name__ == "TinyScale"
+    other = repo.with_layer_name("TinyScaleDouble")
+    assert isinstance(other, LayerRepository) and other.version == 1 and other.trust_remote_code
+    assert other.load().__name__ == "TinyScaleDouble"
+    assert repo.describe() == "hub:org/tiny@v1/TinyScale"
+    assert repo == LayerRepository("org/tiny", layer_name="TinyScale", version=1, trust_remote_code=True)
+    assert repo != other and len({repo, other, other.with_layer_name("TinyScale")}) == 2
+    with pytest.raises(AttributeError, match="no layer 'Missing'.*TinyScale"):
+        repo.with_layer_name("Missing").load()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "pattern"),
+    [
+        ({"repo_id": "noslash", "layer_name": "X"}, ValueError, "LayerRepository: `repo_id`"),
+        ({"repo_id": "a/b", "layer_name": "not an id"}, ValueError, "LayerRepository: `layer_name`"),
+        ({"repo_id": "a/b", "layer_name": "X", "version": 1, "revision": "main"}, ValueError, "not both"),
+        ({"repo_id": "a/b", "layer_name": "X", "version": "1"}, TypeError, "`version` must be an int"),
+        ({"repo_id": "a/b", "layer_name": "X", "revision": ""}, TypeError, "`revision` must be a non-empty"),
+    ],
+)
+def test_layer_repository_validates_arguments(kwargs, exc, pattern):
+    repo_id = kwargs.pop("repo_id")
+    with pytest.raises(exc, match=pattern):
+        LayerRepository(repo_id, **kwargs)
+
+
+def test_get_kernel_validates_arguments():
+    with pytest.raises(ValueError, match="get_kernel: give `revision` or `version`, not both"):
+        get_kernel("a/b", version=1, revision="main")
+    with pytest.raises(ValueError, match="get_kernel: `repo_id`"):
+        get_kernel("a", version=1)
+
+
+def test_local_and_locked_repositories_share_the_interface(tmp_path):
+    local = LocalLayerRepository(TINY, layer_name="TinyScale")
+    assert local.load() is get_local_kernel(TINY).layers.TinyScale
+    assert local.with_layer_name("TinyScaleDouble") == LocalLayerRepository(TINY, layer_name="TinyScaleDouble")
+    assert local.describe().startswith("local:") and local.describe().endswith("/TinyScale")
+    locked = LockedLayerRepository("org/tiny", layer_name="TinyScale", lockfile=tmp_path / "k.lock", version=1)
+    assert locked.with_layer_name("TinyScaleDouble").layer_name == "TinyScaleDouble"
+    assert locked == LockedLayerRepository("org/tiny", layer_name="TinyScale", lockfile=tmp_path / "k.lock", version=1)
+    assert locked.describe() == "locked:org/tiny@v1/TinyScale"
+    assert hash(locked) != hash(local)
+
+
+H100_BOX = SystemInfo((2, 7), "cuda", (12, 6), "x86_64", "linux", True)
+
+
+def test_variant_ranking_follows_cuda_compatibility_then_noarch_then_universal():
+    names = [
+        "torch-universal",
+        "torch-cuda",
+        "torch27-cxx11-cu118-x86_64-linux",  # other CUDA major
+        "torch27-cxx11-cu124-x86_64-linux",
+        "torch27-cxx11-cu126-x86_64-linux",
+        "torch27-cxx11-cu128-x86_64-linux",  # newer minor than the system's 12.6
+        "torch26-cxx11-cu126-x86_64-linux",
+        "torch27-cxx98-cu126-x86_64-linux",
+        "torch27-cxx11-cu126-aarch64-linux",
+        "torch27-cxx11-rocm63-x86_64-linux",
+        "torch-cpu",
+        "weird",
+    ]
+    usable, rejected = rank_variants(names, H100_BOX)
+    assert usable == [
+        "torch27-cxx11-cu126-x86_64-linux",
+        "torch27-cxx11-cu124-x86_64-linux",
+        "torch-cuda",
+        "torch-universal",
+    ]
+    assert "not compatible with system CUDA 12.6" in rejected["torch27-cxx11-cu128-x86_64-linux"]
+    assert "not compatible" in rejected["torch27-cxx11-cu118-x86_64-linux"]
+    assert rejected["torch26-cxx11-cu126-x86_64-linux"] == "built for torch 2.6, this is torch 2.7"
+    assert "C++ ABI cxx98" in rejected["torch27-cxx98-cu126-x86_64-linux"]
+    assert "platform aarch64-linux" in rejected["torch27-cxx11-cu126-aarch64-linux"]
+    assert "backend rocm" in rejected["torch27-cxx11-rocm63-x86_64-linux"]
+    assert "backend cpu" in rejected["torch-cpu"]
+    assert "not a build variant name" in rejected["weird"]
+
+
+def test_variant_parse_reads_every_field():
+    v = Variant.parse("torch210-cxx11-cu128-x86_64-linux")
+    assert (v.torch_version, v.backend, v.backend_version, v.cpu, v.os, v.cxx11_abi) == (
+        (2, 10),
+        "cuda",
+        (12, 8),
+        "x86_64",
+        "linux",
+        True,
+    )
+    assert Variant.parse("torch-universal").backend == "universal"
+    with pytest.raises(ValueError, match="unknown backend 'tpu9'"):
+        Variant.parse("torch27-tpu9-x86_64-linux")
+
+
+def test_offline_resolves_versions_and_default_from_cached_refs(hub, tmp_path, monkeypatch):
+    _publish(tmp_path, "org/tiny", version=1, factor=2.0)
+    _publish(tmp_path, "org/tiny", version=2, factor=3.0)
+    v1 = get_kernel("org/tiny", version=1, trust_remote_code=True)
+    v2 = get_kernel("org/tiny", version=2, trust_remote_code=True)
+    hub.stop()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert get_kernel("org/tiny", version=1, trust_remote_code=True) is v1
+    assert get_kernel("org/tiny", trust_remote_code=True) is v2  # newest cached vN
+    assert get_kernel("org/tiny", revision=v1.__kernelhub_source__.commit, trust_remote_code=True) is v1
+    assert has_kernel("org/tiny", version=2) and not has_kernel("org/tiny", version=3)

@@ -1,0 +1,111 @@
+"""kernels.lock: resolved commits and per-file sha256, verified on load."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hub_server import TINY, hub_fixture, tiny_copy  # noqa: F401 - hub_fixture provides `hub`
+
+from kernelhub.cli import main
+from kernelhub.cli.upload import upload_kernel
+from kernelhub.hub import LockedLayerRepository
+from kernelhub.lock import KernelLockError, get_locked_kernel, lock_kernel, read_lockfile, write_lockfile
+
+
+def _publish(tmp_path: Path, repo_id: str, *, version: int = 1, factor: float = 2.0) -> str:
+    src = tiny_copy(tmp_path / f"src-{repo_id.replace('/', '-')}-{version}-{factor}", factor=factor)
+    return upload_kernel(src, repo_id, version=version)[2]
+
+
+def _scale_of(kernel) -> float:
+    return float(kernel.scale(torch.ones(1))[0])
+
+
+def test_lock_records_commit_and_sha256_of_every_variant_file(hub, tmp_path):
+    commit = _publish(tmp_path, "org/tiny")
+    entry = lock_kernel("org/tiny", version=1)
+    assert entry["commit"] == commit and entry["version"] == 1
+    files = entry["variants"]["torch-universal"]
+    source = TINY / "build" / "torch-universal"
+    expected_names = {
+        f"build/torch-universal/{p.relative_to(source).as_posix()}"
+        for p in source.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+    assert set(files) == expected_names
+    init = (source / "tiny" / "__init__.py").read_bytes()
+    assert files["build/torch-universal/tiny/__init__.py"] == hashlib.sha256(init).hexdigest()
+
+
+def test_locked_kernel_loads_the_locked_commit_after_the_branch_moves(hub, tmp_path):
+    _publish(tmp_path, "untrusted/tiny", factor=2.0)
+    lockfile = write_lockfile([lock_kernel("untrusted/tiny", version=1)], tmp_path / "kernels.lock")
+    _publish(tmp_path, "untrusted/tiny", factor=4.0)  # v1 now points elsewhere
+    # A lock is the user's review of that code: no trust_remote_code needed.
+    assert _scale_of(get_locked_kernel("untrusted/tiny", lockfile=lockfile)) == 2.0
+    layer = LockedLayerRepository("untrusted/tiny", layer_name="TinyScale", lockfile=lockfile).load()
+    assert float(layer()(torch.ones(1))[0]) == 2.0
+
+
+def test_tampered_file_is_refused_naming_it(hub, tmp_path):
+    _publish(tmp_path, "org/tiny")
+    lockfile = write_lockfile([lock_kernel("org/tiny", version=1)], tmp_path / "kernels.lock")
+    kernel = get_locked_kernel("org/tiny", lockfile=lockfile)
+    ops = kernel.__kernelhub_source__.path / "tiny" / "ops.py"
+    real = ops.resolve()  # the cache stores the file as a blob behind a symlink
+    real.write_text(real.read_text() + "\nimport os  # injected\n")
+    with pytest.raises(KernelLockError, match=r"sha256 of build/torch-universal/tiny/ops\.py .*refusing"):
+        get_locked_kernel("org/tiny", lockfile=lockfile)
+
+
+def test_unlocked_extra_file_is_refused_naming_it(hub, tmp_path):
+    _publish(tmp_path, "org/tiny")
+    lockfile = write_lockfile([lock_kernel("org/tiny", version=1)], tmp_path / "kernels.lock")
+    path = get_locked_kernel("org/tiny", lockfile=lockfile).__kernelhub_source__.path
+    (path / "tiny" / "evil.py").write_text("x = 1\n")
+    with pytest.raises(KernelLockError, match=r"build/torch-universal/tiny/evil\.py is not in the lock"):
+        LockedLayerRepository("org/tiny", layer_name="TinyScale", lockfile=lockfile).load()
+
+
+def test_lock_errors_name_the_problem(hub, tmp_path):
+    with pytest.raises(KernelLockError, match="does not exist.*kernelhub lock"):
+        read_lockfile(tmp_path / "missing.lock")
+    (tmp_path / "bad.lock").write_text("{not json")
+    with pytest.raises(KernelLockError, match="not valid JSON"):
+        read_lockfile(tmp_path / "bad.lock")
+    lockfile = write_lockfile([], tmp_path / "empty.lock")
+    with pytest.raises(KernelLockError, match="no entry for 'org/tiny'"):
+        get_locked_kernel("org/tiny", lockfile=lockfile)
+
+
+def test_cli_lock_writes_the_config_kernels(hub, tmp_path, monkeypatch, capsys):
+    c1 = _publish(tmp_path, "org/tiny", version=1, factor=2.0)
+    c2 = _publish(tmp_path, "org/tiny", version=2, factor=3.0)
+    (tmp_path / "kernelhub.toml").write_text(
+        '[layers.Scale]\nrepo = "org/tiny"\nversion = 1\nlayer = "TinyScale"\n'
+        '[layers.Scale.capability."9.0"]\nversion = 2\n'
+    )
+    monkeypatch.chdir(tmp_path)
+    assert main(["lock"]) == 0
+    data = json.loads((tmp_path / "kernels.lock").read_text())
+    commits = {(e["repo_id"], e["version"]): e["commit"] for e in data["kernels"]}
+    assert commits == {("org/tiny", 1): c1, ("org/tiny", 2): c2}
+    assert "wrote" in capsys.readouterr().out
+    # Several entries for one repo: the version chooses.
+    assert _scale_of(get_locked_kernel("org/tiny", lockfile=tmp_path / "kernels.lock", version=2)) == 3.0
+    with pytest.raises(KernelLockError, match="2 entries for 'org/tiny'"):
+        get_locked_kernel("org/tiny", lockfile=tmp_path / "kernels.lock")
+
+
+def test_extra_variants_are_locked_beside_this_systems(hub, tmp_path):
+    foreign = "torch27-cxx11-cu118-aarch64-linux"
+    src = tiny_copy(tmp_path / "src", extra_variants={foreign: 3.0})
+    upload_kernel(src, "org/tiny", version=1)
+    entry = lock_kernel("org/tiny", version=1, variants=[foreign])
+    assert sorted(entry["variants"]) == sorted(["torch-universal", foreign])
+    ops = f"build/{foreign}/tiny/ops.py"
+    assert entry["variants"][foreign][ops] == hashlib.sha256((src / ops).read_bytes()).hexdigest()
