@@ -1,5 +1,6 @@
 """kernelhub: a kernel hub and capability-aware, per-module dispatch framework for PyTorch."""
 
+from kernelhub.config import KernelhubConfig, load_config
 from kernelhub.default_mapping import default_kernel_mapping
 from kernelhub.device import (
     CUDAProperties,
@@ -10,9 +11,17 @@ from kernelhub.device import (
     device_properties,
     module_device,
 )
-from kernelhub.hub import LocalLayerRepository, get_local_kernel
+from kernelhub.hub import (
+    LayerRepository,
+    LocalLayerRepository,
+    LockedLayerRepository,
+    get_kernel,
+    get_local_kernel,
+    has_kernel,
+)
 from kernelhub.kernelize import KernelizeEntry, KernelizeReport, kernelize, unkernelize
 from kernelhub.layer import use_kernel_forward_from_hub
+from kernelhub.lock import get_locked_kernel
 from kernelhub.mode import Mode
 from kernelhub.registry import get_kernel_mapping, register_kernel_mapping, use_kernel_mapping
 
@@ -20,17 +29,24 @@ __all__ = [
     "CUDAProperties",
     "Device",
     "KernelizeEntry",
+    "KernelhubConfig",
     "KernelizeReport",
+    "LayerRepository",
     "LocalLayerRepository",
+    "LockedLayerRepository",
     "Mode",
     "ROCmProperties",
     "default_kernel_mapping",
     "device_capability",
     "device_guard",
     "device_properties",
+    "get_kernel",
     "get_kernel_mapping",
     "get_local_kernel",
+    "get_locked_kernel",
+    "has_kernel",
     "kernelize",
+    "load_config",
     "module_device",
     "register_kernel_mapping",
     "unkernelize",

@@ -119,10 +119,8 @@ def _load_layer(repo: Any) -> type[nn.Module]:
 
 def _resolve_config(config: Any) -> Any:
     if config is None:
-        try:
-            from kernelhub.config import load_config
-        except ImportError:  # TODO(merge): kernelhub.config lands with the hub branch
-            return None
+        from kernelhub.config import load_config
+
         return load_config(None)
     if isinstance(config, (str, Path)):
         from kernelhub.config import load_config
