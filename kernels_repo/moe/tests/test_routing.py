@@ -105,6 +105,7 @@ MAP_SHAPES = [  # T, K, E, alignment
     (300, 4, 16, 8),
     (257, 6, 33, 16),
     (64, 8, 256, 128),
+    (96, 8, 1024, 16),
     (0, 4, 8, 16),
 ]
 
@@ -355,6 +356,17 @@ def test_gpu_fused_mapping_expand_reduce_at_scale(variant):
     rel = ((got.double() - exact).norm() / exact.norm()).item()
     assert rel < 1e-2 and not got.isnan().any()
     torch.testing.assert_close(got.double(), exact, rtol=1.6e-2, atol=1.6e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,e", [(65536, 1024), (1, 256), (3000, 8)])
+def test_gpu_fused_mapping_large_and_small(variant, t, e):
+    idx = random_topk(t, K_GPU, e, skew=True)
+    outs = moe.get_fused_mapping(idx, e, 0, 64)
+    check_mapping(idx, e, 64, outs)
+    expected = ref.get_fused_mapping_ref(idx, e, outs[0].numel(), 64)
+    for got, want in zip(outs[:7], expected, strict=True):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.gpu

@@ -274,9 +274,10 @@ def get_fused_mapping(
     if numel > _c.INT32_MAX:
         raise ValueError(f"{fn}: `topk_idx` has {numel} entries; at most {_c.INT32_MAX} supported")
     sync = num_expanded_tokens == 0 and not force_no_sync
-    num_pos = num_expanded_tokens or _upper_bound_pos(numel, num_experts, alignment)
-    if num_pos > _c.INT32_MAX:
-        raise ValueError(f"{fn}: P = {num_pos} rows does not fit int32 positions")
+    bound = _upper_bound_pos(numel, num_experts, alignment)
+    if bound > _c.INT32_MAX:  # kernels count rows in int32
+        raise ValueError(f"{fn}: T*K + (alignment-1)*E = {bound} rows do not fit int32 positions")
+    num_pos = num_expanded_tokens or bound
     dev = topk_idx.device
     if not _c.use_triton(topk_idx):
         # CPU reference: a host sync costs nothing here, so every check is a plain ValueError.
