@@ -395,3 +395,62 @@ def test_gpu_too_small_p_triggers_a_device_assert_in_a_subprocess():
                          env={**os.environ, "TRITON_INTERPRET": "0"})
     assert res.returncode != 0 and "NO ASSERT" not in res.stdout
     assert "assert" in (res.stderr + res.stdout).lower()
+
+
+# ----------------------------------------------------------------------------------------------
+# No GPU needed: compile every kernel for sm90 and sm80 with Triton's bundled ptxas
+# ----------------------------------------------------------------------------------------------
+
+_I32, _I64 = "*i32", "*i64"
+_COMPILE_JOBS = {  # kernel name: (pointer/int signature, constexprs) at the benchmark shape
+    "_map_count_kernel": (
+        [_I64, _I32, _I32, _I32, _I32] + ["i32"] * 5, {"SUB": 128, "NB": 512, "FILL_BLOCK": 1024}),
+    "_map_scan_kernel": ([_I32, _I32, "i32", "i32"], {"BLOCK_T": 128, "BLOCK_E": 16}),
+    "_map_scatter_kernel": ([_I64] + [_I32] * 9 + ["i32"] * 6, {"SUB": 128, "NB": 512}),
+    "_expand_kernel": (["*bf16", "*bf16", _I32, _I32] + ["i32"] * 5,
+                       {"K": 8, "BLOCK_H": 1024, "PAD_ROWS": 128, "PAD_R": 16, "SUB_H": 128}),
+    "_reduce_kernel": (["*bf16", "*fp32", _I32, "*bf16"] + ["i32"] * 7,
+                       {"K": 8, "HAS_W": True, "BLOCK_H": 1024}),
+    "_topk_gate_kernel": (["*fp32", _I64] + ["i32"] * 4, {"K": 8, "BLOCK_T": 16, "E_POW2": 256}),
+    "_normalize_weight_kernel": (["*fp32"] * 3 + ["i32"] * 3, {"K": 8, "BLOCK_T": 128}),
+    "_group_count_kernel": ([_I64, _I32, "i32", "i32"], {"BLOCK": 1024, "NB": 512}),
+    "_mask_indices_by_tp_kernel": ([_I64, _I64] + ["i32"] * 5, {"BLOCK": 1024}),
+    "_unique_group_kernel": ([_I64] + ["i32"] * 3, {"K": 8, "BLOCK_T": 256}),
+}
+
+
+def _compile_all_for_gpus() -> None:
+    """Run as a script with TRITON_INTERPRET=0: compile each kernel to cubin for sm90 and sm80."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    for name, (types, consts) in _COMPILE_JOBS.items():
+        fn = getattr(kernels, name)
+        params = list(inspect.signature(fn.fn).parameters)
+        runtime = [p for p in params if p not in consts]
+        assert len(runtime) == len(types), (name, runtime)
+        sig = dict(zip(runtime, types, strict=True)) | {c: "constexpr" for c in consts}
+        for cap in (90, 80):
+            triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                           target=GPUTarget("cuda", cap, 32), options={"num_warps": 4})
+            print(f"compiled {name} for sm{cap}", flush=True)
+
+
+@pytest.mark.skipif(tuple(int(v) for v in __import__("triton").__version__.split(".")[:2]) < (3, 7),
+                    reason="the ASTSource signature format used here is Triton 3.7's")
+def test_every_kernel_compiles_for_sm90_and_sm80_without_a_gpu(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[3] / "src"),
+                                          str(Path(__file__).resolve().parents[3]),
+                                          os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=600,
+                         env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("compiled ") == 2 * len(_COMPILE_JOBS)
+
+
+if __name__ == "__main__":
+    _compile_all_for_gpus()

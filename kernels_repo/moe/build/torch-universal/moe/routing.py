@@ -63,7 +63,7 @@ def topk_gate(scores: Tensor, num_topk: int) -> Tensor:
     if t == 0:
         return out
     e_pow2 = _pow2(e)
-    block_t = max(1, min(32, 8192 // e_pow2))
+    block_t = max(1, min(16, 4096 // e_pow2))  # <= 32 scores per thread (register pressure)
     with device_guard(scores):
         _k._topk_gate_kernel[(_cdiv(t, block_t),)](
             scores, out, t, e, scores.stride(0), scores.stride(1),
@@ -376,12 +376,12 @@ def expand_to_fused(x: Tensor, token_topk_to_pos: Tensor, pos_to_expert: Tensor)
     pte = pos_to_expert.contiguous()
     cfg, _ = _c.select_config(x.device)
     block_h = min(cfg.copy_block_h, _pow2(h))
-    pad_rows = 32
+    pad_rows = 128
     grid = (t + _cdiv(num_pos, pad_rows), _cdiv(h, block_h))
     with device_guard(x):
         _k._expand_kernel[grid](
             x, out, mapping, pte, t, num_pos, h, x.stride(0), mapping.stride(0),
-            K=mapping.shape[1], BLOCK_H=block_h, PAD_ROWS=pad_rows, SUB_H=min(block_h, 256),
+            K=mapping.shape[1], BLOCK_H=block_h, PAD_ROWS=pad_rows, PAD_R=16, SUB_H=min(block_h, 128),
             num_warps=cfg.copy_warps,
         )
     return out
