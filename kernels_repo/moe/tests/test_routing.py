@@ -197,8 +197,8 @@ def test_expand_then_reduce_match_references(variant, dtype, t, k, e, h):
     assert y.shape == (p2e.numel(), h) and y.dtype == dtype and y.device == x.device
     assert torch.equal(y.view(torch.uint8), want.view(torch.uint8))  # bit-exact, padding zero
     assert (y[p2e < 0] == 0).all()
-    z = torch.randn(p2e.numel(), h, device=DEV).to(dtype)
-    w = torch.rand(t, k, device=DEV)
+    z = torch.randn(p2e.numel(), h + 3, device=DEV).to(dtype)[:, 2 : 2 + h]  # strided rows
+    w = torch.rand(k, t, device=DEV).t()  # strided weights
     for weights in (w, None):
         got = moe.reduce_fused(z, weights, inv)
         exact = ref.reduce_fused_ref(z, weights, inv, acc_dtype=torch.float64)
@@ -380,6 +380,13 @@ def test_gpu_small_ops_at_scale(variant):
     w = torch.rand(T_GPU, K_GPU, device="cuda")
     (d, n), (d_ref, n_ref) = moe.normalize_weight(w), ref.normalize_weight_ref(w)
     assert torch.equal(d, d_ref) and torch.equal(n, n_ref)
+    masked = moe.mask_indices_by_tp(idx, E_GPU, 2, 1, 4)
+    assert torch.equal(masked, ref.mask_indices_by_tp_ref(idx, E_GPU, 2, 1, 4))
+    groups = idx // 32
+    want = groups.clone()
+    ref.inplace_unique_group_indices_ref(want, E_GPU // 32)
+    moe.inplace_unique_group_indices(groups, E_GPU // 32)
+    assert torch.equal(groups, want)
 
 
 @pytest.mark.gpu
