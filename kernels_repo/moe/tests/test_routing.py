@@ -390,6 +390,19 @@ def test_gpu_small_ops_at_scale(variant):
 
 
 @pytest.mark.gpu
+def test_gpu_bad_inputs_on_the_host_sync_path():
+    idx = random_topk(T_GPU, K_GPU, E_GPU)
+    idx[123, 4] = E_GPU
+    with pytest.raises(ValueError, match="expert ids"):
+        moe.get_fused_mapping(idx, E_GPU, 0, 128)
+    with pytest.raises(TypeError, match="`topk_idx`"):
+        moe.get_fused_mapping(idx.float(), E_GPU, 0, 128)
+    x = torch.randn(T_GPU, 64, device="cuda")
+    with pytest.raises(ValueError, match="`token_topk_to_pos` must have"):
+        moe.expand_to_fused(x, idx[:10].int(), torch.zeros(8, dtype=torch.int32, device="cuda"))
+
+
+@pytest.mark.gpu
 def test_gpu_too_small_p_triggers_a_device_assert_in_a_subprocess():
     # A device-side assert poisons the CUDA context, so it runs in its own process.
     code = (
