@@ -105,6 +105,7 @@ MAP_SHAPES = [  # T, K, E, alignment
     (300, 4, 16, 8),
     (257, 6, 33, 16),
     (64, 8, 256, 128),
+    (96, 8, 1024, 16),
     (0, 4, 8, 16),
 ]
 
@@ -196,8 +197,8 @@ def test_expand_then_reduce_match_references(variant, dtype, t, k, e, h):
     assert y.shape == (p2e.numel(), h) and y.dtype == dtype and y.device == x.device
     assert torch.equal(y.view(torch.uint8), want.view(torch.uint8))  # bit-exact, padding zero
     assert (y[p2e < 0] == 0).all()
-    z = torch.randn(p2e.numel(), h, device=DEV).to(dtype)
-    w = torch.rand(t, k, device=DEV)
+    z = torch.randn(p2e.numel(), h + 3, device=DEV).to(dtype)[:, 2 : 2 + h]  # strided rows
+    w = torch.rand(k, t, device=DEV).t()  # strided weights
     for weights in (w, None):
         got = moe.reduce_fused(z, weights, inv)
         exact = ref.reduce_fused_ref(z, weights, inv, acc_dtype=torch.float64)
@@ -358,6 +359,17 @@ def test_gpu_fused_mapping_expand_reduce_at_scale(variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("t,e", [(65536, 1024), (1, 256), (3000, 8)])
+def test_gpu_fused_mapping_large_and_small(variant, t, e):
+    idx = random_topk(t, K_GPU, e, skew=True)
+    outs = moe.get_fused_mapping(idx, e, 0, 64)
+    check_mapping(idx, e, 64, outs)
+    expected = ref.get_fused_mapping_ref(idx, e, outs[0].numel(), 64)
+    for got, want in zip(outs[:7], expected, strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
 def test_gpu_small_ops_at_scale(variant):
     scores = torch.randn(T_GPU, E_GPU, device="cuda")
     scores[:, 100] = scores[:, 7]  # exact ties
@@ -368,6 +380,26 @@ def test_gpu_small_ops_at_scale(variant):
     w = torch.rand(T_GPU, K_GPU, device="cuda")
     (d, n), (d_ref, n_ref) = moe.normalize_weight(w), ref.normalize_weight_ref(w)
     assert torch.equal(d, d_ref) and torch.equal(n, n_ref)
+    masked = moe.mask_indices_by_tp(idx, E_GPU, 2, 1, 4)
+    assert torch.equal(masked, ref.mask_indices_by_tp_ref(idx, E_GPU, 2, 1, 4))
+    groups = idx // 32
+    want = groups.clone()
+    ref.inplace_unique_group_indices_ref(want, E_GPU // 32)
+    moe.inplace_unique_group_indices(groups, E_GPU // 32)
+    assert torch.equal(groups, want)
+
+
+@pytest.mark.gpu
+def test_gpu_bad_inputs_on_the_host_sync_path():
+    idx = random_topk(T_GPU, K_GPU, E_GPU)
+    idx[123, 4] = E_GPU
+    with pytest.raises(ValueError, match="expert ids"):
+        moe.get_fused_mapping(idx, E_GPU, 0, 128)
+    with pytest.raises(TypeError, match="`topk_idx`"):
+        moe.get_fused_mapping(idx.float(), E_GPU, 0, 128)
+    x = torch.randn(T_GPU, 64, device="cuda")
+    with pytest.raises(ValueError, match="`token_topk_to_pos` must have"):
+        moe.expand_to_fused(x, idx[:10].int(), torch.zeros(8, dtype=torch.int32, device="cuda"))
 
 
 @pytest.mark.gpu
@@ -383,3 +415,62 @@ def test_gpu_too_small_p_triggers_a_device_assert_in_a_subprocess():
                          env={**os.environ, "TRITON_INTERPRET": "0"})
     assert res.returncode != 0 and "NO ASSERT" not in res.stdout
     assert "assert" in (res.stderr + res.stdout).lower()
+
+
+# ----------------------------------------------------------------------------------------------
+# No GPU needed: compile every kernel for sm90 and sm80 with Triton's bundled ptxas
+# ----------------------------------------------------------------------------------------------
+
+_I32, _I64 = "*i32", "*i64"
+_COMPILE_JOBS = {  # kernel name: (pointer/int signature, constexprs) at the benchmark shape
+    "_map_count_kernel": (
+        [_I64, _I32, _I32, _I32, _I32] + ["i32"] * 5, {"SUB": 128, "NB": 512, "FILL_BLOCK": 1024}),
+    "_map_scan_kernel": ([_I32, _I32, "i32", "i32"], {"BLOCK_T": 128, "BLOCK_E": 16}),
+    "_map_scatter_kernel": ([_I64] + [_I32] * 9 + ["i32"] * 6, {"SUB": 128, "NB": 512}),
+    "_expand_kernel": (["*bf16", "*bf16", _I32, _I32] + ["i32"] * 5,
+                       {"K": 8, "BLOCK_H": 1024, "PAD_ROWS": 128, "PAD_R": 16, "SUB_H": 128}),
+    "_reduce_kernel": (["*bf16", "*fp32", _I32, "*bf16"] + ["i32"] * 7,
+                       {"K": 8, "HAS_W": True, "BLOCK_H": 1024}),
+    "_topk_gate_kernel": (["*fp32", _I64] + ["i32"] * 4, {"K": 8, "BLOCK_T": 16, "E_POW2": 256}),
+    "_normalize_weight_kernel": (["*fp32"] * 3 + ["i32"] * 3, {"K": 8, "BLOCK_T": 128}),
+    "_group_count_kernel": ([_I64, _I32, "i32", "i32"], {"BLOCK": 1024, "NB": 512}),
+    "_mask_indices_by_tp_kernel": ([_I64, _I64] + ["i32"] * 5, {"BLOCK": 1024}),
+    "_unique_group_kernel": ([_I64] + ["i32"] * 3, {"K": 8, "BLOCK_T": 256}),
+}
+
+
+def _compile_all_for_gpus() -> None:
+    """Run as a script with TRITON_INTERPRET=0: compile each kernel to cubin for sm90 and sm80."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    for name, (types, consts) in _COMPILE_JOBS.items():
+        fn = getattr(kernels, name)
+        params = list(inspect.signature(fn.fn).parameters)
+        runtime = [p for p in params if p not in consts]
+        assert len(runtime) == len(types), (name, runtime)
+        sig = dict(zip(runtime, types, strict=True)) | {c: "constexpr" for c in consts}
+        for cap in (90, 80):
+            triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                           target=GPUTarget("cuda", cap, 32), options={"num_warps": 4})
+            print(f"compiled {name} for sm{cap}", flush=True)
+
+
+@pytest.mark.skipif(tuple(int(v) for v in __import__("triton").__version__.split(".")[:2]) < (3, 7),
+                    reason="the ASTSource signature format used here is Triton 3.7's")
+def test_every_kernel_compiles_for_sm90_and_sm80_without_a_gpu(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[3] / "src"),
+                                          str(Path(__file__).resolve().parents[3]),
+                                          os.environ.get("PYTHONPATH", "")])}
+    res = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=600,
+                         env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("compiled ") == 2 * len(_COMPILE_JOBS)
+
+
+if __name__ == "__main__":
+    _compile_all_for_gpus()

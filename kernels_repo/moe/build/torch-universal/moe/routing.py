@@ -8,7 +8,6 @@ kernels under `TRITON_INTERPRET=1`. Mapping tensors are int32, as in TileKernels
 from __future__ import annotations
 
 import torch
-import triton
 from torch import Tensor
 
 from kernelhub.device import device_guard
@@ -36,6 +35,16 @@ get_num_sms = _c.get_num_sms
 _MAX_EXPERTS = 8192  # histogram and prefix-sum vectors are next_pow2(E + 1) wide per program
 
 
+# Plain-Python twins of triton.cdiv / next_power_of_2: those go through Triton's JIT call path
+# (about 8 us each on the host), which the graph-free launch path cannot afford.
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
 def topk_gate(scores: Tensor, num_topk: int) -> Tensor:
     """int64 [T, K] indices of the K largest scores per row; ties go to the smaller index.
 
@@ -53,10 +62,10 @@ def topk_gate(scores: Tensor, num_topk: int) -> Tensor:
     out = torch.empty((t, num_topk), dtype=torch.int64, device=scores.device)
     if t == 0:
         return out
-    e_pow2 = triton.next_power_of_2(e)
-    block_t = max(1, min(32, 8192 // e_pow2))
+    e_pow2 = _pow2(e)
+    block_t = max(1, min(16, 4096 // e_pow2))  # <= 32 scores per thread (register pressure)
     with device_guard(scores):
-        _k._topk_gate_kernel[(triton.cdiv(t, block_t),)](
+        _k._topk_gate_kernel[(_cdiv(t, block_t),)](
             scores, out, t, e, scores.stride(0), scores.stride(1),
             K=num_topk, BLOCK_T=block_t, E_POW2=e_pow2, num_warps=4,
         )
@@ -80,7 +89,7 @@ def normalize_weight(topk_weights: Tensor) -> tuple[Tensor, Tensor]:
         return denom, out
     block_t = 128
     with device_guard(w):
-        _k._normalize_weight_kernel[(triton.cdiv(t, block_t),)](
+        _k._normalize_weight_kernel[(_cdiv(t, block_t),)](
             w, denom, out, t, w.stride(0), w.stride(1), K=k, BLOCK_T=block_t, num_warps=4,
         )
     return denom, out
@@ -97,10 +106,10 @@ def _count(fn: str, name: str, idx: Tensor, num_groups: int, what: str) -> Tenso
         return buf[:num_groups]
     cfg, sms = _c.select_config(idx.device)
     block = 1024
-    grid = min(triton.cdiv(numel, block), cfg.hist_programs_per_sm * sms)
+    grid = min(_cdiv(numel, block), cfg.hist_programs_per_sm * sms)
     with device_guard(idx):
         _k._group_count_kernel[(grid,)](
-            flat, buf, numel, num_groups, BLOCK=block, NB=triton.next_power_of_2(num_groups + 1),
+            flat, buf, numel, num_groups, BLOCK=block, NB=_pow2(num_groups + 1),
             num_warps=4,
         )
         # No host sync here (graph capturable): the last slot counts invalid ids.
@@ -179,7 +188,7 @@ def mask_indices_by_tp(indices: Tensor, n: int, num_ep_ranks: int, tp_rank: int,
     per_gpu = n // num_ep_ranks
     block = 1024
     with device_guard(indices):
-        _k._mask_indices_by_tp_kernel[(triton.cdiv(numel, block),)](
+        _k._mask_indices_by_tp_kernel[(_cdiv(numel, block),)](
             src, out, numel, per_gpu, num_tp_ranks * per_gpu, num_tp_ranks, tp_rank, BLOCK=block,
         )
     return out
@@ -203,7 +212,7 @@ def inplace_unique_group_indices(group_indices: Tensor, num_groups: int) -> None
         return
     block_t = 256
     with device_guard(g):
-        _k._unique_group_kernel[(triton.cdiv(t, block_t),)](
+        _k._unique_group_kernel[(_cdiv(t, block_t),)](
             g, t, g.stride(0), g.stride(1), K=k, BLOCK_T=block_t,
         )
 
@@ -265,9 +274,10 @@ def get_fused_mapping(
     if numel > _c.INT32_MAX:
         raise ValueError(f"{fn}: `topk_idx` has {numel} entries; at most {_c.INT32_MAX} supported")
     sync = num_expanded_tokens == 0 and not force_no_sync
-    num_pos = num_expanded_tokens or _upper_bound_pos(numel, num_experts, alignment)
-    if num_pos > _c.INT32_MAX:
-        raise ValueError(f"{fn}: P = {num_pos} rows does not fit int32 positions")
+    bound = _upper_bound_pos(numel, num_experts, alignment)
+    if bound > _c.INT32_MAX:  # kernels count rows in int32
+        raise ValueError(f"{fn}: T*K + (alignment-1)*E = {bound} rows do not fit int32 positions")
+    num_pos = num_expanded_tokens or bound
     dev = topk_idx.device
     if not _c.use_triton(topk_idx):
         # CPU reference: a host sync costs nothing here, so every check is a plain ValueError.
@@ -283,29 +293,33 @@ def get_fused_mapping(
     cfg, sms = _c.select_config(dev)
     e1 = num_experts + 1
     sub = cfg.map_sub
-    nsub_total = max(1, triton.cdiv(numel, sub))
+    nsub_total = max(1, _cdiv(numel, sub))
     n_tiles = min(nsub_total, cfg.map_programs_per_sm * sms)
-    nsub = triton.cdiv(nsub_total, n_tiles)
-    n_tiles = triton.cdiv(nsub_total, nsub)
+    nsub = _cdiv(nsub_total, n_tiles)
+    n_tiles = _cdiv(nsub_total, nsub)
     # One allocation for every int32 output and scratch (each torch.empty costs host time):
     # 3 x P position arrays | T*K inverse | start E | end E | meta E+2 | tile counts | totals.
     # meta = [num_tokens_per_expert (E), invalid-id count, P needed, 1 if both are fine].
     sizes = [num_pos, num_pos, num_pos, numel, num_experts, num_experts, num_experts + 3,
              n_tiles * e1, e1]
     buf = torch.empty((sum(sizes),), dtype=torch.int32, device=dev)
+    views, at = [], 0
+    for n in sizes:  # plain slicing: Tensor.split costs ~30 us of host time here
+        views.append(buf[at : at + n])
+        at += n
     (pos_to_expert, pos_to_token, pos_to_token_topk, inverse, expert_start, expert_end, meta,
-     tile_counts, totals) = torch.split(buf, sizes)
+     tile_counts, totals) = views
     token_topk_to_pos = inverse.view(t, k)
     src = topk_idx if topk_idx.is_contiguous() else topk_idx.contiguous()
-    nb = triton.next_power_of_2(e1)
+    nb = _pow2(e1)
     with device_guard(topk_idx):
         _k._map_count_kernel[(n_tiles,)](
             src, tile_counts, pos_to_expert, pos_to_token, pos_to_token_topk,
-            numel, num_experts, num_pos, nsub, triton.cdiv(num_pos, n_tiles),
+            numel, num_experts, num_pos, nsub, _cdiv(num_pos, n_tiles),
             SUB=sub, NB=nb, FILL_BLOCK=1024, num_warps=cfg.map_warps,
         )
         block_e = 16
-        _k._map_scan_kernel[(triton.cdiv(e1, block_e),)](
+        _k._map_scan_kernel[(_cdiv(e1, block_e),)](
             tile_counts, totals, n_tiles, e1, BLOCK_T=128, BLOCK_E=block_e, num_warps=4,
         )
         _k._map_scatter_kernel[(n_tiles,)](
@@ -361,13 +375,13 @@ def expand_to_fused(x: Tensor, token_topk_to_pos: Tensor, pos_to_expert: Tensor)
     mapping = _c.row_major(token_topk_to_pos)
     pte = pos_to_expert.contiguous()
     cfg, _ = _c.select_config(x.device)
-    block_h = min(cfg.copy_block_h, triton.next_power_of_2(h))
-    pad_rows = 32
-    grid = (t + triton.cdiv(num_pos, pad_rows), triton.cdiv(h, block_h))
+    block_h = min(cfg.copy_block_h, _pow2(h))
+    pad_rows = 128
+    grid = (t + _cdiv(num_pos, pad_rows), _cdiv(h, block_h))
     with device_guard(x):
         _k._expand_kernel[grid](
             x, out, mapping, pte, t, num_pos, h, x.stride(0), mapping.stride(0),
-            K=mapping.shape[1], BLOCK_H=block_h, PAD_ROWS=pad_rows, SUB_H=min(block_h, 256),
+            K=mapping.shape[1], BLOCK_H=block_h, PAD_ROWS=pad_rows, PAD_R=16, SUB_H=min(block_h, 128),
             num_warps=cfg.copy_warps,
         )
     return out
@@ -418,9 +432,9 @@ def reduce_fused(x: Tensor, topk_weights: Tensor | None, token_topk_to_pos: Tens
     mapping = _c.row_major(token_topk_to_pos)
     w = topk_weights if topk_weights is not None else mapping  # dummy pointer when unused
     cfg, _ = _c.select_config(x.device)
-    block_h = min(cfg.reduce_block_h, triton.next_power_of_2(h))
+    block_h = min(cfg.reduce_block_h, _pow2(h))
     with device_guard(x):
-        _k._reduce_kernel[(t, triton.cdiv(h, block_h))](
+        _k._reduce_kernel[(t, _cdiv(h, block_h))](
             x, w, mapping, out, num_pos, h, x.stride(0), w.stride(0), w.stride(1),
             mapping.stride(0), out.stride(0),
             K=k, HAS_W=topk_weights is not None, BLOCK_H=block_h, num_warps=cfg.reduce_warps,
