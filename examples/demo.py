@@ -4,13 +4,20 @@ Prints kernelize's report (which kernel each module got, on which device and cap
 checks the kernelized logits against the eager ones. Runs on whatever is there: each visible GPU
 gets some of the layers (so GPUs of different generations each get their own kernels), or the CPU.
 
-    python examples/demo.py [--dtype bf16|fp16|fp32] [--tokens N]
+    python examples/demo.py [--dtype bf16|fp16|fp32] [--tokens N] [--triton-on-cpu]
+
+Without a GPU the CPU gets the torch reference layers; `--triton-on-cpu` runs the sm80 Triton
+kernels through the Triton interpreter instead (slow, but the same kernel code as on a GPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+if "--triton-on-cpu" in sys.argv:  # must precede the definition of any Triton kernel
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -66,7 +73,7 @@ def check(name: str, model: torch.nn.Module, dtype: torch.dtype, tokens: int) ->
         _add_device_hops(model)
     ids = torch.randint(0, model.config.vocab_size, (2, tokens), device=device)
     eager = run(model, ids)
-    report = kernelhub.kernelize(model, mode=kernelhub.Mode.INFERENCE)
+    report = kernelhub.kernelize(model, mode=kernelhub.Mode.INFERENCE, config={})
     print(f"\n== {name} ({dtype}) ==")
     print(report)
     kernelized = run(model, ids)
@@ -97,7 +104,15 @@ def main() -> int:
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="default: bf16 on a GPU, fp32 on the CPU")
     parser.add_argument("--tokens", type=int, default=16, help="sequence length (default 16)")
+    parser.add_argument("--triton-on-cpu", action="store_true",
+                        help="on the CPU, run the sm80 Triton kernels in the Triton interpreter")
     args = parser.parse_args()
+    if args.triton_on_cpu:
+        root = kernelhub.default_mapping.bundled_kernels_dir()
+        kernelhub.register_kernel_mapping({
+            "SwiGLUMLP": {"cpu": kernelhub.LocalLayerRepository(root / "swiglu", layer_name="SwiGLUMLPSm80")},
+            "MoEExperts": {"cpu": kernelhub.LocalLayerRepository(root / "moe", layer_name="MoEExpertsSm80")},
+        })
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
     gpus = [f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count())]
     print("devices:", ", ".join(gpus) if gpus else "CPU only (kernels: torch reference layers)")

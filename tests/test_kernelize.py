@@ -215,7 +215,9 @@ def test_report_renders_as_readable_table(fake_gpus):
     text = str(kernelize(model))
     lines = text.splitlines()
     assert lines[0].startswith("kernelize report: mode=Mode.INFERENCE, 2 of 3 modules kernelized")
-    assert lines[1].split() == ["module", "class", "layer", "device", "sm", "kernel"]
-    assert "ToyMLPSm80 <- local:" in lines[3] and "cuda:0" in lines[3] and " 80 " in lines[3]
-    assert "ToyMLPSm90" in lines[4] and "cuda:1" in lines[4]
-    assert "eager: act_fn is GELU" in lines[5]
+    assert lines[1].split() == ["module", "class", "layer", "device", "sm", "kernel", "from", "/", "why", "not"]
+    assert lines[3].split()[:6] == ["0", "MLP", "SwiGLUMLP", "cuda:0", "80", "ToyMLPSm80"]
+    assert lines[3].split()[6].startswith("local:")
+    assert lines[4].split()[:6] == ["1", "MLP", "SwiGLUMLP", "cuda:1", "90", "ToyMLPSm90"]
+    assert lines[5].split()[:6] == ["2", "MLP", "SwiGLUMLP", "cpu", "-", "eager"]
+    assert "act_fn is GELU" in lines[5]

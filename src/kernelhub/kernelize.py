@@ -63,13 +63,14 @@ class KernelizeReport:
         return [e for e in self.entries if e.fallback_reason is not None]
 
     def __str__(self) -> str:
-        header = ("module", "class", "layer", "device", "sm", "kernel")
+        header = ("module", "class", "layer", "device", "sm", "kernel", "from / why not")
         rows = []
         for e in self.entries:
             sm = "-" if e.capability is None else str(e.capability)
             dev = "(from input)" if e.device is None else str(e.device)
-            kernel = f"{e.layer} <- {e.repository}" if e.fallback_reason is None else f"eager: {e.fallback_reason}"
-            rows.append((e.module_name or "(root)", e.module_class, e.layer_name, dev, sm, kernel))
+            kernel = e.layer if e.fallback_reason is None else "eager"
+            source = e.repository if e.fallback_reason is None else e.fallback_reason
+            rows.append((e.module_name or "(root)", e.module_class, e.layer_name, dev, sm, kernel, source))
         widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
         widths[-1] = len(header[-1])
 
