@@ -71,8 +71,8 @@ def test_sm90_and_sm80_paths_are_bit_identical(dtype):
     assert torch.equal(a, b)
     da, ua = torch.full_like(gate, float("nan")), torch.full_like(gate, float("nan"))
     db, ub = torch.full_like(gate, float("nan")), torch.full_like(gate, float("nan"))
-    ops._run(ops._VARIANTS["sm90"], True, (dy, gate, up, da, ua))
-    ops._run(ops._VARIANTS["sm80"], True, (dy, gate, up, db, ub))
+    ops._run((ops._VARIANTS["sm90"], -1, 2), True, False, 320, (dy, gate, up, da, ua))
+    ops._run((ops._VARIANTS["sm80"], -1, 2), True, False, 320, (dy, gate, up, db, ub))
     assert not torch.isnan(da).any() and not torch.isnan(ua).any()
     assert torch.equal(da, db) and torch.equal(ua, ub)
 
@@ -176,22 +176,28 @@ def test_deterministic_and_inputs_not_mutated(impl):
 
 def test_cpu_default_path_is_the_triton_interpreter_sm80():
     x = torch.randn(2, 64)
-    assert ops._resolve("swiglu", x, None).name == "sm80"
+    assert ops._resolve("swiglu", x, None)[0].name == "sm80"
     assert ops._resolve("swiglu", x, "reference") is None
 
 
 def test_variant_chosen_per_device_index(fake_gpus):
     # cuda:0 is sm80, cuda:1 sm90 (conftest); each tensor gets its own device's variant
-    assert ops._resolve("swiglu", fake_cuda_tensor((2, 8), 0), None).name == "sm80"
-    assert ops._resolve("swiglu", fake_cuda_tensor((2, 8), 1), None).name == "sm90"
-    assert ops._resolve("swiglu", fake_cuda_tensor((2, 8), 1), "sm80").name == "sm80"
-    assert ops._resolve("swiglu", fake_cuda_tensor((2, 8), 0), "sm90").name == "sm90"
+    def pick(index, impl):
+        variant, device_index, sm_count = ops._resolve("swiglu", fake_cuda_tensor((2, 8), index), impl)
+        return variant.name, device_index, sm_count
+
+    assert pick(0, None) == ("sm80", 0, 108)
+    assert pick(1, None) == ("sm90", 1, 132)
+    assert pick(1, "sm80") == ("sm80", 1, 132)
+    assert pick(0, "sm90") == ("sm90", 0, 108)
+    assert ops._resolve("swiglu", fake_cuda_tensor((2, 8), 1), "reference") is None
 
 
 def test_launch_runs_on_the_input_device_and_restores_current(fake_gpus, monkeypatch):
     seen = []
 
-    def record(variant, backward, tensors, sm_count, device_index):
+    def record(target, backward, packed, N, tensors):
+        variant, device_index, sm_count = target
         seen.append((variant.name, backward, fake_gpus.current, device_index, sm_count,
                      {t.device for t in tensors}))
 
@@ -201,7 +207,7 @@ def test_launch_runs_on_the_input_device_and_restores_current(fake_gpus, monkeyp
         y = ops.swiglu_packed(x)
         assert y.device == torch.device("cuda", 1) and y.shape == (4, 32)
         # backward: the same guard, and the gradient allocated on x's device
-        ctx = types.SimpleNamespace(saved_tensors=(x,), variant=ops._VARIANTS["sm90"])
+        ctx = types.SimpleNamespace(saved_tensors=(x,), target=(ops._VARIANTS["sm90"], 1, 132))
         dx, _ = ops._SwiGLUPackedFunction.backward(ctx, torch.empty((4, 32), dtype=torch.bfloat16,
                                                                     device=x.device))
         assert dx.device == x.device and dx.shape == x.shape

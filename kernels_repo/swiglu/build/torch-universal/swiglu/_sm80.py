@@ -22,12 +22,12 @@ def _swiglu_fwd_kernel(
     g_ptr, u_ptr, o_ptr,
     M, N,
     stride_gm, stride_gn, stride_um, stride_un, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, PACKED: tl.constexpr,
 ):
     swiglu_fwd_tile(
         g_ptr, u_ptr, o_ptr, tl.program_id(0), M, N,
         stride_gm, stride_gn, stride_um, stride_un, stride_om,
-        BLOCK_M, BLOCK_N, EVEN_N,
+        BLOCK_M, BLOCK_N, EVEN_N, PACKED,
     )
 
 
@@ -36,12 +36,12 @@ def _swiglu_bwd_kernel(
     dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr,
     M, N,
     stride_dym, stride_dyn, stride_gm, stride_gn, stride_um, stride_un, stride_dgm, stride_dum,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, PACKED: tl.constexpr,
 ):
     swiglu_bwd_tile(
         dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, tl.program_id(0), M, N,
         stride_dym, stride_dyn, stride_gm, stride_gn, stride_um, stride_un, stride_dgm, stride_dum,
-        BLOCK_M, BLOCK_N, EVEN_N,
+        BLOCK_M, BLOCK_N, EVEN_N, PACKED,
     )
 
 

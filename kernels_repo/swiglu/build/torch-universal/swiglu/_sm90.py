@@ -29,14 +29,14 @@ def _swiglu_fwd_persistent_kernel(
     g_ptr, u_ptr, o_ptr,
     M, N,
     stride_gm, stride_gn, stride_um, stride_un, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, PACKED: tl.constexpr,
 ):
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
         swiglu_fwd_tile(
             g_ptr, u_ptr, o_ptr, tile, M, N,
             stride_gm, stride_gn, stride_um, stride_un, stride_om,
-            BLOCK_M, BLOCK_N, EVEN_N,
+            BLOCK_M, BLOCK_N, EVEN_N, PACKED,
         )
 
 
@@ -45,14 +45,14 @@ def _swiglu_bwd_persistent_kernel(
     dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr,
     M, N,
     stride_dym, stride_dyn, stride_gm, stride_gn, stride_um, stride_un, stride_dgm, stride_dum,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, PACKED: tl.constexpr,
 ):
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
         swiglu_bwd_tile(
             dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, tile, M, N,
             stride_dym, stride_dyn, stride_gm, stride_gn, stride_um, stride_un, stride_dgm, stride_dum,
-            BLOCK_M, BLOCK_N, EVEN_N,
+            BLOCK_M, BLOCK_N, EVEN_N, PACKED,
         )
 
 
