@@ -79,7 +79,7 @@ def test_sm90_and_sm80_paths_are_bit_identical(dtype):
 
 def test_sm90_persistent_grid_is_smaller_than_tile_count_on_cpu():
     # the grid-stride loop only runs more than once if the grid is smaller than the tile count
-    bm, bn, _, grid = ops._VARIANTS["sm90"].config(45, 320, 2, ops._INTERPRETER_SM_COUNT)
+    bm, bn, _, grid = ops._VARIANTS["sm90"].config(45, 320, 2, ops._INTERPRETER_SM_COUNT, False)
     tiles = -(-45 // bm) * -(-320 // bn)
     assert grid < tiles
 

@@ -40,13 +40,14 @@ class _Variant:
         self.fwd = CachedLaunch(module.fwd_kernel, module.OPTIONS)
         self.bwd = CachedLaunch(module.bwd_kernel, module.OPTIONS)
 
-    def config(self, M: int, N: int, elem_bytes: int, sm_count: int) -> tuple[int, int, int, int]:
-        key = (M, N, elem_bytes, sm_count)
+    def config(self, M: int, N: int, elem_bytes: int, sm_count: int,
+               backward: bool) -> tuple[int, int, int, int]:
+        key = (M, N, elem_bytes, sm_count, backward)
         cfg = self._configs.get(key)
         if cfg is None:
             if len(self._configs) >= _MAX_CONFIGS:
                 self._configs.clear()
-            cfg = self._configs[key] = self._config(M, N, elem_bytes, sm_count)
+            cfg = self._configs[key] = self._config(M, N, elem_bytes, sm_count, backward)
         return cfg
 
     def __repr__(self) -> str:
@@ -148,7 +149,9 @@ def _launch(target: tuple[_Variant, int, int], backward: bool, packed: bool, N: 
             _launch(target, backward, packed, N, tuple(t[i] for t in tensors))
         return
     M = rows[0][0]
-    block_m, block_n, num_warps, grid = variant.config(M, N, tensors[0].element_size(), sm_count)
+    block_m, block_n, num_warps, grid = variant.config(
+        M, N, tensors[0].element_size(), sm_count, backward
+    )
     if backward:
         dy, g, u, dg, du = tensors
         ints = (M, N, rows[0][1], dy.stride(-1), rows[1][1], g.stride(-1), rows[2][1], u.stride(-1),
