@@ -305,6 +305,36 @@ def test_silu_and_mul_layers(name):
     _close(layer.forward(host, x), _reference(g, u), torch.bfloat16)
 
 
+# ---------------------------------------------------------------- torch.compile
+
+@pytest.mark.parametrize("impl", [None, "sm90", "reference"])
+def test_torch_compile_fullgraph_matches_eager(impl):
+    # the compiled path goes through custom ops: fullgraph=True fails on any graph break
+    def f(g, u, x):
+        return ops.swiglu(g, u, impl=impl).sum() + ops.swiglu_packed(x, impl=impl).float().sum()
+
+    g, u, x = (_rand(s, dt).requires_grad_() for s, dt in
+               [((8, 64), torch.float32), ((8, 64), torch.float32), ((2, 4, 96), torch.bfloat16)])
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    compiled(g, u, x).backward()
+    got = [t.grad.clone() for t in (g, u, x)]
+    for t in (g, u, x):
+        t.grad = None
+    f(g, u, x).backward()
+    for a, t in zip(got, (g, u, x), strict=True):
+        assert torch.equal(a, t.grad)
+
+
+def test_mlp_layer_under_torch_compile():
+    mlp = _llama_mlp(torch.float32)
+    x = torch.randn(2, 3, 64)
+    expected = mlp(x)
+    mlp.forward = types.MethodType(layers.SwiGLUMLP.forward, mlp)
+    assert layers.SwiGLUMLP.can_torch_compile
+    out = torch.compile(mlp, backend="aot_eager", fullgraph=True)(x)
+    torch.testing.assert_close(out, expected, rtol=1.3e-6, atol=1e-5)
+
+
 # ---------------------------------------------------------------- GPU (TRITON_INTERPRET=0 pytest -m gpu)
 
 GPU_SHAPES = [(4096, 6144), (64, 14336), (1, 11008), (333, 4100)]
@@ -329,6 +359,19 @@ def test_gpu_variants_match_reference(impl, dtype, shape):
     # a misaligned view after an aligned one must not reuse the aligned specialization
     g1, u1 = (_rand((shape[0] * shape[1] + 1,), dtype, dev)[1:].view(shape) for _ in range(2))
     _close(ops.swiglu(g1, u1, impl=impl), _reference(g1, u1), dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_inductor_compile_matches_eager():
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x = _rand((512, 2 * 4096), torch.bfloat16, dev).requires_grad_()
+    dy = _rand((512, 4096), torch.bfloat16, dev)
+    compiled = torch.compile(lambda t: ops.swiglu_packed(t) * 2, fullgraph=True)
+    y = compiled(x)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    y_ref = ops.swiglu_packed(x) * 2
+    (dx_ref,) = torch.autograd.grad(y_ref, x, dy)
+    assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
 
 
 @pytest.mark.gpu

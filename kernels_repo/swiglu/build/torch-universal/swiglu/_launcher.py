@@ -83,7 +83,7 @@ class CachedLaunch:
                 # 3.7's async compile mode returns a future: keep only a loaded, launchable kernel
                 if compiled is None or hasattr(compiled, "result") or not all(
                     hasattr(compiled, a) for a in ("run", "function", "packed_metadata")
-                ):
+                ) or not callable(compiled.run):
                     return
                 hit = self.by_spec[spec_key] = (compiled.run, compiled.function, compiled.packed_metadata)
                 if len(self.exact) >= _MAX_KEYS:

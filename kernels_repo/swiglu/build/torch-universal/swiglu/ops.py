@@ -17,7 +17,7 @@ from kernelhub.device import device_guard, device_properties
 
 from . import _sm80, _sm90
 from ._launcher import CachedLaunch
-from .reference import swiglu_packed_reference, swiglu_reference
+from .reference import swiglu_backward_reference, swiglu_packed_reference, swiglu_reference
 
 __all__ = ["swiglu", "swiglu_packed", "IMPLS"]
 
@@ -250,6 +250,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, impl: str | None = None) -> 
         ValueError: devices or shapes differ, 0-d input, unknown `impl`.
     """
     _check_pair("swiglu", gate, up)
+    if torch.compiler.is_compiling() and impl != "reference":
+        return _swiglu_op(gate, up, _impl_arg("swiglu", impl))
     target = _resolve("swiglu", gate, impl)
     if target is None:
         return swiglu_reference(gate, up)
@@ -269,9 +271,112 @@ def swiglu_packed(x: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
         [..., I] contiguous; the gradient is one [..., 2I] tensor.
     """
     _check_packed(x)
+    if torch.compiler.is_compiling() and impl != "reference":
+        return _swiglu_packed_op(x, _impl_arg("swiglu_packed", impl))
     target = _resolve("swiglu_packed", x, impl)
     if target is None:
         return swiglu_packed_reference(x)
     if x.requires_grad and torch.is_grad_enabled():
         return _SwiGLUPackedFunction.apply(x, target)
     return _forward_packed(target, x)
+
+
+# ---- torch.compile: the same launches as opaque custom ops (no graph breaks) -------------------
+# Eager calls never go through these: the dispatcher costs ~10 us a call, the autograd.Function
+# path above a few. The namespace carries the module name, which carries the kernel's path digest,
+# so two loaded versions of this kernel register distinct ops.
+_NS = "kernelhub_" + __name__.replace(".", "_")
+
+
+def _impl_arg(fn: str, impl: str | None) -> str:
+    if impl is not None and impl not in IMPLS:
+        raise ValueError(f"{fn}: `impl` must be one of {IMPLS} or None, got {impl!r}")
+    return "auto" if impl is None else impl
+
+
+def _op_target(fn: str, x: torch.Tensor, impl: str):
+    return _resolve(fn, x, None if impl == "auto" else impl)
+
+
+@torch.library.custom_op(f"{_NS}::swiglu", mutates_args=())
+def _swiglu_op(gate: torch.Tensor, up: torch.Tensor, impl: str) -> torch.Tensor:
+    target = _op_target("swiglu", gate, impl)
+    return swiglu_reference(gate, up) if target is None else _forward(target, gate, up)
+
+
+@_swiglu_op.register_fake
+def _(gate: torch.Tensor, up: torch.Tensor, impl: str) -> torch.Tensor:
+    return gate.new_empty(gate.shape)
+
+
+@torch.library.custom_op(f"{_NS}::swiglu_backward", mutates_args=())
+def _swiglu_backward_op(
+    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, impl: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    target = _op_target("swiglu", gate, impl)
+    if target is None:
+        return swiglu_backward_reference(dy, gate, up)
+    dg, du = gate.new_empty(gate.shape), up.new_empty(up.shape)
+    _run(target, True, False, gate.shape[-1], (_grad_output(dy, gate), gate, up, dg, du))
+    return dg, du
+
+
+@_swiglu_backward_op.register_fake
+def _(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return gate.new_empty(gate.shape), up.new_empty(up.shape)
+
+
+def _swiglu_setup(ctx, inputs, output) -> None:
+    gate, up, impl = inputs
+    ctx.save_for_backward(gate, up)
+    ctx.impl = impl
+
+
+def _swiglu_op_backward(ctx, dy):
+    gate, up = ctx.saved_tensors
+    dg, du = _swiglu_backward_op(dy, gate, up, ctx.impl)
+    return dg, du, None
+
+
+_swiglu_op.register_autograd(_swiglu_op_backward, setup_context=_swiglu_setup)
+
+
+@torch.library.custom_op(f"{_NS}::swiglu_packed", mutates_args=())
+def _swiglu_packed_op(x: torch.Tensor, impl: str) -> torch.Tensor:
+    target = _op_target("swiglu_packed", x, impl)
+    return swiglu_packed_reference(x) if target is None else _forward_packed(target, x)
+
+
+@_swiglu_packed_op.register_fake
+def _(x: torch.Tensor, impl: str) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+@torch.library.custom_op(f"{_NS}::swiglu_packed_backward", mutates_args=())
+def _swiglu_packed_backward_op(dy: torch.Tensor, x: torch.Tensor, impl: str) -> torch.Tensor:
+    target = _op_target("swiglu_packed", x, impl)
+    n = x.shape[-1] // 2
+    if target is None:
+        return torch.cat(swiglu_backward_reference(dy, x.narrow(-1, 0, n), x.narrow(-1, n, n)), dim=-1)
+    dx = x.new_empty(x.shape)
+    _run(target, True, True, n, (_grad_output(dy, x), x, x, dx, dx))
+    return dx
+
+
+@_swiglu_packed_backward_op.register_fake
+def _(dy: torch.Tensor, x: torch.Tensor, impl: str) -> torch.Tensor:
+    return x.new_empty(x.shape)
+
+
+def _swiglu_packed_setup(ctx, inputs, output) -> None:
+    x, impl = inputs
+    ctx.save_for_backward(x)
+    ctx.impl = impl
+
+
+def _swiglu_packed_op_backward(ctx, dy):
+    (x,) = ctx.saved_tensors
+    return _swiglu_packed_backward_op(dy, x, ctx.impl), None
+
+
+_swiglu_packed_op.register_autograd(_swiglu_packed_op_backward, setup_context=_swiglu_packed_setup)
