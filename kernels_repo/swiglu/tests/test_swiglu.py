@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -333,6 +337,28 @@ def test_mlp_layer_under_torch_compile():
     assert layers.SwiGLUMLP.can_torch_compile
     out = torch.compile(mlp, backend="aot_eager", fullgraph=True)(x)
     torch.testing.assert_close(out, expected, rtol=1.3e-6, atol=1e-5)
+
+
+# ---------------------------------------------------------------- GPU code generation, without a GPU
+
+def test_gpu_code_is_vectorised_and_fits_its_register_budget():
+    # compile for sm80 and sm90 (Triton's bundled ptxas, no device needed) in a fresh process,
+    # since this one defined the kernels for the interpreter
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    probe = Path(__file__).with_name("compile_probe.py")
+    out = subprocess.run([sys.executable, str(probe)], env=env, capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert len(rows) == 12
+    for r in rows:
+        # every global access a 16-byte vector: 2 (fwd) or 3 (bwd) tensors in, 1 or 2 out
+        assert set(r["loads"]) == {"ld.global.v4.b32"} and set(r["stores"]) == {"st.global.v4.b32"}, r
+        assert r["loads"]["ld.global.v4.b32"] % (3 if r["backward"] else 2) == 0, r
+        assert r["spill_bytes"] == 0, r
+        if r["variant"] == "_sm90":
+            # the persistent grid assumes 4 resident programs per SM: the register cap must hold
+            assert r["registers"] <= r["maxnreg"] == 64, r
+            assert r["config"][3] == 4 * 132, r
 
 
 # ---------------------------------------------------------------- GPU (TRITON_INTERPRET=0 pytest -m gpu)
