@@ -31,6 +31,7 @@ OUT = os.environ.get("OUT", "/tmp")
 LOG = open(os.path.join(OUT, "swiglu_bench.jsonl"), "a")
 SHAPES = [(8192, 14336), (32768, 4096), (4096, 6144), (64, 14336)]
 HOST_SHAPE = (1, 128)
+DEV = torch.device("cuda", 0)
 
 
 def emit(**row) -> None:
@@ -111,7 +112,7 @@ def time_graph(call, per_graph: int, replays: int) -> float:
 
 
 def copy_bandwidth() -> float:
-    a = torch.randn(1 << 28, device="cuda", dtype=torch.bfloat16)  # 512 MiB
+    a = torch.randn(1 << 28, device=DEV, dtype=torch.bfloat16)  # 512 MiB
     b = torch.empty_like(a)
     ms = time_graph(lambda: b.copy_(a), 5, 10)
     bw = 2 * a.numel() * a.element_size() / (ms * 1e-3)
@@ -125,9 +126,9 @@ def relerr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def check(name, fn, T, I) -> dict:
     """Relative errors of forward and both gradients vs fp32 torch (fresh inputs)."""
-    g = torch.randn(T, I, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    u = torch.randn(T, I, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(T, I, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    u = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(T, I, device=DEV, dtype=torch.bfloat16)
     gf, uf = g.detach().float().requires_grad_(), u.detach().float().requires_grad_()
     ref = F.silu(gf) * uf
     rdg, rdu = torch.autograd.grad(ref, (gf, uf), dy.float())
@@ -144,7 +145,7 @@ def check(name, fn, T, I) -> dict:
 @torch.no_grad()
 def bench_packed(kernel, T: int, I: int, copy_bw: float, host_only: bool = False) -> None:
     """The packed entry point (gate | up halves of one [T, 2I] tensor), forward only."""
-    x = torch.randn(T, 2 * I, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(T, 2 * I, device=DEV, dtype=torch.bfloat16)
 
     def call():
         return kernel.swiglu_packed(x)
@@ -170,7 +171,8 @@ def main() -> None:
           torch.cuda.get_device_capability(), flush=True)
     t_start = time.time()
     impls, kernel = implementations()
-    probe = torch.empty(1, 8, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.set_device(DEV)
+    probe = torch.empty(1, 8, device=DEV, dtype=torch.bfloat16)
     print("ours resolves to", kernel.ops._resolve("bench", probe, None)[0], flush=True)
     copy_bw = copy_bandwidth()
     shapes = SHAPES
@@ -179,9 +181,9 @@ def main() -> None:
 
     # pure host overhead: a tiny problem, where the GPU finishes each kernel before the next call
     T, I = HOST_SHAPE
-    g = torch.randn(T, I, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    u = torch.randn(T, I, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(T, I, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    u = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(T, I, device=DEV, dtype=torch.bfloat16)
     for name, fn in impls.items():
         for backward in (False, True):
             gg, uu = (g, u) if backward else (g.detach(), u.detach())
@@ -195,9 +197,9 @@ def main() -> None:
         for name, fn in impls.items():
             try:
                 errs = check(name, fn, T, I)
-                g = torch.randn(T, I, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                u = torch.randn(T, I, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-                dy = torch.randn(T, I, device="cuda", dtype=torch.bfloat16)
+                g = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+                u = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+                dy = torch.randn(T, I, device=DEV, dtype=torch.bfloat16)
                 for backward, tensors in ((False, 3), (True, 8)):
                     gg, uu = (g, u) if backward else (g.detach(), u.detach())
                     call = call_fn(fn, gg, uu, dy, backward)
