@@ -2,7 +2,8 @@
 
 Run in a process without TRITON_INTERPRET (the test does). For each (variant, pass, shape) it
 prints one JSON line: the launch config, the global load/store instructions in the PTX (16-byte
-vectors are `.v4.b32`) and ptxas's register and spill report.
+vectors are `.v4.b32`), ptxas's register and spill report, and whether the SASS issues all of a
+tile's loads before computing on any of them.
 """
 
 from __future__ import annotations
@@ -56,14 +57,21 @@ def probe(mod, backward: bool, capability: int, M: int, N: int, packed: bool, dt
         arch = "sm_90a" if capability == 90 else f"sm_{capability}"
         report = subprocess.run([ptxas, "-v", f"--gpu-name={arch}", src, "-o", os.path.join(tmp, "k.cubin")],
                                 capture_output=True, text=True, check=True).stderr
+        tool = os.path.join(os.path.dirname(ptxas), "cuobjdump")
+        sass = subprocess.run([tool, "-sass", os.path.join(tmp, "k.cubin")], capture_output=True, text=True,
+                              check=True).stdout
     regs = int(re.search(r"Used (\d+) registers", report).group(1))
+    # memory-level parallelism: no transcendental (sigmoid's MUFU) between a tile's first and last load
+    ops = re.findall(r"\b(LDG|MUFU)\b", sass)
+    loads = [i for i, op in enumerate(ops) if op == "LDG"]
+    loads_up_front = "MUFU" not in ops[loads[0]:loads[-1]]
     spills = [int(v) for v in re.findall(r"(\d+) bytes spill", report)]
     return {
         "variant": mod.__name__.rsplit(".", 1)[-1], "backward": backward, "M": M, "N": N, "packed": packed,
         "dtype": dtype, "config": [block_m, block_n, num_warps, grid], "maxnreg": mod.OPTIONS.get("maxnreg"),
         "loads": dict(Counter(re.findall(r"ld\.global[.\w]*", ptx))),
         "stores": dict(Counter(re.findall(r"st\.global[.\w]*", ptx))),
-        "registers": regs, "spill_bytes": sum(spills),
+        "registers": regs, "spill_bytes": sum(spills), "loads_up_front": loads_up_front,
     }
 
 

@@ -356,9 +356,12 @@ def test_gpu_code_is_vectorised_and_fits_its_register_budget():
         assert r["loads"]["ld.global.v4.b32"] % (3 if r["backward"] else 2) == 0, r
         assert r["spill_bytes"] == 0, r
         if r["variant"] == "_sm90":
-            # the persistent grid assumes 4 resident programs per SM: the register cap must hold
-            assert r["registers"] <= r["maxnreg"] == 64, r
-            assert r["config"][3] == 4 * 132, r
+            # the persistent grid assumes 10 resident programs per SM: the register cap must hold
+            assert r["registers"] <= r["maxnreg"] == 48, r
+            assert r["config"][3] == 10 * 132, r
+            if not r["packed"]:
+                # the cap was chosen so that a tile's loads all issue before the first use
+                assert r["loads_up_front"], r
 
 
 # ---------------------------------------------------------------- GPU (TRITON_INTERPRET=0 pytest -m gpu)
