@@ -215,14 +215,19 @@ def test_launch_runs_on_the_input_device_and_restores_current(fake_gpus, monkeyp
         dx, _ = ops._SwiGLUPackedFunction.backward(ctx, torch.empty((4, 32), dtype=torch.bfloat16,
                                                                     device=x.device))
         assert dx.device == x.device and dx.shape == x.shape
+        g1, u1 = fake_cuda_tensor((4, 32), 1), fake_cuda_tensor((4, 32), 1)
+        ctx = types.SimpleNamespace(saved_tensors=(g1, u1), target=(ops._VARIANTS["sm90"], 1, 132))
+        dg, du, _ = ops._SwiGLUFunction.backward(ctx, torch.empty((4, 32), device=x.device))
+        assert dg.device == du.device == x.device
         g0 = fake_cuda_tensor((4, 32), 0, torch.float16)
         ops.swiglu(g0, fake_cuda_tensor((4, 32), 0, torch.float16))
     cuda1 = {torch.device("cuda", 1)}
     assert seen[0] == ("sm90", False, 1, 1, 132, cuda1)
     assert seen[1] == ("sm90", True, 1, 1, 132, cuda1)
-    assert seen[2] == ("sm80", False, 0, 0, 108, {torch.device("cuda", 0)})
+    assert seen[2] == ("sm90", True, 1, 1, 132, cuda1)
+    assert seen[3] == ("sm80", False, 0, 0, 108, {torch.device("cuda", 0)})
     assert fake_gpus.current == 0
-    assert fake_gpus.set_calls == [1, 0, 1, 0]  # made current for each launch, then restored
+    assert fake_gpus.set_calls == [1, 0, 1, 0, 1, 0]  # made current for each launch, then restored
 
 
 # ---------------------------------------------------------------- errors
