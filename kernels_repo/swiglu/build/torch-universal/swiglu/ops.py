@@ -142,24 +142,27 @@ def _launch(target: tuple[_Variant, int, int], backward: bool, packed: bool, N: 
     """
     variant, device_index, sm_count = target
     shape = tensors[-1].shape
-    rows = [_rows(shape, t.stride()) for t in tensors]
-    if None in rows:
-        # leading dims that no single row stride spans (rare): one launch per outer index
-        for i in range(shape[0]):
-            _launch(target, backward, packed, N, tuple(t[i] for t in tensors))
-        return
-    M = rows[0][0]
+    strides = [t.stride() for t in tensors]
+    if len(shape) == 2:  # the common case, without the general collapse below
+        M = shape[0]
+        rs = [st[0] for st in strides]
+    else:
+        rows = [_rows(shape, st) for st in strides]
+        if None in rows:
+            # leading dims that no single row stride spans (rare): one launch per outer index
+            for i in range(shape[0]):
+                _launch(target, backward, packed, N, tuple(t[i] for t in tensors))
+            return
+        M = rows[0][0]
+        rs = [r[1] for r in rows]
     block_m, block_n, num_warps, grid = variant.config(
         M, N, tensors[0].element_size(), sm_count, backward
     )
     if backward:
-        dy, g, u, dg, du = tensors
-        ints = (M, N, rows[0][1], dy.stride(-1), rows[1][1], g.stride(-1), rows[2][1], u.stride(-1),
-                rows[3][1], rows[4][1])
+        ints = (M, N, rs[0], strides[0][-1], rs[1], strides[1][-1], rs[2], strides[2][-1], rs[3], rs[4])
         launcher = variant.bwd
     else:
-        g, u, _ = tensors
-        ints = (M, N, rows[0][1], g.stride(-1), rows[1][1], u.stride(-1), rows[2][1])
+        ints = (M, N, rs[0], strides[0][-1], rs[1], strides[1][-1], rs[2])
         launcher = variant.fwd
     launcher(grid, num_warps, device_index, tensors, ints, (block_m, block_n, N % block_n == 0, packed))
 
@@ -179,15 +182,21 @@ def _run(target: tuple[_Variant, int, int], backward: bool, packed: bool, N: int
             _launch(target, backward, packed, N, tensors)
 
 
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor of like's shape, dtype and device (empty_like parses ~1.5 us faster
+    than torch.empty(shape, dtype=, device=))."""
+    return torch.empty_like(like, memory_format=torch.contiguous_format)
+
+
 def _forward(target, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    out = _empty(gate)
     _run(target, False, False, gate.shape[-1], (gate, up, out))
     return out
 
 
 def _forward_packed(target, x: torch.Tensor) -> torch.Tensor:
     n = x.shape[-1] // 2
-    out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+    out = x.new_empty((*x.shape[:-1], n))
     _run(target, False, True, n, (x, x, out))
     return out
 
@@ -209,8 +218,7 @@ class _SwiGLUFunction(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         gate, up = ctx.saved_tensors
         dy = _grad_output(dy, gate)
-        dg = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-        du = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+        dg, du = _empty(gate), _empty(up)
         _run(ctx.target, True, False, gate.shape[-1], (dy, gate, up, dg, du))
         return dg, du, None
 
@@ -227,7 +235,7 @@ class _SwiGLUPackedFunction(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         dy = _grad_output(dy, x)
         # one [..., 2I] gradient; the kernel writes both halves
-        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        dx = _empty(x)
         _run(ctx.target, True, True, x.shape[-1] // 2, (dy, x, x, dx, dx))
         return dx, None
 
@@ -316,7 +324,7 @@ def _swiglu_backward_op(
     target = _op_target("swiglu", gate, impl)
     if target is None:
         return swiglu_backward_reference(dy, gate, up)
-    dg, du = gate.new_empty(gate.shape), up.new_empty(up.shape)
+    dg, du = _empty(gate), _empty(up)
     _run(target, True, False, gate.shape[-1], (_grad_output(dy, gate), gate, up, dg, du))
     return dg, du
 
@@ -358,7 +366,7 @@ def _swiglu_packed_backward_op(dy: torch.Tensor, x: torch.Tensor, impl: str) -> 
     n = x.shape[-1] // 2
     if target is None:
         return torch.cat(swiglu_backward_reference(dy, x.narrow(-1, 0, n), x.narrow(-1, n, n)), dim=-1)
-    dx = x.new_empty(x.shape)
+    dx = _empty(x)
     _run(target, True, True, n, (_grad_output(dy, x), x, x, dx, dx))
     return dx
 
