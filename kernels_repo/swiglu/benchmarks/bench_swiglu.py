@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
