@@ -314,6 +314,20 @@ def test_silu_and_mul_layers(name):
     _close(layer.forward(host, x), _reference(g, u), torch.bfloat16)
 
 
+def test_kernel_toml_lists_every_layer_with_its_attributes():
+    tomllib = pytest.importorskip("tomllib")
+    repo = Path(__file__).resolve().parents[1]
+    meta = tomllib.loads((repo / "kernel.toml").read_text())
+    assert meta["name"] == "swiglu" and isinstance(meta["version"], int) and meta["description"]
+    assert sorted(meta["layers"]) == sorted(layers.__all__)
+    for name, entry in meta["layers"].items():
+        layer = getattr(layers, name)
+        assert layer.has_backward == entry["has_backward"]
+        assert layer.can_torch_compile == entry["can_torch_compile"]
+    metadata = json.loads((repo / "build" / "torch-universal" / "swiglu" / "metadata.json").read_text())
+    assert metadata["python-depends"] == []
+
+
 # ---------------------------------------------------------------- torch.compile
 
 @pytest.mark.parametrize("impl", [None, "sm90", "reference"])
