@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -71,15 +75,15 @@ def test_sm90_and_sm80_paths_are_bit_identical(dtype):
     assert torch.equal(a, b)
     da, ua = torch.full_like(gate, float("nan")), torch.full_like(gate, float("nan"))
     db, ub = torch.full_like(gate, float("nan")), torch.full_like(gate, float("nan"))
-    ops._run(ops._VARIANTS["sm90"], True, (dy, gate, up, da, ua))
-    ops._run(ops._VARIANTS["sm80"], True, (dy, gate, up, db, ub))
+    ops._run((ops._VARIANTS["sm90"], -1, 2), True, False, 320, (dy, gate, up, da, ua))
+    ops._run((ops._VARIANTS["sm80"], -1, 2), True, False, 320, (dy, gate, up, db, ub))
     assert not torch.isnan(da).any() and not torch.isnan(ua).any()
     assert torch.equal(da, db) and torch.equal(ua, ub)
 
 
 def test_sm90_persistent_grid_is_smaller_than_tile_count_on_cpu():
     # the grid-stride loop only runs more than once if the grid is smaller than the tile count
-    bm, bn, _, grid = ops._VARIANTS["sm90"].config(45, 320, 2, ops._INTERPRETER_SM_COUNT)
+    bm, bn, _, grid = ops._VARIANTS["sm90"].config(45, 320, 2, ops._INTERPRETER_SM_COUNT, False)
     tiles = -(-45 // bm) * -(-320 // bn)
     assert grid < tiles
 
@@ -176,22 +180,28 @@ def test_deterministic_and_inputs_not_mutated(impl):
 
 def test_cpu_default_path_is_the_triton_interpreter_sm80():
     x = torch.randn(2, 64)
-    assert ops._resolve("swiglu", x, None).name == "sm80"
+    assert ops._resolve("swiglu", x, None)[0].name == "sm80"
     assert ops._resolve("swiglu", x, "reference") is None
 
 
 def test_variant_chosen_per_device_index(fake_gpus):
     # cuda:0 is sm80, cuda:1 sm90 (conftest); each tensor gets its own device's variant
-    assert ops._resolve("swiglu", fake_cuda_tensor((2, 8), 0), None).name == "sm80"
-    assert ops._resolve("swiglu", fake_cuda_tensor((2, 8), 1), None).name == "sm90"
-    assert ops._resolve("swiglu", fake_cuda_tensor((2, 8), 1), "sm80").name == "sm80"
-    assert ops._resolve("swiglu", fake_cuda_tensor((2, 8), 0), "sm90").name == "sm90"
+    def pick(index, impl):
+        variant, device_index, sm_count = ops._resolve("swiglu", fake_cuda_tensor((2, 8), index), impl)
+        return variant.name, device_index, sm_count
+
+    assert pick(0, None) == ("sm80", 0, 108)
+    assert pick(1, None) == ("sm90", 1, 132)
+    assert pick(1, "sm80") == ("sm80", 1, 132)
+    assert pick(0, "sm90") == ("sm90", 0, 108)
+    assert ops._resolve("swiglu", fake_cuda_tensor((2, 8), 1), "reference") is None
 
 
 def test_launch_runs_on_the_input_device_and_restores_current(fake_gpus, monkeypatch):
     seen = []
 
-    def record(variant, backward, tensors, sm_count, device_index):
+    def record(target, backward, packed, N, tensors):
+        variant, device_index, sm_count = target
         seen.append((variant.name, backward, fake_gpus.current, device_index, sm_count,
                      {t.device for t in tensors}))
 
@@ -201,18 +211,23 @@ def test_launch_runs_on_the_input_device_and_restores_current(fake_gpus, monkeyp
         y = ops.swiglu_packed(x)
         assert y.device == torch.device("cuda", 1) and y.shape == (4, 32)
         # backward: the same guard, and the gradient allocated on x's device
-        ctx = types.SimpleNamespace(saved_tensors=(x,), variant=ops._VARIANTS["sm90"])
+        ctx = types.SimpleNamespace(saved_tensors=(x,), target=(ops._VARIANTS["sm90"], 1, 132))
         dx, _ = ops._SwiGLUPackedFunction.backward(ctx, torch.empty((4, 32), dtype=torch.bfloat16,
                                                                     device=x.device))
         assert dx.device == x.device and dx.shape == x.shape
+        g1, u1 = fake_cuda_tensor((4, 32), 1), fake_cuda_tensor((4, 32), 1)
+        ctx = types.SimpleNamespace(saved_tensors=(g1, u1), target=(ops._VARIANTS["sm90"], 1, 132))
+        dg, du, _ = ops._SwiGLUFunction.backward(ctx, torch.empty((4, 32), device=x.device))
+        assert dg.device == du.device == x.device
         g0 = fake_cuda_tensor((4, 32), 0, torch.float16)
         ops.swiglu(g0, fake_cuda_tensor((4, 32), 0, torch.float16))
     cuda1 = {torch.device("cuda", 1)}
     assert seen[0] == ("sm90", False, 1, 1, 132, cuda1)
     assert seen[1] == ("sm90", True, 1, 1, 132, cuda1)
-    assert seen[2] == ("sm80", False, 0, 0, 108, {torch.device("cuda", 0)})
+    assert seen[2] == ("sm90", True, 1, 1, 132, cuda1)
+    assert seen[3] == ("sm80", False, 0, 0, 108, {torch.device("cuda", 0)})
     assert fake_gpus.current == 0
-    assert fake_gpus.set_calls == [1, 0, 1, 0]  # made current for each launch, then restored
+    assert fake_gpus.set_calls == [1, 0, 1, 0, 1, 0]  # made current for each launch, then restored
 
 
 # ---------------------------------------------------------------- errors
@@ -299,6 +314,75 @@ def test_silu_and_mul_layers(name):
     _close(layer.forward(host, x), _reference(g, u), torch.bfloat16)
 
 
+def test_kernel_toml_lists_every_layer_with_its_attributes():
+    tomllib = pytest.importorskip("tomllib")
+    repo = Path(__file__).resolve().parents[1]
+    meta = tomllib.loads((repo / "kernel.toml").read_text())
+    assert meta["name"] == "swiglu" and isinstance(meta["version"], int) and meta["description"]
+    assert sorted(meta["layers"]) == sorted(layers.__all__)
+    for name, entry in meta["layers"].items():
+        layer = getattr(layers, name)
+        assert layer.has_backward == entry["has_backward"]
+        assert layer.can_torch_compile == entry["can_torch_compile"]
+    metadata = json.loads((repo / "build" / "torch-universal" / "swiglu" / "metadata.json").read_text())
+    assert metadata["python-depends"] == []
+
+
+# ---------------------------------------------------------------- torch.compile
+
+@pytest.mark.parametrize("impl", [None, "sm90", "reference"])
+def test_torch_compile_fullgraph_matches_eager(impl):
+    # the compiled path goes through custom ops: fullgraph=True fails on any graph break
+    def f(g, u, x):
+        return ops.swiglu(g, u, impl=impl).sum() + ops.swiglu_packed(x, impl=impl).float().sum()
+
+    g, u, x = (_rand(s, dt).requires_grad_() for s, dt in
+               [((8, 64), torch.float32), ((8, 64), torch.float32), ((2, 4, 96), torch.bfloat16)])
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    compiled(g, u, x).backward()
+    got = [t.grad.clone() for t in (g, u, x)]
+    for t in (g, u, x):
+        t.grad = None
+    f(g, u, x).backward()
+    for a, t in zip(got, (g, u, x), strict=True):
+        assert torch.equal(a, t.grad)
+
+
+def test_mlp_layer_under_torch_compile():
+    mlp = _llama_mlp(torch.float32)
+    x = torch.randn(2, 3, 64)
+    expected = mlp(x)
+    mlp.forward = types.MethodType(layers.SwiGLUMLP.forward, mlp)
+    assert layers.SwiGLUMLP.can_torch_compile
+    out = torch.compile(mlp, backend="aot_eager", fullgraph=True)(x)
+    torch.testing.assert_close(out, expected, rtol=1.3e-6, atol=1e-5)
+
+
+# ---------------------------------------------------------------- GPU code generation, without a GPU
+
+def test_gpu_code_is_vectorised_and_fits_its_register_budget():
+    # compile for sm80 and sm90 (Triton's bundled ptxas, no device needed) in a fresh process,
+    # since this one defined the kernels for the interpreter
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    probe = Path(__file__).with_name("compile_probe.py")
+    out = subprocess.run([sys.executable, str(probe)], env=env, capture_output=True, text=True,
+                         timeout=300, check=True).stdout
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert len(rows) == 12
+    for r in rows:
+        # every global access a 16-byte vector: 2 (fwd) or 3 (bwd) tensors in, 1 or 2 out
+        assert set(r["loads"]) == {"ld.global.v4.b32"} and set(r["stores"]) == {"st.global.v4.b32"}, r
+        assert r["loads"]["ld.global.v4.b32"] % (3 if r["backward"] else 2) == 0, r
+        assert r["spill_bytes"] == 0, r
+        if r["variant"] == "_sm90":
+            # the persistent grid assumes 10 resident programs per SM: the register cap must hold
+            assert r["registers"] <= r["maxnreg"] == 48, r
+            assert r["config"][3] == 10 * 132, r
+            if not r["packed"]:
+                # the cap was chosen so that a tile's loads all issue before the first use
+                assert r["loads_up_front"], r
+
+
 # ---------------------------------------------------------------- GPU (TRITON_INTERPRET=0 pytest -m gpu)
 
 GPU_SHAPES = [(4096, 6144), (64, 14336), (1, 11008), (333, 4100)]
@@ -320,9 +404,24 @@ def test_gpu_variants_match_reference(impl, dtype, shape):
         ref, rdg, rdu = _reference(g, u, dy)
         _close(y, ref, dtype)
         _close(x.grad, torch.cat([rdg, rdu], -1), dtype)
+    variant = ops._VARIANTS[impl]
+    assert variant.fwd.exact and variant.bwd.exact  # repeated calls took the cached launch
     # a misaligned view after an aligned one must not reuse the aligned specialization
     g1, u1 = (_rand((shape[0] * shape[1] + 1,), dtype, dev)[1:].view(shape) for _ in range(2))
     _close(ops.swiglu(g1, u1, impl=impl), _reference(g1, u1), dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_inductor_compile_matches_eager():
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x = _rand((512, 2 * 4096), torch.bfloat16, dev).requires_grad_()
+    dy = _rand((512, 4096), torch.bfloat16, dev)
+    compiled = torch.compile(lambda t: ops.swiglu_packed(t) * 2, fullgraph=True)
+    y = compiled(x)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    y_ref = ops.swiglu_packed(x) * 2
+    (dx_ref,) = torch.autograd.grad(y_ref, x, dy)
+    assert torch.equal(y, y_ref) and torch.equal(dx, dx_ref)
 
 
 @pytest.mark.gpu

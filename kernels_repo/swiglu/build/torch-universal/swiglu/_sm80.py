@@ -22,12 +22,12 @@ def _swiglu_fwd_kernel(
     g_ptr, u_ptr, o_ptr,
     M, N,
     stride_gm, stride_gn, stride_um, stride_un, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, PACKED: tl.constexpr,
 ):
     swiglu_fwd_tile(
         g_ptr, u_ptr, o_ptr, tl.program_id(0), M, N,
         stride_gm, stride_gn, stride_um, stride_un, stride_om,
-        BLOCK_M, BLOCK_N, EVEN_N,
+        BLOCK_M, BLOCK_N, EVEN_N, PACKED,
     )
 
 
@@ -36,12 +36,12 @@ def _swiglu_bwd_kernel(
     dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr,
     M, N,
     stride_dym, stride_dyn, stride_gm, stride_gn, stride_um, stride_un, stride_dgm, stride_dum,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, PACKED: tl.constexpr,
 ):
     swiglu_bwd_tile(
         dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, tl.program_id(0), M, N,
         stride_dym, stride_dyn, stride_gm, stride_gn, stride_um, stride_un, stride_dgm, stride_dum,
-        BLOCK_M, BLOCK_N, EVEN_N,
+        BLOCK_M, BLOCK_N, EVEN_N, PACKED,
     )
 
 
@@ -62,15 +62,23 @@ def tile_shape(M: int, N: int, tile_elems: int) -> tuple[int, int]:
     return block_m, block_n
 
 
-def config(M: int, N: int, elem_bytes: int, sm_count: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, grid) for an [M, N] problem on a device with `sm_count` SMs."""
+def warps_for(block_elems: int, elem_bytes: int, max_warps: int) -> int:
+    """Warps such that each thread still moves at least one 16-byte vector per tensor."""
+    return max(1, min(max_warps, block_elems * elem_bytes // (16 * 32)))
+
+
+def config(M: int, N: int, elem_bytes: int, sm_count: int, backward: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, grid) for an [M, N] problem on a device with `sm_count` SMs.
+
+    The same tiles forward and backward: without a register cap, occupancy adapts by itself.
+    """
     tile = TILE_BYTES // elem_bytes
     min_tile = MIN_TILE_BYTES // elem_bytes
     while tile > min_tile and M * N < tile * sm_count * CTAS_PER_SM_SMALL:
         tile //= 2
     block_m, block_n = tile_shape(M, N, tile)
     grid = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
-    return block_m, block_n, NUM_WARPS, grid
+    return block_m, block_n, warps_for(block_m * block_n, elem_bytes, NUM_WARPS), grid
 
 
 fwd_kernel = _swiglu_fwd_kernel

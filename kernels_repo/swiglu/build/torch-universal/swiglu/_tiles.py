@@ -30,10 +30,15 @@ def swiglu_fwd_tile(
     g_ptr, u_ptr, o_ptr,
     tile, M, N,
     stride_gm, stride_gn, stride_um, stride_un, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, PACKED: tl.constexpr,
 ):
-    """out = silu(g) * u on one tile; the output's last dimension is contiguous."""
+    """out = silu(g) * u on one tile; the output's last dimension is contiguous.
+
+    PACKED: `u_ptr` is the packed [..., 2N] tensor and up starts N columns in.
+    """
     rows, cols, mask = _tile_offsets(tile, M, N, BLOCK_M, BLOCK_N, EVEN_N)
+    if PACKED:
+        u_ptr += N * stride_un
     g = tl.load(g_ptr + rows[:, None] * stride_gm + cols[None, :] * stride_gn, mask=mask, other=0.0)
     u = tl.load(u_ptr + rows[:, None] * stride_um + cols[None, :] * stride_un, mask=mask, other=0.0)
     g = g.to(tl.float32)
@@ -46,10 +51,16 @@ def swiglu_bwd_tile(
     dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr,
     tile, M, N,
     stride_dym, stride_dyn, stride_gm, stride_gn, stride_um, stride_un, stride_dgm, stride_dum,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_N: tl.constexpr, PACKED: tl.constexpr,
 ):
-    """dg = dy * u * s * (1 + g * (1 - s)), du = dy * g * s with s = sigmoid(g), recomputed."""
+    """dg = dy * u * s * (1 + g * (1 - s)), du = dy * g * s with s = sigmoid(g), recomputed.
+
+    PACKED: `u_ptr` and `du_ptr` are the packed input and gradient; their up halves start N in.
+    """
     rows, cols, mask = _tile_offsets(tile, M, N, BLOCK_M, BLOCK_N, EVEN_N)
+    if PACKED:
+        u_ptr += N * stride_un
+        du_ptr += N
     r = rows[:, None]
     c = cols[None, :]
     dy = tl.load(dy_ptr + r * stride_dym + c * stride_dyn, mask=mask, other=0.0).to(tl.float32)

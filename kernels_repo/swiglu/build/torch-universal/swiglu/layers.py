@@ -54,7 +54,7 @@ class SiluAndMul(nn.Module):
     """Packed SwiGLU; variant chosen by the input's device capability at call time."""
 
     has_backward = True
-    can_torch_compile = False
+    can_torch_compile = True
     forward = _silu_and_mul_forward(None)
 
 
@@ -62,7 +62,7 @@ class SiluAndMulSm90(nn.Module):
     """Packed SwiGLU, the sm90 (persistent) Triton kernels on any CUDA GPU."""
 
     has_backward = True
-    can_torch_compile = False
+    can_torch_compile = True
     forward = _silu_and_mul_forward("sm90")
 
 
@@ -70,7 +70,7 @@ class SiluAndMulSm80(nn.Module):
     """Packed SwiGLU, the sm80 (one tile per program) Triton kernels on any CUDA GPU."""
 
     has_backward = True
-    can_torch_compile = False
+    can_torch_compile = True
     forward = _silu_and_mul_forward("sm80")
 
 
@@ -86,7 +86,7 @@ class SwiGLUMLP(nn.Module):
     """A SiLU-gated MLP's forward; variant chosen by the input's device capability at call time."""
 
     has_backward = True
-    can_torch_compile = False
+    can_torch_compile = True
     forward = _mlp_forward(None)
 
 
@@ -94,7 +94,7 @@ class SwiGLUMLPSm90(nn.Module):
     """A SiLU-gated MLP's forward with the sm90 Triton kernels on any CUDA GPU."""
 
     has_backward = True
-    can_torch_compile = False
+    can_torch_compile = True
     forward = _mlp_forward("sm90")
 
 
@@ -102,7 +102,7 @@ class SwiGLUMLPSm80(nn.Module):
     """A SiLU-gated MLP's forward with the sm80 Triton kernels on any CUDA GPU."""
 
     has_backward = True
-    can_torch_compile = False
+    can_torch_compile = True
     forward = _mlp_forward("sm80")
 
 

@@ -1,0 +1,227 @@
+"""SwiGLU on one GPU: kernelhub (sm90 and sm80 variants) vs torch eager, torch.compile and Liger.
+
+`ours` is the variant the device's capability selects (sm90 on an H200); `ours_sm80` forces the
+other one. Each (shape, pass, implementation) is timed two ways:
+  eager  N back-to-back calls as a user makes them (host overhead included), CUDA events around
+         the loop; `host_us` is the CPU time to issue one call (perf_counter, before the sync).
+  graph  the same calls captured in a CUDA graph and replayed: the kernels alone.
+Bandwidth is reported as a fraction of the device-to-device copy bandwidth measured in the same
+run; minimum bytes: forward 3 tensors (read gate, up; write out), forward+backward 8 (+ read dy,
+gate, up; write d gate, d up). A tiny shape (1 x 128) measures pure host overhead per call.
+
+Usage (from the repository root, on the GPU machine):
+  PYTHONPATH=src python kernels_repo/swiglu/benchmarks/bench_swiglu.py
+Env: OUT (JSON lines go to $OUT/swiglu_bench.jsonl, default /tmp), SHAPES="8192x14336,..." to
+narrow, IMPLS="ours,liger,..." to narrow. Liger-Kernel is optional (import guarded).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = os.environ.get("OUT", "/tmp")
+LOG = open(os.path.join(OUT, "swiglu_bench.jsonl"), "a")
+SHAPES = [(8192, 14336), (32768, 4096), (4096, 6144), (64, 14336)]
+HOST_SHAPE = (1, 128)
+DEV = torch.device("cuda", 0)
+
+
+def emit(**row) -> None:
+    LOG.write(json.dumps(row) + "\n")
+    LOG.flush()
+    line = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
+    print(line, flush=True)
+
+
+def implementations() -> tuple[dict, object]:
+    sys.path.insert(0, str(REPO.parents[1] / "src"))
+    from kernelhub.hub import get_local_kernel
+
+    k = get_local_kernel(REPO)
+    # one compile per shape and grad mode must not exhaust dynamo's recompile limit (eager fallback)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    impls = {
+        "ours": lambda g, u: k.swiglu(g, u),
+        "ours_sm80": lambda g, u: k.swiglu(g, u, impl="sm80"),
+        "eager": lambda g, u: F.silu(g) * u,
+        "compile": torch.compile(lambda g, u: F.silu(g) * u),
+    }
+    try:
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+
+        impls["liger"] = LigerSiLUMulFunction.apply
+    except Exception as e:  # noqa: BLE001
+        print("liger unavailable:", type(e).__name__, e, flush=True)
+    only = os.environ.get("IMPLS")
+    if only:
+        impls = {n: f for n, f in impls.items() if n in only.split(",")}
+    return impls, k
+
+
+def call_fn(fn, g, u, dy, backward: bool):
+    if not backward:
+        return lambda: fn(g, u)
+    # autograd.grad, not .backward(): no accumulation into .grad between calls
+    return lambda: torch.autograd.grad(fn(g, u), (g, u), dy)
+
+
+def time_eager(call, n: int) -> tuple[float, float]:
+    """(GPU-inclusive ms per call, host us per call) over n back-to-back calls."""
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        call()
+    host = (time.perf_counter() - t0) / n * 1e6
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n, host
+
+
+def time_graph(call, per_graph: int, replays: int) -> float:
+    """ms per call: `per_graph` calls captured once, the graph replayed `replays` times."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the default stream, as torch.cuda.graph asks
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(per_graph):
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    del graph
+    return start.elapsed_time(end) / (replays * per_graph)
+
+
+def copy_bandwidth() -> float:
+    a = torch.randn(1 << 28, device=DEV, dtype=torch.bfloat16)  # 512 MiB
+    b = torch.empty_like(a)
+    ms = time_graph(lambda: b.copy_(a), 5, 10)
+    bw = 2 * a.numel() * a.element_size() / (ms * 1e-3)
+    emit(kind="ceiling", what="d2d_copy_GBps", value=bw / 1e9)
+    return bw
+
+
+def relerr(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def check(name, fn, T, I) -> dict:
+    """Relative errors of forward and both gradients vs fp32 torch (fresh inputs)."""
+    g = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    u = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(T, I, device=DEV, dtype=torch.bfloat16)
+    gf, uf = g.detach().float().requires_grad_(), u.detach().float().requires_grad_()
+    ref = F.silu(gf) * uf
+    rdg, rdu = torch.autograd.grad(ref, (gf, uf), dy.float())
+    ref = ref.detach()
+    g0, u0 = g.detach().clone(), u.detach().clone()  # Liger's backward writes into its inputs
+    y = fn(g, u)
+    dg, du = torch.autograd.grad(y, (g, u), dy)
+    out = {"err_fwd": relerr(y, ref), "err_dg": relerr(dg, rdg), "err_du": relerr(du, rdu)}
+    if name.startswith("ours"):
+        out["inputs_intact"] = bool(torch.equal(g.detach(), g0) and torch.equal(u.detach(), u0))
+    return out
+
+
+@torch.no_grad()
+def bench_packed(kernel, T: int, I: int, copy_bw: float, host_only: bool = False) -> None:
+    """The packed entry point (gate | up halves of one [T, 2I] tensor), forward only."""
+    x = torch.randn(T, 2 * I, device=DEV, dtype=torch.bfloat16)
+
+    def call():
+        return kernel.swiglu_packed(x)
+
+    if host_only:
+        ms, host = time_eager(call, 2000)
+        emit(kind="host_overhead", impl="ours_packed", pass_="fwd", T=T, I=I, us_per_call=ms * 1e3,
+             host_us=host)
+        return
+    nbytes = 3 * T * I * 2
+    reps = max(20, min(500, int(4e9 / nbytes)))
+    eager_ms, host = time_eager(call, reps)
+    graph_ms = time_graph(call, 5, max(2, reps // 5))
+    emit(kind="swiglu", impl="ours_packed", pass_="fwd", T=T, I=I, eager_us=eager_ms * 1e3,
+         graph_us=graph_ms * 1e3, host_us=host, frac_copy_eager=nbytes / (eager_ms * 1e-3) / copy_bw,
+         frac_copy_graph=nbytes / (graph_ms * 1e-3) / copy_bw)
+
+
+def main() -> None:
+    import triton
+
+    print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(),
+          torch.cuda.get_device_capability(), flush=True)
+    t_start = time.time()
+    impls, kernel = implementations()
+    torch.cuda.set_device(DEV)
+    probe = torch.empty(1, 8, device=DEV, dtype=torch.bfloat16)
+    print("ours resolves to", kernel.ops._resolve("bench", probe, None)[0], flush=True)
+    copy_bw = copy_bandwidth()
+    shapes = SHAPES
+    if os.environ.get("SHAPES"):
+        shapes = [tuple(int(v) for v in s.split("x")) for s in os.environ["SHAPES"].split(",")]
+
+    # pure host overhead: a tiny problem, where the GPU finishes each kernel before the next call
+    T, I = HOST_SHAPE
+    g = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    u = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(T, I, device=DEV, dtype=torch.bfloat16)
+    for name, fn in impls.items():
+        for backward in (False, True):
+            gg, uu = (g, u) if backward else (g.detach(), u.detach())
+            ms, host = time_eager(call_fn(fn, gg, uu, dy, backward), 2000)
+            emit(kind="host_overhead", impl=name, pass_="fwdbwd" if backward else "fwd", T=T, I=I,
+                 us_per_call=ms * 1e3, host_us=host)
+    bench_packed(kernel, T, I, copy_bw, host_only=True)
+
+    for T, I in shapes:
+        n = T * I
+        for name, fn in impls.items():
+            try:
+                errs = check(name, fn, T, I)
+                g = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+                u = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+                dy = torch.randn(T, I, device=DEV, dtype=torch.bfloat16)
+                for backward, tensors in ((False, 3), (True, 8)):
+                    gg, uu = (g, u) if backward else (g.detach(), u.detach())
+                    call = call_fn(fn, gg, uu, dy, backward)
+                    reps = max(20, min(500, int(4e9 / (tensors * n * 2))))
+                    eager_ms, host = time_eager(call, reps)
+                    graph_ms = time_graph(call, 5, max(2, reps // 5))
+                    nbytes = tensors * n * 2
+                    emit(kind="swiglu", impl=name, pass_="fwdbwd" if backward else "fwd", T=T, I=I,
+                         eager_us=eager_ms * 1e3, graph_us=graph_ms * 1e3, host_us=host,
+                         frac_copy_eager=nbytes / (eager_ms * 1e-3) / copy_bw,
+                         frac_copy_graph=nbytes / (graph_ms * 1e-3) / copy_bw, **errs)
+                del g, u, dy
+            except Exception as e:  # noqa: BLE001
+                emit(kind="error", impl=name, T=T, I=I, error=f"{type(e).__name__}: {str(e)[:300]}")
+            torch.cuda.empty_cache()
+        bench_packed(kernel, T, I, copy_bw)
+        torch.cuda.empty_cache()
+        print(f"-- {T}x{I} done at {time.time() - t_start:.0f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
