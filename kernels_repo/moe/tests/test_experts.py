@@ -119,6 +119,17 @@ def test_bf16_and_strided_inputs(variant):
     assert_close_rel(out, loop_reference(x, gu, dn, idx, w), 1e-2, "bf16 output")
 
 
+def test_pinned_tile_config_gives_the_same_result():
+    cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
+    pinned = {k: (dict(v) if isinstance(v, dict) else v) for k, v in cfgs.INTERPRETER_CONFIG.items()}
+    pinned["block_m"] = 32
+    pinned["gate_up"]["BLOCK_N"] = 32
+    pinned["gate_up"]["GROUP_M"] = 1
+    x, gu, dn, idx, w = make_inputs(9, 32, 40, 3, 2, seed=9)
+    out = moe.fused_experts(x, gu, dn, idx, w, variant="sm90", config=pinned)
+    torch.testing.assert_close(out.double(), loop_reference(x, gu, dn, idx, w), rtol=1e-4, atol=1e-5)
+
+
 def test_inference_path_matches_autograd_path():
     x, gu, dn, idx, w = make_inputs(7, 32, 16, 4, 2, seed=7)
     with torch.no_grad():
