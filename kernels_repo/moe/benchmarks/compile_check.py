@@ -90,7 +90,8 @@ def wgrad(cap, cfg, scale):
     for name in ("M", "N", "stride_am", "stride_ak", "stride_bm", "stride_bk", "stride_ce", "stride_cm",
                  "stride_cn"):
         sig[name] = I32
-    const = dict(GATHER_A=scale, GATHER_B=not scale, SCALE_A=scale, TOPK=8, UPCAST=False, PRECISION=None,
+    const = dict(GATHER_A=scale, GATHER_B=not scale, SCALE_A=scale, B_SWIGLU=scale, TOPK=8, UPCAST=False,
+                 PRECISION=None,
                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"])
     full = {n: sig.get(n, "constexpr") for n in k80._grouped_wgrad_kernel.arg_names}
     return compile_one(k80._grouped_wgrad_kernel, full, const, cap, cfg["num_warps"], cfg["num_stages"],

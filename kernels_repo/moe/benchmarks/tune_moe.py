@@ -101,7 +101,7 @@ def tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, tma, quick, training,
                  aux=aux, scale=ws, dscale=dws)
 
     def wgrad(c):
-        ex._wgrad(dy, h, dwd, r, c, gather_a=True, gather_b=False, topk=K, scale=ws)
+        ex._wgrad(dy, aux, dwd, r, c, gather_a=True, gather_b=False, topk=K, scale=ws, b_swiglu=True)
 
     stages = {"gate_up": gate_up, "down": down}
     if training:

@@ -140,10 +140,15 @@ def _grouped_wgrad_kernel(
     M, N,
     stride_am, stride_ak, stride_bm, stride_bk, stride_ce, stride_cm, stride_cn,
     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, SCALE_A: tl.constexpr, TOPK: tl.constexpr,
+    B_SWIGLU: tl.constexpr,     # B[p] = silu(b[p, :N]) * b[p, N:2N], recomputed from the saved [g | u]
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """dW[e] = sum over e's rows p of A[p]^T B[p]: [M, N] per expert; experts with no rows get 0."""
+    """dW[e] = sum over e's rows p of A[p]^T B[p]: [M, N] per expert; experts with no rows get 0.
+
+    B_SWIGLU recomputes h = silu(g) * u instead of keeping h [P, I] alive from the forward: the
+    saved activations are then [g | u] only (as in Liger), which bounds fwd+bwd peak memory.
+    """
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -167,8 +172,13 @@ def _grouped_wgrad_kernel(
         rb = tok if GATHER_B else p
         a = tl.load(a_ptr + ra[:, None] * stride_am + offs_m[None, :] * stride_ak,
                     mask=valid[:, None] & (offs_m[None, :] < M), other=0.0)  # [BLOCK_K, BLOCK_M]
-        b = tl.load(b_ptr + rb[:, None] * stride_bm + offs_n[None, :] * stride_bk,
-                    mask=valid[:, None] & (offs_n[None, :] < N), other=0.0)  # [BLOCK_K, BLOCK_N]
+        b_mask = valid[:, None] & (offs_n[None, :] < N)
+        b_ptrs = b_ptr + rb[:, None] * stride_bm + offs_n[None, :] * stride_bk
+        b = tl.load(b_ptrs, mask=b_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+        if B_SWIGLU:
+            g = b.to(tl.float32)
+            u = tl.load(b_ptrs + N * stride_bk, mask=b_mask, other=0.0).to(tl.float32)
+            b = (g * tl.sigmoid(g) * u).to(b_ptr.dtype.element_ty)
         if SCALE_A:
             s = tl.load(scale_ptr + p, mask=p_mask, other=0.0)
             a = (a.to(tl.float32) * s[:, None]).to(a_ptr.dtype.element_ty)

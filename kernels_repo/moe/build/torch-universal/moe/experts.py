@@ -142,7 +142,7 @@ def _gemm(a, weight, out, routing: ExpertRows, cfg: dict, *, n: int, k: int, epi
 
 
 def _wgrad(a, b, out, routing: ExpertRows, cfg: dict, *, gather_a: bool, gather_b: bool, topk: int,
-           scale=None) -> None:
+           scale=None, b_swiglu: bool = False) -> None:
     """out[e] = sum over e's rows p of a[row(p)]^T b[row(p)] ([M, N] per expert)."""
     E, M, N = out.shape
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
@@ -151,7 +151,7 @@ def _wgrad(a, b, out, routing: ExpertRows, cfg: dict, *, gather_a: bool, gather_
         a, b, out, routing.rows, scale if scale is not None else out, routing.expert_start,
         routing.expert_count, M, N,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
-        GATHER_A=gather_a, GATHER_B=gather_b, SCALE_A=scale is not None, TOPK=topk,
+        GATHER_A=gather_a, GATHER_B=gather_b, SCALE_A=scale is not None, TOPK=topk, B_SWIGLU=b_swiglu,
         UPCAST=_interpreting(), PRECISION=_precision(a.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
@@ -198,7 +198,7 @@ def _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, s
     return out, routing, h, aux
 
 
-def _backward(dout, x, gate_up_proj, down_proj, topk_weights, routing: ExpertRows, h, aux, variant, cfg,
+def _backward(dout, x, gate_up_proj, down_proj, topk_weights, routing: ExpertRows, aux, variant, cfg,
               needs: tuple[bool, bool, bool, bool]):
     T, H = x.shape
     E, two_i, _ = gate_up_proj.shape
@@ -223,7 +223,8 @@ def _backward(dout, x, gate_up_proj, down_proj, topk_weights, routing: ExpertRow
         del dx_rows
     if needs[2]:
         d_down = torch.empty(E, H, inter, device=dev, dtype=down_proj.dtype)
-        _wgrad(dout, h, d_down, routing, cfg["wgrad"], gather_a=True, gather_b=False, topk=K, scale=w_rows)
+        _wgrad(dout, aux, d_down, routing, cfg["wgrad"], gather_a=True, gather_b=False, topk=K, scale=w_rows,
+               b_swiglu=True)
     if needs[1]:
         d_gate_up = torch.empty(E, two_i, H, device=dev, dtype=gate_up_proj.dtype)
         _wgrad(dgu, x, d_gate_up, routing, cfg["wgrad"], gather_a=False, gather_b=True, topk=K)
@@ -239,7 +240,9 @@ class _FusedExpertsFunction(torch.autograd.Function):
         with device_guard(x):
             out, routing, h, aux = _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg,
                                             save=True)
-        ctx.save_for_backward(x, gate_up_proj, down_proj, topk_weights, h, aux, routing.rows,
+        # h is not saved: the down_proj gradient recomputes it from aux (saves P*I elements).
+        del h
+        ctx.save_for_backward(x, gate_up_proj, down_proj, topk_weights, aux, routing.rows,
                               routing.block_expert, routing.expert_start, routing.expert_count,
                               routing.token_topk_to_pos)
         ctx.meta = (variant, cfg, routing.num_rows, routing.block_m)
@@ -247,7 +250,7 @@ class _FusedExpertsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        x, gate_up_proj, down_proj, topk_weights, h, aux, *rt = ctx.saved_tensors
+        x, gate_up_proj, down_proj, topk_weights, aux, *rt = ctx.saved_tensors
         variant, cfg, num_rows, block_m = ctx.meta
         routing = ExpertRows(*rt, num_rows=num_rows, block_m=block_m)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2],
@@ -256,7 +259,7 @@ class _FusedExpertsFunction(torch.autograd.Function):
             raise ValueError(f"{_FN}: gradient must be on {x.device} like `x`, got {dout.device}")
         with device_guard(x):
             dx, dgu, dd, dw = _backward(dout.contiguous(), x, gate_up_proj, down_proj, topk_weights, routing,
-                                        h, aux, variant, cfg, needs)
+                                        aux, variant, cfg, needs)
         return dx, dgu, dd, None, dw, None, None
 
 
