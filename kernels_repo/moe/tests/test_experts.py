@@ -8,6 +8,7 @@ GPU (`-m gpu`): real shapes in bf16, and CUDA-graph capture of the inference pat
 from __future__ import annotations
 
 import importlib
+import json
 import types
 from pathlib import Path
 
@@ -341,6 +342,21 @@ def test_tile_configs_have_every_stage():
         "block_m"]
 
 
+def test_config_directory_override_is_read(tmp_path, monkeypatch):
+    cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
+    data = json.loads((Path(cfgs.__file__).parent / "configs" / "sm90.json").read_text())
+    tuned = dict(data["buckets"][-1], block_m=64, max_rows_per_expert=None)
+    data["shapes"] = {cfgs.shape_key(8, 64, 32): [tuned]}
+    (tmp_path / "sm90.json").write_text(json.dumps(data))
+    monkeypatch.setenv("KERNELHUB_MOE_CONFIG_DIR", str(tmp_path))
+    try:
+        assert cfgs.pick_config(90, 8, 64, 32, 16)["block_m"] == 64
+        assert cfgs.pick_config(90, 128, 2048, 768, 8) == data["buckets"][0]
+    finally:
+        monkeypatch.delenv("KERNELHUB_MOE_CONFIG_DIR")
+        cfgs.clear_config_cache()
+
+
 # ------------------------------------------------------------------ GPU
 
 
@@ -379,9 +395,10 @@ def test_gpu_bf16_matches_reference(shape, T, variant):
 
 
 @pytest.mark.gpu
-def test_gpu_inference_is_cuda_graph_capturable():
+@pytest.mark.parametrize("T", [64, 1024])  # one-program alignment, torch-ops alignment
+def test_gpu_inference_is_cuda_graph_capturable(T):
     s = SHAPES["qwen3_30b_a3b"]
-    x, gu, dn, idx, w = gpu_inputs(s["E"], s["H"], s["I"], s["K"], 64)
+    x, gu, dn, idx, w = gpu_inputs(s["E"], s["H"], s["I"], s["K"], T)
     with torch.no_grad():
         expected = moe.fused_experts(x, gu, dn, idx, w)
         stream = torch.cuda.Stream()
@@ -392,7 +409,7 @@ def test_gpu_inference_is_cuda_graph_capturable():
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = moe.fused_experts(x, gu, dn, idx, w)
-        x2, _, _, idx2, w2 = gpu_inputs(s["E"], s["H"], s["I"], s["K"], 64)
+        x2, _, _, idx2, w2 = gpu_inputs(s["E"], s["H"], s["I"], s["K"], T)
         x.copy_(x2)
         idx.copy_(idx2)
         w.copy_(w2)

@@ -15,6 +15,9 @@ from pathlib import Path
 _DIR = Path(__file__).resolve().parent / "configs"
 _lock = threading.Lock()
 _cache: dict[Path, dict] = {}
+# (directory setting, capability) -> config: no filesystem call per fused_experts call (decode is
+# launch-bound, a stat costs microseconds there).
+_resolved: dict[tuple[str | None, int], dict] = {}
 
 # Small tiles for the Triton interpreter (CPU tests): few programs, every mask exercised.
 INTERPRETER_CONFIG = {
@@ -27,6 +30,16 @@ INTERPRETER_CONFIG = {
 
 
 def _load(capability: int) -> dict:
+    key = (os.environ.get("KERNELHUB_MOE_CONFIG_DIR"), capability)
+    cfg = _resolved.get(key)
+    if cfg is None:
+        cfg = _read(capability)
+        with _lock:
+            _resolved[key] = cfg
+    return cfg
+
+
+def _read(capability: int) -> dict:
     directory = Path(os.environ.get("KERNELHUB_MOE_CONFIG_DIR", _DIR))
     path = directory / f"sm{capability}.json"
     if not path.exists():
@@ -45,6 +58,7 @@ def _load(capability: int) -> dict:
 def clear_config_cache() -> None:
     with _lock:
         _cache.clear()
+        _resolved.clear()
 
 
 def shape_key(num_experts: int, hidden: int, intermediate: int) -> str:

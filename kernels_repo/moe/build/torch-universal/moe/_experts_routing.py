@@ -85,7 +85,8 @@ def _align_small(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> Expe
     P = max_rows(n, E, block_m)
     nb = P // block_m
     buf = torch.empty(P + nb + 2 * E + n, dtype=torch.int32, device=topk_idx.device)
-    rows, block_expert, start, count, pos = torch.split(buf, [P, nb, E, E, n])
+    rows, block_expert = buf[:P], buf[P:P + nb]
+    start, count, pos = buf[P + nb:P + nb + E], buf[P + nb + E:P + nb + 2 * E], buf[P + nb + 2 * E:]
     _align_small_kernel[(1,)](
         topk_idx.reshape(-1), rows, block_expert, start, count, pos, n, E, P, nb,
         BLOCK_M=block_m, BLOCK_N=max(16, triton.next_power_of_2(n)),
