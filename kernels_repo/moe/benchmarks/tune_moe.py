@@ -129,9 +129,12 @@ def tune_point(E, H, I, K, T, variant, quick, training):
     rpe = T * K / E
     block_ms = [16, 32, 64] if rpe <= 32 else [64, 128]
     best_total, best_bucket = math.inf, None
-    for bm in block_ms:
-        bucket, total = tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, tma, quick, training, rpe)
-        print(f" block_m={bm} total={total:.4f} ms", flush=True)
+    # Decode: also try pointer loads on sm90 (no host descriptors; see experts._use_tma).
+    tmas = [True, False] if tma and rpe <= 4 else [tma]
+    for bm, use_tma in itertools.product(block_ms, tmas):
+        bucket, total = tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, use_tma, quick, training, rpe)
+        bucket["tma"] = use_tma
+        print(f" block_m={bm} tma={use_tma} total={total:.4f} ms", flush=True)
         if total < best_total:
             best_total, best_bucket = total, bucket
     return best_bucket

@@ -32,6 +32,15 @@ class ExpertRows(NamedTuple):
     block_m: int
 
 
+def _cdiv(a: int, b: int) -> int:
+    # Plain ints: `triton.cdiv` is a jit function, ~5 us per host call through its dispatcher.
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
 def max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Static bound on the aligned rows: each expert pads < block_m rows, a pair costs <= block_m."""
     bound = min(num_pairs * block_m, num_pairs + num_experts * (block_m - 1))
@@ -89,8 +98,8 @@ def _align_small(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> Expe
     start, count, pos = buf[P + nb:P + nb + E], buf[P + nb + E:P + nb + 2 * E], buf[P + nb + 2 * E:]
     _align_small_kernel[(1,)](
         topk_idx.reshape(-1), rows, block_expert, start, count, pos, n, E, P, nb,
-        BLOCK_M=block_m, BLOCK_N=max(16, triton.next_power_of_2(n)),
-        BLOCK_E=max(16, triton.next_power_of_2(E + 1)), BLOCK_J=32, BLOCK_P=256, num_warps=8,
+        BLOCK_M=block_m, BLOCK_N=max(16, _next_pow2(n)),
+        BLOCK_E=max(16, _next_pow2(E + 1)), BLOCK_J=32, BLOCK_P=256, num_warps=8,
     )
     return ExpertRows(rows, block_expert, start, count, pos.view(T, K), P, block_m)
 

@@ -208,7 +208,3 @@ def _combine_kernel(
                 v = v * tl.load(w_ptr + t * stride_wt + k * stride_wk).to(tl.float32)
             acc += v
     tl.store(out_ptr + t * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def cdiv(a: int, b: int) -> int:
-    return triton.cdiv(a, b)

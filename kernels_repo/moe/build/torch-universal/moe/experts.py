@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
 
 from kernelhub.device import device_capability, device_guard
 
@@ -30,6 +29,15 @@ __all__ = ["fused_experts", "select_variant", "VARIANTS"]
 VARIANTS = ("sm90", "sm80", "reference")
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FN = "fused_experts"
+
+
+def _cdiv(a: int, b: int) -> int:
+    # Plain ints: `triton.cdiv` is a jit function, ~5 us per host call through its dispatcher.
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 def _interpreting() -> bool:
@@ -127,7 +135,7 @@ def _gemm(a, weight, out, routing: ExpertRows, cfg: dict, *, n: int, k: int, epi
     if use_tma:
         desc = sm90.weight_descriptor(weight, bk, bn) if b_ncontig else sm90.weight_descriptor(weight, bn, bk)
     aux_t = aux if aux is not None else out
-    grid = (triton.cdiv(P, bm) * triton.cdiv(n, bn),)
+    grid = (_cdiv(P, bm) * _cdiv(n, bn),)
     _grouped_gemm_kernel[grid](
         a, weight, desc, out, aux_t, routing.rows, routing.block_expert,
         scale if scale is not None else out, dscale if dscale is not None else out,
@@ -146,7 +154,7 @@ def _wgrad(a, b, out, routing: ExpertRows, cfg: dict, *, gather_a: bool, gather_
     """out[e] = sum over e's rows p of a[row(p)]^T b[row(p)] ([M, N] per expert)."""
     E, M, N = out.shape
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    grid = (E * triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+    grid = (E * _cdiv(M, bm) * _cdiv(N, bn),)
     _grouped_wgrad_kernel[grid](
         a, b, out, routing.rows, scale if scale is not None else out, routing.expert_start,
         routing.expert_count, M, N,
@@ -161,9 +169,9 @@ def _wgrad(a, b, out, routing: ExpertRows, cfg: dict, *, gather_a: bool, gather_
 def _combine(y, token_topk_to_pos, weights, out) -> None:
     T, H = out.shape
     K = token_topk_to_pos.shape[1]
-    block_h = min(1024, triton.next_power_of_2(H))
+    block_h = min(1024, _next_pow2(H))
     w = weights if weights is not None else out
-    _combine_kernel[(T, triton.cdiv(H, block_h))](
+    _combine_kernel[(T, _cdiv(H, block_h))](
         y, token_topk_to_pos, w, out, H, y.stride(0), w.stride(0), w.stride(1), out.stride(0),
         TOPK=K, HAS_W=weights is not None, BLOCK_H=block_h, num_warps=4,
     )
@@ -177,6 +185,12 @@ def _config(variant: str, E: int, H: int, inter: int, pairs: int, config: dict |
     return pick_config(90 if variant == "sm90" else 80, E, H, inter, pairs)
 
 
+def _use_tma(variant: str, cfg: dict, gate_up_proj, down_proj) -> bool:
+    # A bucket may turn TMA off (decode: building two host descriptors costs ~12 us of launch-bound
+    # time, and a few weight tiles per CTA gain nothing from TMA).
+    return variant == "sm90" and cfg.get("tma", True) and sm90.tma_ok(gate_up_proj) and sm90.tma_ok(down_proj)
+
+
 def _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, save: bool):
     T, H = x.shape
     E, two_i, _ = gate_up_proj.shape
@@ -185,7 +199,7 @@ def _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, s
     dev = x.device
     routing = align_rows(topk_idx, E, cfg["block_m"])
     P = routing.num_rows
-    tma = variant == "sm90" and sm90.tma_ok(gate_up_proj) and sm90.tma_ok(down_proj)
+    tma = _use_tma(variant, cfg, gate_up_proj, down_proj)
     h = torch.empty(P, inter, device=dev, dtype=x.dtype)
     aux = torch.empty(P, two_i, device=dev, dtype=x.dtype) if save else None
     _gemm(x, gate_up_proj, h, routing, cfg["gate_up"], n=inter, k=H, epilogue=1, gather_a=True,
@@ -206,7 +220,7 @@ def _backward(dout, x, gate_up_proj, down_proj, topk_weights, routing: ExpertRow
     K = topk_weights.shape[1]
     dev = x.device
     P = routing.num_rows
-    tma = variant == "sm90" and sm90.tma_ok(gate_up_proj) and sm90.tma_ok(down_proj)
+    tma = _use_tma(variant, cfg, gate_up_proj, down_proj)
     w_rows = sorted_weights(routing, topk_weights)
     # dL/d[gate|up] per row, and dL/dw per row (fp32, atomically summed over the I tiles).
     dgu = torch.empty(P, two_i, device=dev, dtype=x.dtype)
