@@ -7,6 +7,7 @@ GPU (`-m gpu`): real shapes in bf16, and CUDA-graph capture of the inference pat
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import types
@@ -330,6 +331,34 @@ def test_registered_as_transformers_experts_implementation():
     finally:
         ExpertsInterface._global_mapping.pop("kernelhub", None)
     torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-5)
+
+
+def test_whole_model_with_kernelhub_experts_implementation_matches_eager(monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    from transformers.integrations.moe import ExpertsInterface
+
+    experts_mod = importlib.import_module(moe.__name__ + ".experts")
+    monkeypatch.setattr(experts_mod, "select_variant", lambda device: "sm90")  # Triton on the CPU
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
+    )
+    torch.manual_seed(0)
+    eager = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), experts_implementation="eager")
+    ExpertsInterface.register("kernelhub", moe.experts_forward)
+    try:
+        fused = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
+                                                              experts_implementation="kernelhub")
+        fused.load_state_dict(eager.state_dict())
+        ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(2))
+        out_e, out_f = eager(ids, labels=ids), fused(ids, labels=ids)
+        out_e.loss.backward()
+        out_f.loss.backward()
+    finally:
+        ExpertsInterface._global_mapping.pop("kernelhub", None)
+    torch.testing.assert_close(out_f.logits, out_e.logits, rtol=1e-4, atol=1e-5)
+    for (name, pe), pf in zip(eager.named_parameters(), fused.parameters(), strict=True):
+        torch.testing.assert_close(pf.grad, pe.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_tile_configs_have_every_stage():
