@@ -102,7 +102,8 @@ def others(cap):
     sig = {"y_ptr": "*bf16", "pos_ptr": "*i32", "w_ptr": "*bf16", "out_ptr": "*bf16", "H": I32,
            "stride_ym": I32, "stride_wt": I32, "stride_wk": I32, "stride_om": I32}
     full = {n: sig.get(n, "constexpr") for n in k80._combine_kernel.arg_names}
-    compile_one(k80._combine_kernel, full, dict(TOPK=8, HAS_W=True, BLOCK_H=1024), cap, 4, 3, "combine")
+    compile_one(k80._combine_kernel, full, dict(TOPK=8, HAS_W=True, RNE=False, BLOCK_H=1024), cap, 4, 3,
+                "combine")
     sig = {"idx_ptr": "*i64", "rows_ptr": "*i32", "block_expert_ptr": "*i32", "start_ptr": "*i32",
            "count_ptr": "*i32", "pos_ptr": "*i32", "n": I32, "E": I32, "P": I32, "NUM_BLOCKS": I32}
     full = {n: sig.get(n, "constexpr") for n in rt._align_small_kernel.arg_names}

@@ -118,7 +118,8 @@ def test_bf16_and_strided_inputs(variant):
     x_strided = wide[:, ::2]  # non-contiguous rows and columns
     out = moe.fused_experts(x_strided, gu, dn, idx.to(torch.int32), w, variant=variant)
     assert out.dtype == torch.bfloat16 and out.shape == (T, H)
-    assert_close_rel(out, loop_reference(x, gu, dn, idx, w), 1e-2, "bf16 output")
+    # Two bf16 roundings (h, y) then one of the fp32 sum: ~3e-3 here; eager transformers is ~5e-3.
+    assert_close_rel(out, loop_reference(x, gu, dn, idx, w), 6e-3, "bf16 output")
 
 
 def test_pinned_tile_config_gives_the_same_result():

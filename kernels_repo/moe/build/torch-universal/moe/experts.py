@@ -173,7 +173,7 @@ def _combine(y, token_topk_to_pos, weights, out) -> None:
     w = weights if weights is not None else out
     _combine_kernel[(T, _cdiv(H, block_h))](
         y, token_topk_to_pos, w, out, H, y.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        TOPK=K, HAS_W=weights is not None, BLOCK_H=block_h, num_warps=4,
+        TOPK=K, HAS_W=weights is not None, RNE=_interpreting(), BLOCK_H=block_h, num_warps=4,
     )
 
 
