@@ -141,10 +141,13 @@ def test_inference_path_matches_autograd_path():
     torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
 
 
-def test_empty_batch_gives_empty_output():
+def test_empty_batch_gives_empty_output_and_zero_grads():
     x, gu, dn, idx, w = make_inputs(1, 32, 16, 4, 2)
+    gu.requires_grad_()
     out = moe.fused_experts(x[:0], gu, dn, idx[:0], w[:0], variant="sm80")
     assert out.shape == (0, 32)
+    out.sum().backward()
+    assert torch.equal(gu.grad, torch.zeros_like(gu))
 
 
 # ------------------------------------------------------------------ routing alignment

@@ -323,8 +323,9 @@ def fused_experts(
     if x.dtype not in _TRITON_DTYPES:
         raise TypeError(f"{_FN}: variant {variant!r} supports float16/bfloat16/float32 `x`, got {x.dtype}")
     T, H = x.shape
-    if T == 0:
-        return x.new_zeros(0, H) + 0 * (gate_up_proj.sum() + down_proj.sum() + topk_weights.sum())
+    if T == 0:  # nothing to route; keep autograd connected (zero gradients) without reading weights
+        link = x.sum() + gate_up_proj.reshape(-1)[:1].sum() + down_proj.reshape(-1)[:1].sum()
+        return x.new_zeros(0, H) + 0 * (link + topk_weights.sum()).to(x.dtype)
     E, two_i, _ = gate_up_proj.shape
     cfg = _config(variant, E, H, two_i // 2, topk_idx.numel(), config)
     tensors = (x, gate_up_proj, down_proj, topk_weights)
