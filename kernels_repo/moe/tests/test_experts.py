@@ -7,6 +7,7 @@ GPU (`-m gpu`): real shapes in bf16, and CUDA-graph capture of the inference pat
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import json
@@ -218,6 +219,42 @@ def test_bad_inputs_raise_naming_the_argument():
         moe.fused_experts(x, gu, dn, idx, w, variant="sm70")
     with pytest.raises(TypeError, match="fused_experts: variant 'sm80' supports"):
         moe.fused_experts(x.double(), gu.double(), dn.double(), idx, w, variant="sm80")
+
+
+def test_every_launch_forward_and_backward_runs_inside_the_input_device_guard(monkeypatch):
+    ex = importlib.import_module(moe.__name__ + ".experts")
+    rt = importlib.import_module(moe.__name__ + "._experts_routing")
+    guards: list[torch.device] = []
+    launches: list[list[torch.device]] = []
+
+    @contextlib.contextmanager
+    def recording_guard(t):
+        guards.append(t.device)
+        try:
+            yield t.device
+        finally:
+            guards.pop()
+
+    class Kernel:  # records the guards active at each launch, then launches
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append(list(guards))
+                return self.kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(ex, "device_guard", recording_guard)
+    for mod, name in ((ex, "_grouped_gemm_kernel"), (ex, "_combine_kernel"), (ex, "_grouped_wgrad_kernel"),
+                      (rt, "_align_small_kernel")):
+        monkeypatch.setattr(mod, name, Kernel(getattr(mod, name)))
+    x, gu, dn, idx, w = make_inputs(3, 32, 16, 4, 2)
+    leaves = [t.requires_grad_() for t in (x, gu, dn, w)]
+    moe.fused_experts(leaves[0], leaves[1], leaves[2], idx, leaves[3], variant="sm90").sum().backward()
+    assert len(launches) == 4 + 5  # align, gate_up, down, combine | dgrad, dx, combine, 2 wgrads
+    assert all(stack == [x.device] for stack in launches), launches
 
 
 def test_variant_follows_the_capability_of_each_device_index(fake_gpus):
