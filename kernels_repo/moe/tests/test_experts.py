@@ -110,17 +110,18 @@ def test_experts_without_tokens_get_zero_weight_grads(variant):
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("variant", TRITON_VARIANTS)
-def test_bf16_and_strided_inputs(variant):
+def test_16bit_and_strided_inputs(variant, dtype):
     T, H, I, E, K = 5, 48, 24, 4, 2
-    x, gu, dn, idx, w = make_inputs(T, H, I, E, K, dtype=torch.bfloat16, seed=5)
-    wide = torch.randn(T, 2 * H, dtype=torch.bfloat16)
+    x, gu, dn, idx, w = make_inputs(T, H, I, E, K, dtype=dtype, seed=5)
+    wide = torch.randn(T, 2 * H, dtype=dtype)
     wide[:, ::2] = x
     x_strided = wide[:, ::2]  # non-contiguous rows and columns
     out = moe.fused_experts(x_strided, gu, dn, idx.to(torch.int32), w, variant=variant)
-    assert out.dtype == torch.bfloat16 and out.shape == (T, H)
+    assert out.dtype == dtype and out.shape == (T, H)
     # Two bf16 roundings (h, y) then one of the fp32 sum: ~3e-3 here; eager transformers is ~5e-3.
-    assert_close_rel(out, loop_reference(x, gu, dn, idx, w), 6e-3, "bf16 output")
+    assert_close_rel(out, loop_reference(x, gu, dn, idx, w), 6e-3, f"{dtype} output")
 
 
 def test_pinned_tile_config_gives_the_same_result():
