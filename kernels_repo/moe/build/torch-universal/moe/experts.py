@@ -3,9 +3,11 @@
 Pipeline: align (token, k) pairs to experts (`_experts_routing`, sync-free) -> gate/up grouped
 GEMM with SwiGLU epilogue [P, I] -> down grouped GEMM [P, H] -> weighted fp32 combine [T, H].
 Buffers (P = static bound on aligned rows, see `max_rows`):
-  h    [P, I]  x.dtype   silu(gate) * up per row (saved for dW_down)
-  aux  [P, 2I] x.dtype   pre-activation [gate | up] per row (training only, for the SwiGLU bwd)
-  y    [P, H]  x.dtype   unweighted expert output per row
+  h    [P, I]  x.dtype   silu(gate) * up per row (forward only; dW_down recomputes it from aux)
+  aux  [P, 2I] x.dtype   pre-activation [gate | up] per row (training only: the one saved activation)
+  y    [P, H]  x.dtype   unweighted expert output per row (forward only)
+Backward: dgrad GEMM dY[tok] @ Wd -> d[gate|up] [P, 2I] with the SwiGLU bwd and dL/dw in its
+epilogue; dx = combine(d[gate|up] @ Wgu); dW_down, dW_gate_up by per-expert wgrad GEMMs.
 The variant is chosen per call from the capability of x's device (sm90: TMA weight loads; sm80:
 pointer loads; CPU: the torch reference).
 """
