@@ -113,7 +113,10 @@ def impls_for(base, T, E, H, I, K, idx, w, wanted):
     if T <= 64:
         # Decode is launch-bound in eager mode; the replayed CUDA graph shows the GPU-side time
         # (how serving engines run decode). Forward only.
-        out["kernelhub_graph"] = graphed(kh, base, T, H)
+        try:
+            out["kernelhub_graph"] = graphed(kh, base, T, H)
+        except Exception as e:  # noqa: BLE001
+            emit(kind="moe_error", impl="kernelhub_graph", T=T, error=f"{type(e).__name__}: {str(e)[:300]}")
     for impl in ("eager", "grouped_mm", "batched_mm"):
         if impl == "batched_mm" and T * K * H * I > 2**33:
             continue
