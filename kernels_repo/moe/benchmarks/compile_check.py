@@ -120,7 +120,7 @@ def main() -> None:
         for shape_buckets in data.get("shapes", {}).values():
             buckets += shape_buckets
         for b in buckets:
-            tma = cap == 90
+            tma = cap == 90 and b.get("tma", True)
             for stage, epi, ncontig in (("gate_up", 1, False), ("down", 0, False), ("dgrad", 2, True),
                                         ("down", 0, True)):
                 failures += gemm(cap, b[stage], b["block_m"], epi, tma, ncontig) is None

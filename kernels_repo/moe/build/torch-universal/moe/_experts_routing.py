@@ -18,6 +18,7 @@ import triton.language as tl
 # Up to this many (token, k) pairs one Triton program aligns them in one launch (decode: T<=64,
 # K<=8) instead of ~15 torch ops, whose launches would cost more than the expert GEMMs there.
 SMALL_PAIRS = 512
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class ExpertRows(NamedTuple):
@@ -113,7 +114,7 @@ def align_rows(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> Expert
     device = topk_idx.device
     T, K = topk_idx.shape
     n = T * K
-    if 0 < n <= SMALL_PAIRS and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+    if 0 < n <= SMALL_PAIRS and (device.type == "cuda" or _INTERPRET):
         return _align_small(topk_idx.contiguous(), num_experts, block_m)
     E = num_experts
     P = max_rows(n, E, block_m)

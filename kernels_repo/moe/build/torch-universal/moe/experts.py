@@ -42,8 +42,12 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+# Read once, like Triton itself (which decides interpretation when a @jit function is defined).
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return _INTERPRET
 
 
 def select_variant(device: torch.device) -> str:
