@@ -135,6 +135,16 @@ def test_pinned_tile_config_gives_the_same_result():
     torch.testing.assert_close(out.double(), loop_reference(x, gu, dn, idx, w), rtol=1e-4, atol=1e-5)
 
 
+def test_many_pairs_take_the_torch_alignment_path_and_stay_correct():
+    routing = importlib.import_module(moe.__name__ + "._experts_routing")
+    T, K = 300, 2
+    assert T * K > routing.SMALL_PAIRS
+    x, gu, dn, idx, w = make_inputs(T, 32, 16, 4, K, seed=12, drop=3)
+    with torch.no_grad():
+        out = moe.fused_experts(x, gu, dn, idx, w, variant="sm80")
+    torch.testing.assert_close(out.double(), loop_reference(x, gu, dn, idx, w), rtol=1e-4, atol=1e-5)
+
+
 def test_inference_path_matches_autograd_path():
     x, gu, dn, idx, w = make_inputs(7, 32, 16, 4, 2, seed=7)
     with torch.no_grad():
