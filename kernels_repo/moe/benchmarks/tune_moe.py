@@ -46,8 +46,8 @@ SHAPES = {
 
 
 def gemm_space(full: bool, rows_per_expert: float):
-    """16 configs by default (about 1-2 s of compile each); --full: about 100."""
-    bns = [32, 64, 128, 256] if full else ([32, 64] if rows_per_expert <= 4 else [64, 128])
+    """16-24 configs by default (about 1-2 s of compile each); --full: about 100."""
+    bns = [32, 64, 128, 256] if full else ([32, 64] if rows_per_expert <= 4 else [64, 128, 256])
     bks = [64, 128] if rows_per_expert > 32 else [128, 256]
     gms = [1, 8] if full else [1 if rows_per_expert <= 32 else 8]
     for bn, bk, gm, nw, ns in itertools.product(bns, bks, gms, [4, 8], [3, 4, 5] if full else [3, 4]):
