@@ -146,7 +146,7 @@ def stage_breakdown(base, x, idx, w, dy, sname, T, variant) -> None:
     gu, dn = base.gate_up_proj.detach(), base.down_proj.detach()
     E, two_i, H = gu.shape
     inter, K = two_i // 2, idx.shape[1]
-    cfg = ex._config(variant, E, H, inter, idx.numel(), None)
+    cfg = ex._config(variant, E, H, inter, idx.numel(), None, DEV, x.element_size())
     r = rt.align_rows(idx, E, cfg["block_m"])
     P = r.num_rows
     tma = ex._use_tma(variant, cfg, gu, dn)

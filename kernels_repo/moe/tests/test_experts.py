@@ -268,6 +268,26 @@ def test_every_launch_forward_and_backward_runs_inside_the_input_device_guard(mo
     assert all(stack == [x.device] for stack in launches), launches
 
 
+def test_stages_fit_the_shared_memory_of_each_device_index(fake_gpus):
+    ex = importlib.import_module(moe.__name__ + ".experts")
+    cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
+    fake_gpus.specs[0]["smem"] = 100 * 1024  # an sm86-like card next to the sm90 one
+    cfgs.clear_config_cache()
+    try:
+        small = ex._config("sm80", 8, 4096, 14336, 1024, None, torch.device("cuda", 0))
+        big = ex._config("sm80", 8, 4096, 14336, 1024, None, torch.device("cuda", 1))
+    finally:
+        cfgs.clear_config_cache()
+    assert small["block_m"] == big["block_m"]
+    for stage in ("gate_up", "down", "dgrad"):
+        c = small[stage]
+        per_stage = (small["block_m"] + (2 if stage == "gate_up" else 1) * c["BLOCK_N"]) * c["BLOCK_K"] * 2
+        assert c["num_stages"] == 2 or c["num_stages"] * per_stage <= 100 * 1024 - 1024
+    assert small["gate_up"]["num_stages"] < big["gate_up"]["num_stages"]
+    pinned = {"block_m": 16}
+    assert ex._config("sm80", 8, 4096, 14336, 1024, pinned, torch.device("cuda", 0)) is pinned
+
+
 def test_variant_follows_the_capability_of_each_device_index(fake_gpus):
     assert moe.select_variant(torch.device("cuda", 0)) == "sm80"
     assert moe.select_variant(torch.device("cuda", 1)) == "sm90"

@@ -18,10 +18,10 @@ import os
 
 import torch
 
-from kernelhub.device import device_capability, device_guard
+from kernelhub.device import device_capability, device_guard, device_properties
 
 from . import _experts_sm90 as sm90
-from ._experts_configs import INTERPRETER_CONFIG, pick_config
+from ._experts_configs import INTERPRETER_CONFIG, fitted_config, pick_config
 from ._experts_routing import ExpertRows, align_rows, sorted_weights
 from ._experts_sm80 import _combine_kernel, _grouped_gemm_kernel, _grouped_wgrad_kernel
 from .reference_experts import fused_experts_reference
@@ -183,9 +183,16 @@ def _combine(y, token_topk_to_pos, weights, out) -> None:
     )
 
 
-def _config(variant: str, E: int, H: int, inter: int, pairs: int, config: dict | None) -> dict:
+def _config(variant: str, E: int, H: int, inter: int, pairs: int, config: dict | None,
+            device: torch.device | None = None, element_size: int = 2) -> dict:
+    """The tile bucket: a pinned `config` as given; else from configs/, with num_stages trimmed to
+    the shared memory of *this* device index (device_properties is cached per index)."""
     if config is not None:
         return config
+    if device is not None and device.type == "cuda":
+        bucket = pick_config(90 if variant == "sm90" else 80, E, H, inter, pairs)
+        return fitted_config(bucket, device.index, element_size,
+                             lambda: device_properties(device).shared_memory_per_block)
     if _interpreting():
         return INTERPRETER_CONFIG
     return pick_config(90 if variant == "sm90" else 80, E, H, inter, pairs)
@@ -333,7 +340,7 @@ def fused_experts(
         link = x.sum() + gate_up_proj.reshape(-1)[:1].sum() + down_proj.reshape(-1)[:1].sum()
         return x.new_zeros(0, H) + 0 * (link + topk_weights.sum()).to(x.dtype)
     E, two_i, _ = gate_up_proj.shape
-    cfg = _config(variant, E, H, two_i // 2, topk_idx.numel(), config)
+    cfg = _config(variant, E, H, two_i // 2, topk_idx.numel(), config, x.device, x.element_size())
     tensors = (x, gate_up_proj, down_proj, topk_weights)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return _FusedExpertsFunction.apply(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg)
