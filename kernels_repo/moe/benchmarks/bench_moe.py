@@ -9,7 +9,8 @@ tile config chosen, so `tune_moe.py` knows where to look.
 
 Usage (repo root): PYTHONPATH=src python kernels_repo/moe/benchmarks/bench_moe.py
   env: SHAPES=qwen3_30b_a3b,mixtral_8x7b,deepseek_v3  TOKENS=1,32,512,4096,16384
-       IMPLS=kernelhub,hf_grouped_mm,...  MODES=fwd,fwdbwd  OUT=/tmp (appends $OUT/bench_moe.jsonl)
+       IMPLS=kernelhub,hf_grouped_mm,...  MODES=fwd,fwdbwd  STAGES=1 (per-stage kernelhub times; 0: off)
+       OUT=/tmp (appends $OUT/bench_moe.jsonl)
 """
 
 from __future__ import annotations
@@ -80,6 +81,26 @@ def routing(T, E, K):
     return idx, (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
 
 
+def graphed(fn, base, T, H):
+    x_static = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
+    with torch.no_grad():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn(x_static)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn(x_static)
+
+    def run(xx):
+        x_static.copy_(xx)
+        graph.replay()
+        return out
+
+    return run
+
+
 def impls_for(base, T, E, H, I, K, idx, w, wanted):
     """name -> fn(x) for every implementation that applies at this size."""
     out = {}
@@ -89,6 +110,13 @@ def impls_for(base, T, E, H, I, K, idx, w, wanted):
         return moe.fused_experts(xx, base.gate_up_proj, base.down_proj, idx, w, check_indices=False)
 
     out["kernelhub"] = kh
+    if T <= 64:
+        # Decode is launch-bound in eager mode; the replayed CUDA graph shows the GPU-side time
+        # (how serving engines run decode). Forward only.
+        try:
+            out["kernelhub_graph"] = graphed(kh, base, T, H)
+        except Exception as e:  # noqa: BLE001
+            emit(kind="moe_error", impl="kernelhub_graph", T=T, error=f"{type(e).__name__}: {str(e)[:300]}")
     for impl in ("eager", "grouped_mm", "batched_mm"):
         if impl == "batched_mm" and T * K * H * I > 2**33:
             continue
@@ -111,6 +139,47 @@ def impls_for(base, T, E, H, I, K, idx, w, wanted):
     return {k: v for k, v in out.items() if not wanted or k in wanted}
 
 
+def stage_breakdown(base, x, idx, w, dy, sname, T, variant) -> None:
+    """Per-stage times of kernelhub with the bucket it picks: where a retune would pay."""
+    ex = sys.modules[moe.__name__ + ".experts"]
+    rt = sys.modules[moe.__name__ + "._experts_routing"]
+    gu, dn = base.gate_up_proj.detach(), base.down_proj.detach()
+    E, two_i, H = gu.shape
+    inter, K = two_i // 2, idx.shape[1]
+    cfg = ex._config(variant, E, H, inter, idx.numel(), None, DEV, x.element_size())
+    r = rt.align_rows(idx, E, cfg["block_m"])
+    P = r.num_rows
+    tma = ex._use_tma(variant, cfg, gu, dn)
+    h = torch.empty(P, inter, device=DEV, dtype=x.dtype)
+    aux = torch.empty(P, two_i, device=DEV, dtype=x.dtype)
+    y = torch.empty(P, H, device=DEV, dtype=x.dtype)
+    out = torch.empty_like(x)
+    ws = rt.sorted_weights(r, w)
+    dws = torch.zeros(P, device=DEV, dtype=torch.float32)
+    dgu = torch.empty(P, two_i, device=DEV, dtype=x.dtype)
+    dwd = torch.empty_like(dn)
+    dwgu = torch.empty_like(gu)
+    stages = {
+        "align": lambda: rt.align_rows(idx, E, cfg["block_m"]),
+        "gate_up": lambda: ex._gemm(x, gu, h, r, cfg["gate_up"], n=inter, k=H, epilogue=1, gather_a=True,
+                                    b_ncontig=False, topk=K, use_tma=tma, aux=aux, save_aux=True),
+        "down": lambda: ex._gemm(h, dn, y, r, cfg["down"], n=H, k=inter, epilogue=0, gather_a=False,
+                                 b_ncontig=False, topk=K, use_tma=tma),
+        "combine": lambda: ex._combine(y, r.token_topk_to_pos, w, out),
+        "dgrad": lambda: ex._gemm(dy, dn, dgu, r, cfg["dgrad"], n=inter, k=H, epilogue=2, gather_a=True,
+                                  b_ncontig=True, topk=K, use_tma=tma, aux=aux, scale=ws, dscale=dws),
+        "dx": lambda: ex._gemm(dgu, gu, y, r, cfg["down"], n=H, k=two_i, epilogue=0, gather_a=False,
+                               b_ncontig=True, topk=K, use_tma=tma),
+        "wgrad_down": lambda: ex._wgrad(dy, aux, dwd, r, cfg["wgrad"], gather_a=True, gather_b=False, topk=K,
+                                        scale=ws, b_swiglu=True),
+        "wgrad_gate_up": lambda: ex._wgrad(dgu, x, dwgu, r, cfg["wgrad"], gather_a=False, gather_b=True,
+                                           topk=K),
+    }
+    times = {k: bench(v) for k, v in stages.items()}
+    emit(kind="moe_stages", shape=sname, T=T, P=P, block_m=cfg["block_m"], tma=tma,
+         **{f"{k}_ms": v for k, v in times.items()})
+
+
 def measure(name, fn, x, dy, ref, base, modes, sname, T, flops, floor_ms) -> None:
     if "fwd" in modes:
         with torch.no_grad():
@@ -118,7 +187,7 @@ def measure(name, fn, x, dy, ref, base, modes, sname, T, flops, floor_ms) -> Non
             ms = bench(lambda: fn(x))
         emit(kind="moe_fwd", shape=sname, impl=name, T=T, ms=ms, TFLOPs=flops / (ms * 1e-3) / 1e12,
              floor_ms=floor_ms, frac_floor=floor_ms / ms, relerr=err)
-    if "fwdbwd" in modes:
+    if "fwdbwd" in modes and not name.endswith("_graph"):
         xx = x.clone().requires_grad_()
         params = [xx, base.gate_up_proj, base.down_proj]
 
@@ -172,6 +241,12 @@ def main() -> None:
             base.config._experts_implementation = "grouped_mm"
             with torch.no_grad():
                 ref = moe.fused_experts_reference(x, base.gate_up_proj, base.down_proj, idx, w).float()
+            if os.environ.get("STAGES", "1") == "1" and (not wanted or "kernelhub" in wanted):
+                try:
+                    stage_breakdown(base, x, idx, w, dy, sname, T, variant)
+                except Exception as e:  # noqa: BLE001
+                    emit(kind="moe_error", shape=sname, impl="kernelhub_stages", T=T,
+                         error=f"{type(e).__name__}: {str(e)[:300]}")
             for name, fn in impls_for(base, T, E, H, I, K, idx, w, wanted).items():
                 try:
                     measure(name, fn, x, dy, ref, base, modes, sname, T, flops, floor_ms)

@@ -7,7 +7,9 @@ time. Buckets are written per shape ("shapes": {"E128_H2048_I768": [...]}) with
 max_rows_per_expert halfway (geometric) between the tuned loads; other shapes keep the defaults.
 
 Usage (repo root): PYTHONPATH=src python kernels_repo/moe/benchmarks/tune_moe.py [--out DIR]
-    [--quick] [--forward-only]   env: SHAPES=qwen3_30b_a3b  TOKENS=1,512,16384
+    [--full] [--forward-only]   env: SHAPES=qwen3_30b_a3b  TOKENS=1,512,16384
+Time: the default grid compiles about 16 configs per stage and BLOCK_M (2-3 BLOCK_M per point), so
+one (shape, T) point takes about 2-4 minutes; tune a few points per run (SHAPES=, TOKENS=).
 Then: KERNELHUB_MOE_CONFIG_DIR=DIR (or copy DIR/sm90.json over the package's configs/).
 Each line printed is one measurement: stage, block_m, config, ms.
 """
@@ -43,18 +45,20 @@ SHAPES = {
 }
 
 
-def gemm_space(quick: bool, rows_per_expert: float):
-    bns = [64, 128] if quick else [32, 64, 128, 256]
+def gemm_space(full: bool, rows_per_expert: float):
+    """16-24 configs by default (about 1-2 s of compile each); --full: about 100."""
+    bns = [32, 64, 128, 256] if full else ([32, 64] if rows_per_expert <= 4 else [64, 128, 256])
     bks = [64, 128] if rows_per_expert > 32 else [128, 256]
-    for bn, bk, gm, nw, ns in itertools.product(bns, bks, [1, 8], [4, 8], [3, 4] if quick else [3, 4, 5]):
+    gms = [1, 8] if full else [1 if rows_per_expert <= 32 else 8]
+    for bn, bk, gm, nw, ns in itertools.product(bns, bks, gms, [4, 8], [3, 4, 5] if full else [3, 4]):
         if bn * bk > 128 * 128:
             continue
         yield {"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "num_warps": nw, "num_stages": ns}
 
 
-def wgrad_space(quick: bool):
+def wgrad_space(full: bool):
     for bm, bn, bk, nw, ns in itertools.product([64, 128], [64, 128], [32, 64], [4, 8],
-                                                [3] if quick else [3, 4]):
+                                                [3, 4] if full else [3]):
         yield {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns}
 
 
@@ -78,7 +82,7 @@ def best_of(label, run, space):
     return best
 
 
-def tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, tma, quick, training, rpe):
+def tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, tma, full, training, rpe):
     r = rt.align_rows(idx, E, bm)
     P = r.num_rows
     h = torch.empty(P, I, device=DEV, dtype=x.dtype)
@@ -101,7 +105,7 @@ def tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, tma, quick, training,
                  aux=aux, scale=ws, dscale=dws)
 
     def wgrad(c):
-        ex._wgrad(dy, h, dwd, r, c, gather_a=True, gather_b=False, topk=K, scale=ws)
+        ex._wgrad(dy, aux, dwd, r, c, gather_a=True, gather_b=False, topk=K, scale=ws, b_swiglu=True)
 
     stages = {"gate_up": gate_up, "down": down}
     if training:
@@ -109,17 +113,17 @@ def tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, tma, quick, training,
     bucket = {"block_m": bm}
     total = 0.0
     for stage, run in stages.items():
-        ms, c = best_of(f"{stage} T={T} block_m={bm}", run, gemm_space(quick, rpe))
+        ms, c = best_of(f"{stage} T={T} block_m={bm}", run, gemm_space(full, rpe))
         bucket[stage] = c
         total += ms
     if training:
-        ms, c = best_of(f"wgrad T={T} block_m={bm}", wgrad, wgrad_space(quick))
+        ms, c = best_of(f"wgrad T={T} block_m={bm}", wgrad, wgrad_space(full))
         bucket["wgrad"] = c
         total += 2 * ms  # two weight gradients of about this size
     return bucket, total
 
 
-def tune_point(E, H, I, K, T, variant, quick, training):
+def tune_point(E, H, I, K, T, variant, full, training):
     x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
     gu = torch.randn(E, 2 * I, H, device=DEV, dtype=torch.bfloat16) * 0.02
     dn = torch.randn(E, H, I, device=DEV, dtype=torch.bfloat16) * 0.02
@@ -129,9 +133,12 @@ def tune_point(E, H, I, K, T, variant, quick, training):
     rpe = T * K / E
     block_ms = [16, 32, 64] if rpe <= 32 else [64, 128]
     best_total, best_bucket = math.inf, None
-    for bm in block_ms:
-        bucket, total = tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, tma, quick, training, rpe)
-        print(f" block_m={bm} total={total:.4f} ms", flush=True)
+    # Decode: also try pointer loads on sm90 (no host descriptors; see experts._use_tma).
+    tmas = [True, False] if tma and rpe <= 4 else [tma]
+    for bm, use_tma in itertools.product(block_ms, tmas):
+        bucket, total = tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, use_tma, full, training, rpe)
+        bucket["tma"] = use_tma
+        print(f" block_m={bm} tma={use_tma} total={total:.4f} ms", flush=True)
         if total < best_total:
             best_total, best_bucket = total, bucket
     return best_bucket
@@ -140,7 +147,7 @@ def tune_point(E, H, I, K, T, variant, quick, training):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp") + "/moe_configs")
-    ap.add_argument("--quick", action="store_true", help="a smaller grid (about 4x fewer configs)")
+    ap.add_argument("--full", action="store_true", help="a larger grid (about 6x the configs)")
     ap.add_argument("--forward-only", action="store_true", help="tune gate_up/down only (inference)")
     args = ap.parse_args()
     variant = moe.select_variant(DEV)
@@ -158,7 +165,7 @@ def main() -> None:
         buckets = []
         for i, T in enumerate(tokens):
             t0 = time.time()
-            b = tune_point(E, H, I, K, T, variant, args.quick, not args.forward_only)
+            b = tune_point(E, H, I, K, T, variant, args.full, not args.forward_only)
             for stage in ("dgrad", "wgrad"):
                 b.setdefault(stage, cfgs.pick_config(cap, E, H, I, T * K)[stage])
             nxt = tokens[i + 1] if i + 1 < len(tokens) else None

@@ -15,6 +15,11 @@ from pathlib import Path
 _DIR = Path(__file__).resolve().parent / "configs"
 _lock = threading.Lock()
 _cache: dict[Path, dict] = {}
+# (directory setting, capability) -> config: no filesystem call per fused_experts call (decode is
+# launch-bound, a stat costs microseconds there).
+_resolved: dict[tuple[str | None, int], dict] = {}
+# (id of a cached bucket, device index, element size) -> bucket with stages fitted to that device.
+_fitted: dict[tuple[int, int, int], dict] = {}
 
 # Small tiles for the Triton interpreter (CPU tests): few programs, every mask exercised.
 INTERPRETER_CONFIG = {
@@ -27,6 +32,16 @@ INTERPRETER_CONFIG = {
 
 
 def _load(capability: int) -> dict:
+    key = (os.environ.get("KERNELHUB_MOE_CONFIG_DIR"), capability)
+    cfg = _resolved.get(key)
+    if cfg is None:
+        cfg = _read(capability)
+        with _lock:
+            _resolved[key] = cfg
+    return cfg
+
+
+def _read(capability: int) -> dict:
     directory = Path(os.environ.get("KERNELHUB_MOE_CONFIG_DIR", _DIR))
     path = directory / f"sm{capability}.json"
     if not path.exists():
@@ -45,6 +60,8 @@ def _load(capability: int) -> dict:
 def clear_config_cache() -> None:
     with _lock:
         _cache.clear()
+        _resolved.clear()
+        _fitted.clear()
 
 
 def shape_key(num_experts: int, hidden: int, intermediate: int) -> str:
@@ -61,3 +78,37 @@ def pick_config(capability: int, num_experts: int, hidden: int, intermediate: in
         if limit is None or rows_per_expert <= limit:
             return bucket
     return buckets[-1]
+
+
+def fit_shared_memory(bucket: dict, smem_per_block: int, element_size: int) -> dict:
+    """A copy of `bucket` whose num_stages fit `smem_per_block` bytes (never below 2 stages).
+
+    Why: the sm80 tiles also serve GPUs with ~100 KB of shared memory per block (sm86, sm89, sm120),
+    where a 3-stage 64x128x64 gated tile (~120 KB if every stage is buffered) would not launch.
+    The estimate is conservative: every stage buffered (true with TMA; Triton buffers one fewer
+    with cp.async).
+    """
+    bm = bucket["block_m"]
+    out = dict(bucket)
+    for stage, n_b in (("gate_up", 2), ("down", 1), ("dgrad", 1), ("wgrad", None)):
+        c = dict(bucket[stage])
+        if n_b is None:
+            per_stage = (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * element_size
+        else:
+            per_stage = (bm + n_b * c["BLOCK_N"]) * c["BLOCK_K"] * element_size
+        while c["num_stages"] > 2 and c["num_stages"] * per_stage > smem_per_block:
+            c["num_stages"] -= 1
+        out[stage] = c
+    return out
+
+
+def fitted_config(bucket: dict, device_index: int, element_size: int, smem_per_block) -> dict:
+    """`fit_shared_memory` cached per (bucket, device index); `smem_per_block()` is read on a miss."""
+    key = (id(bucket), device_index, element_size)
+    fitted = _fitted.get(key)
+    if fitted is None:
+        smem = smem_per_block()
+        fitted = fit_shared_memory(bucket, smem, element_size) if smem else bucket
+        with _lock:
+            _fitted[key] = fitted
+    return fitted

@@ -18,6 +18,7 @@ import triton.language as tl
 # Up to this many (token, k) pairs one Triton program aligns them in one launch (decode: T<=64,
 # K<=8) instead of ~15 torch ops, whose launches would cost more than the expert GEMMs there.
 SMALL_PAIRS = 512
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class ExpertRows(NamedTuple):
@@ -30,6 +31,15 @@ class ExpertRows(NamedTuple):
     token_topk_to_pos: torch.Tensor  # int32 [T, K]: row of pair (t, k), -1 where the id is dropped
     num_rows: int  # P, a static upper bound: no host sync needed to size the buffers
     block_m: int
+
+
+def _cdiv(a: int, b: int) -> int:
+    # Plain ints: `triton.cdiv` is a jit function, ~5 us per host call through its dispatcher.
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 def max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -85,11 +95,12 @@ def _align_small(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> Expe
     P = max_rows(n, E, block_m)
     nb = P // block_m
     buf = torch.empty(P + nb + 2 * E + n, dtype=torch.int32, device=topk_idx.device)
-    rows, block_expert, start, count, pos = torch.split(buf, [P, nb, E, E, n])
+    rows, block_expert = buf[:P], buf[P:P + nb]
+    start, count, pos = buf[P + nb:P + nb + E], buf[P + nb + E:P + nb + 2 * E], buf[P + nb + 2 * E:]
     _align_small_kernel[(1,)](
         topk_idx.reshape(-1), rows, block_expert, start, count, pos, n, E, P, nb,
-        BLOCK_M=block_m, BLOCK_N=max(16, triton.next_power_of_2(n)),
-        BLOCK_E=max(16, triton.next_power_of_2(E + 1)), BLOCK_J=32, BLOCK_P=256, num_warps=8,
+        BLOCK_M=block_m, BLOCK_N=max(16, _next_pow2(n)),
+        BLOCK_E=max(16, _next_pow2(E + 1)), BLOCK_J=32, BLOCK_P=256, num_warps=8,
     )
     return ExpertRows(rows, block_expert, start, count, pos.view(T, K), P, block_m)
 
@@ -103,7 +114,7 @@ def align_rows(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> Expert
     device = topk_idx.device
     T, K = topk_idx.shape
     n = T * K
-    if 0 < n <= SMALL_PAIRS and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
+    if 0 < n <= SMALL_PAIRS and (device.type == "cuda" or _INTERPRET):
         return _align_small(topk_idx.contiguous(), num_experts, block_m)
     E = num_experts
     P = max_rows(n, E, block_m)

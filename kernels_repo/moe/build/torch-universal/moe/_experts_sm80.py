@@ -20,6 +20,17 @@ import triton.language as tl
 
 
 @triton.jit
+def _to(v, dtype: tl.constexpr, RNE: tl.constexpr):
+    """Cast fp32 -> dtype. The interpreter truncates fp32 -> bf16 (twice the GPU's rounding error,
+    which uses round-to-nearest-even), so under RNE the rounding is done on the bits first."""
+    if RNE and dtype == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        v = bits.to(tl.float32, bitcast=True)
+    return v.to(dtype)
+
+
+@triton.jit
 def _load_b_tile(b_ptr, b_desc, e, offs_k, offs_n, k_limit, n_limit, stride_be, stride_bn, stride_bk,
                  B_TMA: tl.constexpr, B_NCONTIG: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr, n0, k0):
@@ -109,14 +120,14 @@ def _grouped_gemm_kernel(
     c_mask = m_mask[:, None] & (offs_n[None, :] < N)
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     if EPILOGUE == 0:
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+        tl.store(c_ptrs, _to(acc, c_ptr.dtype.element_ty, UPCAST), mask=c_mask)
     elif EPILOGUE == 1:
         if SAVE_AUX:
             x_ptrs = aux_ptr + offs_m[:, None] * stride_xm + offs_n[None, :]
-            tl.store(x_ptrs, acc.to(aux_ptr.dtype.element_ty), mask=c_mask)
-            tl.store(x_ptrs + N, acc_u.to(aux_ptr.dtype.element_ty), mask=c_mask)
+            tl.store(x_ptrs, _to(acc, aux_ptr.dtype.element_ty, UPCAST), mask=c_mask)
+            tl.store(x_ptrs + N, _to(acc_u, aux_ptr.dtype.element_ty, UPCAST), mask=c_mask)
         h = acc * tl.sigmoid(acc) * acc_u
-        tl.store(c_ptrs, h.to(c_ptr.dtype.element_ty), mask=c_mask)
+        tl.store(c_ptrs, _to(h, c_ptr.dtype.element_ty, UPCAST), mask=c_mask)
     else:
         # acc = dY[tok] @ Wd[e] = dL/dh before the routing weight; aux holds [g | u] of the forward.
         x_ptrs = aux_ptr + offs_m[:, None] * stride_xm + offs_n[None, :]
@@ -130,8 +141,8 @@ def _grouped_gemm_kernel(
         dh = acc * w[:, None]
         dg = dh * u * sig * (1.0 + g * (1.0 - sig))
         du = dh * silu
-        tl.store(c_ptrs, dg.to(c_ptr.dtype.element_ty), mask=c_mask)
-        tl.store(c_ptrs + N * stride_cn, du.to(c_ptr.dtype.element_ty), mask=c_mask)
+        tl.store(c_ptrs, _to(dg, c_ptr.dtype.element_ty, UPCAST), mask=c_mask)
+        tl.store(c_ptrs + N * stride_cn, _to(du, c_ptr.dtype.element_ty, UPCAST), mask=c_mask)
 
 
 @triton.jit
@@ -140,10 +151,15 @@ def _grouped_wgrad_kernel(
     M, N,
     stride_am, stride_ak, stride_bm, stride_bk, stride_ce, stride_cm, stride_cn,
     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, SCALE_A: tl.constexpr, TOPK: tl.constexpr,
+    B_SWIGLU: tl.constexpr,     # B[p] = silu(b[p, :N]) * b[p, N:2N], recomputed from the saved [g | u]
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """dW[e] = sum over e's rows p of A[p]^T B[p]: [M, N] per expert; experts with no rows get 0."""
+    """dW[e] = sum over e's rows p of A[p]^T B[p]: [M, N] per expert; experts with no rows get 0.
+
+    B_SWIGLU recomputes h = silu(g) * u instead of keeping h [P, I] alive from the forward: the
+    saved activations are then [g | u] only (as in Liger), which bounds fwd+bwd peak memory.
+    """
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -167,23 +183,29 @@ def _grouped_wgrad_kernel(
         rb = tok if GATHER_B else p
         a = tl.load(a_ptr + ra[:, None] * stride_am + offs_m[None, :] * stride_ak,
                     mask=valid[:, None] & (offs_m[None, :] < M), other=0.0)  # [BLOCK_K, BLOCK_M]
-        b = tl.load(b_ptr + rb[:, None] * stride_bm + offs_n[None, :] * stride_bk,
-                    mask=valid[:, None] & (offs_n[None, :] < N), other=0.0)  # [BLOCK_K, BLOCK_N]
+        b_mask = valid[:, None] & (offs_n[None, :] < N)
+        b_ptrs = b_ptr + rb[:, None] * stride_bm + offs_n[None, :] * stride_bk
+        b = tl.load(b_ptrs, mask=b_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+        if B_SWIGLU:
+            g = b.to(tl.float32)
+            u = tl.load(b_ptrs + N * stride_bk, mask=b_mask, other=0.0).to(tl.float32)
+            b = _to(g * tl.sigmoid(g) * u, b_ptr.dtype.element_ty, UPCAST)
         if SCALE_A:
             s = tl.load(scale_ptr + p, mask=p_mask, other=0.0)
-            a = (a.to(tl.float32) * s[:, None]).to(a_ptr.dtype.element_ty)
+            a = _to(a.to(tl.float32) * s[:, None], a_ptr.dtype.element_ty, UPCAST)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
     c_ptrs = c_ptr + e * stride_ce + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(c_ptrs, _to(acc, c_ptr.dtype.element_ty, UPCAST), mask=c_mask)
 
 
 @triton.jit
 def _combine_kernel(
     y_ptr, pos_ptr, w_ptr, out_ptr, H, stride_ym, stride_wt, stride_wk, stride_om,
-    TOPK: tl.constexpr, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr,
+    TOPK: tl.constexpr, HAS_W: tl.constexpr, RNE: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """out[t] = sum_k w[t, k] * y[pos[t, k]] over pos >= 0, in fp32, rounded once."""
     t = tl.program_id(0).to(tl.int64)
@@ -197,8 +219,4 @@ def _combine_kernel(
             if HAS_W:
                 v = v * tl.load(w_ptr + t * stride_wt + k * stride_wk).to(tl.float32)
             acc += v
-    tl.store(out_ptr + t * stride_om + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def cdiv(a: int, b: int) -> int:
-    return triton.cdiv(a, b)
+    tl.store(out_ptr + t * stride_om + offs, _to(acc, out_ptr.dtype.element_ty, RNE), mask=mask)

@@ -2,8 +2,9 @@
 
 The kernels are those of `_experts_sm80.py` with `B_TMA=True`: the weight tile of each K step is
 one TMA copy described by a host-side `TensorDescriptor` over the 3-D weight [E, N, K] (or [E, K, N]),
-so no `triton.set_allocator` scratch is needed (only in-kernel `tl.make_tensor_descriptor` needs one;
-it is a ContextVar in triton 3.7, a plain global in 3.6, and either would leak across callers).
+so no `triton.set_allocator` scratch is needed (only in-kernel `tl.make_tensor_descriptor` needs one:
+`set_allocator` stores it in a ContextVar in triton 3.6 and 3.7, so a kernel library setting it would
+override the caller's allocator, and a new thread would not see it).
 Out-of-box rows and columns of a 3-D descriptor read as zero, which is what the masked pointer
 loads of sm80 do, so both paths compute the same tiles. TMA needs 16-byte aligned base and strides;
 weights that are not fall back to pointer loads (`tma_ok`).

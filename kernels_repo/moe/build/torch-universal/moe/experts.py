@@ -3,9 +3,11 @@
 Pipeline: align (token, k) pairs to experts (`_experts_routing`, sync-free) -> gate/up grouped
 GEMM with SwiGLU epilogue [P, I] -> down grouped GEMM [P, H] -> weighted fp32 combine [T, H].
 Buffers (P = static bound on aligned rows, see `max_rows`):
-  h    [P, I]  x.dtype   silu(gate) * up per row (saved for dW_down)
-  aux  [P, 2I] x.dtype   pre-activation [gate | up] per row (training only, for the SwiGLU bwd)
-  y    [P, H]  x.dtype   unweighted expert output per row
+  h    [P, I]  x.dtype   silu(gate) * up per row (forward only; dW_down recomputes it from aux)
+  aux  [P, 2I] x.dtype   pre-activation [gate | up] per row (training only: the one saved activation)
+  y    [P, H]  x.dtype   unweighted expert output per row (forward only)
+Backward: dgrad GEMM dY[tok] @ Wd -> d[gate|up] [P, 2I] with the SwiGLU bwd and dL/dw in its
+epilogue; dx = combine(d[gate|up] @ Wgu); dW_down, dW_gate_up by per-expert wgrad GEMMs.
 The variant is chosen per call from the capability of x's device (sm90: TMA weight loads; sm80:
 pointer loads; CPU: the torch reference).
 """
@@ -15,12 +17,11 @@ from __future__ import annotations
 import os
 
 import torch
-import triton
 
-from kernelhub.device import device_capability, device_guard
+from kernelhub.device import device_capability, device_guard, device_properties
 
 from . import _experts_sm90 as sm90
-from ._experts_configs import INTERPRETER_CONFIG, pick_config
+from ._experts_configs import INTERPRETER_CONFIG, fitted_config, pick_config
 from ._experts_routing import ExpertRows, align_rows, sorted_weights
 from ._experts_sm80 import _combine_kernel, _grouped_gemm_kernel, _grouped_wgrad_kernel
 from .reference_experts import fused_experts_reference
@@ -32,8 +33,21 @@ _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _FN = "fused_experts"
 
 
+def _cdiv(a: int, b: int) -> int:
+    # Plain ints: `triton.cdiv` is a jit function, ~5 us per host call through its dispatcher.
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+# Read once, like Triton itself (which decides interpretation when a @jit function is defined).
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return _INTERPRET
 
 
 def select_variant(device: torch.device) -> str:
@@ -127,7 +141,7 @@ def _gemm(a, weight, out, routing: ExpertRows, cfg: dict, *, n: int, k: int, epi
     if use_tma:
         desc = sm90.weight_descriptor(weight, bk, bn) if b_ncontig else sm90.weight_descriptor(weight, bn, bk)
     aux_t = aux if aux is not None else out
-    grid = (triton.cdiv(P, bm) * triton.cdiv(n, bn),)
+    grid = (_cdiv(P, bm) * _cdiv(n, bn),)
     _grouped_gemm_kernel[grid](
         a, weight, desc, out, aux_t, routing.rows, routing.block_expert,
         scale if scale is not None else out, dscale if dscale is not None else out,
@@ -142,16 +156,16 @@ def _gemm(a, weight, out, routing: ExpertRows, cfg: dict, *, n: int, k: int, epi
 
 
 def _wgrad(a, b, out, routing: ExpertRows, cfg: dict, *, gather_a: bool, gather_b: bool, topk: int,
-           scale=None) -> None:
+           scale=None, b_swiglu: bool = False) -> None:
     """out[e] = sum over e's rows p of a[row(p)]^T b[row(p)] ([M, N] per expert)."""
     E, M, N = out.shape
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    grid = (E * triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+    grid = (E * _cdiv(M, bm) * _cdiv(N, bn),)
     _grouped_wgrad_kernel[grid](
         a, b, out, routing.rows, scale if scale is not None else out, routing.expert_start,
         routing.expert_count, M, N,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
-        GATHER_A=gather_a, GATHER_B=gather_b, SCALE_A=scale is not None, TOPK=topk,
+        GATHER_A=gather_a, GATHER_B=gather_b, SCALE_A=scale is not None, TOPK=topk, B_SWIGLU=b_swiglu,
         UPCAST=_interpreting(), PRECISION=_precision(a.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
@@ -161,20 +175,33 @@ def _wgrad(a, b, out, routing: ExpertRows, cfg: dict, *, gather_a: bool, gather_
 def _combine(y, token_topk_to_pos, weights, out) -> None:
     T, H = out.shape
     K = token_topk_to_pos.shape[1]
-    block_h = min(1024, triton.next_power_of_2(H))
+    block_h = min(1024, _next_pow2(H))
     w = weights if weights is not None else out
-    _combine_kernel[(T, triton.cdiv(H, block_h))](
+    _combine_kernel[(T, _cdiv(H, block_h))](
         y, token_topk_to_pos, w, out, H, y.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        TOPK=K, HAS_W=weights is not None, BLOCK_H=block_h, num_warps=4,
+        TOPK=K, HAS_W=weights is not None, RNE=_interpreting(), BLOCK_H=block_h, num_warps=4,
     )
 
 
-def _config(variant: str, E: int, H: int, inter: int, pairs: int, config: dict | None) -> dict:
+def _config(variant: str, E: int, H: int, inter: int, pairs: int, config: dict | None,
+            device: torch.device | None = None, element_size: int = 2) -> dict:
+    """The tile bucket: a pinned `config` as given; else from configs/, with num_stages trimmed to
+    the shared memory of *this* device index (device_properties is cached per index)."""
     if config is not None:
         return config
+    if device is not None and device.type == "cuda":
+        bucket = pick_config(90 if variant == "sm90" else 80, E, H, inter, pairs)
+        return fitted_config(bucket, device.index, element_size,
+                             lambda: device_properties(device).shared_memory_per_block)
     if _interpreting():
         return INTERPRETER_CONFIG
     return pick_config(90 if variant == "sm90" else 80, E, H, inter, pairs)
+
+
+def _use_tma(variant: str, cfg: dict, gate_up_proj, down_proj) -> bool:
+    # A bucket may turn TMA off (decode: building two host descriptors costs ~12 us of launch-bound
+    # time, and a few weight tiles per CTA gain nothing from TMA).
+    return variant == "sm90" and cfg.get("tma", True) and sm90.tma_ok(gate_up_proj) and sm90.tma_ok(down_proj)
 
 
 def _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, save: bool):
@@ -185,7 +212,7 @@ def _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, s
     dev = x.device
     routing = align_rows(topk_idx, E, cfg["block_m"])
     P = routing.num_rows
-    tma = variant == "sm90" and sm90.tma_ok(gate_up_proj) and sm90.tma_ok(down_proj)
+    tma = _use_tma(variant, cfg, gate_up_proj, down_proj)
     h = torch.empty(P, inter, device=dev, dtype=x.dtype)
     aux = torch.empty(P, two_i, device=dev, dtype=x.dtype) if save else None
     _gemm(x, gate_up_proj, h, routing, cfg["gate_up"], n=inter, k=H, epilogue=1, gather_a=True,
@@ -198,7 +225,7 @@ def _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, s
     return out, routing, h, aux
 
 
-def _backward(dout, x, gate_up_proj, down_proj, topk_weights, routing: ExpertRows, h, aux, variant, cfg,
+def _backward(dout, x, gate_up_proj, down_proj, topk_weights, routing: ExpertRows, aux, variant, cfg,
               needs: tuple[bool, bool, bool, bool]):
     T, H = x.shape
     E, two_i, _ = gate_up_proj.shape
@@ -206,7 +233,7 @@ def _backward(dout, x, gate_up_proj, down_proj, topk_weights, routing: ExpertRow
     K = topk_weights.shape[1]
     dev = x.device
     P = routing.num_rows
-    tma = variant == "sm90" and sm90.tma_ok(gate_up_proj) and sm90.tma_ok(down_proj)
+    tma = _use_tma(variant, cfg, gate_up_proj, down_proj)
     w_rows = sorted_weights(routing, topk_weights)
     # dL/d[gate|up] per row, and dL/dw per row (fp32, atomically summed over the I tiles).
     dgu = torch.empty(P, two_i, device=dev, dtype=x.dtype)
@@ -223,7 +250,8 @@ def _backward(dout, x, gate_up_proj, down_proj, topk_weights, routing: ExpertRow
         del dx_rows
     if needs[2]:
         d_down = torch.empty(E, H, inter, device=dev, dtype=down_proj.dtype)
-        _wgrad(dout, h, d_down, routing, cfg["wgrad"], gather_a=True, gather_b=False, topk=K, scale=w_rows)
+        _wgrad(dout, aux, d_down, routing, cfg["wgrad"], gather_a=True, gather_b=False, topk=K, scale=w_rows,
+               b_swiglu=True)
     if needs[1]:
         d_gate_up = torch.empty(E, two_i, H, device=dev, dtype=gate_up_proj.dtype)
         _wgrad(dgu, x, d_gate_up, routing, cfg["wgrad"], gather_a=False, gather_b=True, topk=K)
@@ -239,7 +267,9 @@ class _FusedExpertsFunction(torch.autograd.Function):
         with device_guard(x):
             out, routing, h, aux = _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg,
                                             save=True)
-        ctx.save_for_backward(x, gate_up_proj, down_proj, topk_weights, h, aux, routing.rows,
+        # h is not saved: the down_proj gradient recomputes it from aux (saves P*I elements).
+        del h
+        ctx.save_for_backward(x, gate_up_proj, down_proj, topk_weights, aux, routing.rows,
                               routing.block_expert, routing.expert_start, routing.expert_count,
                               routing.token_topk_to_pos)
         ctx.meta = (variant, cfg, routing.num_rows, routing.block_m)
@@ -247,7 +277,7 @@ class _FusedExpertsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        x, gate_up_proj, down_proj, topk_weights, h, aux, *rt = ctx.saved_tensors
+        x, gate_up_proj, down_proj, topk_weights, aux, *rt = ctx.saved_tensors
         variant, cfg, num_rows, block_m = ctx.meta
         routing = ExpertRows(*rt, num_rows=num_rows, block_m=block_m)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2],
@@ -256,7 +286,7 @@ class _FusedExpertsFunction(torch.autograd.Function):
             raise ValueError(f"{_FN}: gradient must be on {x.device} like `x`, got {dout.device}")
         with device_guard(x):
             dx, dgu, dd, dw = _backward(dout.contiguous(), x, gate_up_proj, down_proj, topk_weights, routing,
-                                        h, aux, variant, cfg, needs)
+                                        aux, variant, cfg, needs)
         return dx, dgu, dd, None, dw, None, None
 
 
@@ -306,10 +336,11 @@ def fused_experts(
     if x.dtype not in _TRITON_DTYPES:
         raise TypeError(f"{_FN}: variant {variant!r} supports float16/bfloat16/float32 `x`, got {x.dtype}")
     T, H = x.shape
-    if T == 0:
-        return x.new_zeros(0, H) + 0 * (gate_up_proj.sum() + down_proj.sum() + topk_weights.sum())
+    if T == 0:  # nothing to route; keep autograd connected (zero gradients) without reading weights
+        link = x.sum() + gate_up_proj.reshape(-1)[:1].sum() + down_proj.reshape(-1)[:1].sum()
+        return x.new_zeros(0, H) + 0 * (link + topk_weights.sum()).to(x.dtype)
     E, two_i, _ = gate_up_proj.shape
-    cfg = _config(variant, E, H, two_i // 2, topk_idx.numel(), config)
+    cfg = _config(variant, E, H, two_i // 2, topk_idx.numel(), config, x.device, x.element_size())
     tensors = (x, gate_up_proj, down_proj, topk_weights)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return _FusedExpertsFunction.apply(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg)

@@ -55,12 +55,12 @@ def _run(module: nn.Module, hidden_states, top_k_index, top_k_weights, variant: 
     E = module.gate_up_proj.shape[0]
     # transformers skips ids == E (and EP sentinels >= E); fused_experts drops -1: map, sync-free.
     idx = torch.where((top_k_index >= 0) & (top_k_index < E), top_k_index, torch.full_like(top_k_index, -1))
-    x = hidden_states
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])  # [..., H] -> [T, H] (a view when it can)
     if x.dtype != module.gate_up_proj.dtype:  # autocast / fp32 activations with bf16 weights
         x = x.to(module.gate_up_proj.dtype)
-    out = fused_experts(x, module.gate_up_proj, module.down_proj, idx, top_k_weights, variant=variant,
-                        check_indices=False)
-    return out.to(hidden_states.dtype)
+    out = fused_experts(x, module.gate_up_proj, module.down_proj, idx.reshape(x.shape[0], -1),
+                        top_k_weights.reshape(x.shape[0], -1), variant=variant, check_indices=False)
+    return out.to(hidden_states.dtype).view(hidden_states.shape)
 
 
 def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

@@ -1,0 +1,135 @@
+"""Compile every fused_experts kernel for sm90 and sm80 without a GPU (Triton AOT to cubin).
+
+Catches GPU-only compile errors (layouts, TMA, shared memory) on a machine with no GPU: it builds
+each kernel with the constexprs `experts.py` uses for every bucket of `configs/sm*.json` and runs
+the whole pipeline up to ptxas. Usage (repo root, TRITON_INTERPRET unset):
+    PYTHONPATH=src python kernels_repo/moe/benchmarks/compile_check.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT / "src"))
+os.environ.pop("TRITON_INTERPRET", None)
+from kernelhub._loader import load_kernel_from_dir  # noqa: E402
+
+moe = load_kernel_from_dir(ROOT / "kernels_repo" / "moe")
+k80 = sys.modules[moe.__name__ + "._experts_sm80"]
+rt = sys.modules[moe.__name__ + "._experts_routing"]
+cfgs = sys.modules[moe.__name__ + "._experts_configs"]
+
+I32 = "i32"
+UNIT_STRIDES = {
+    "_grouped_gemm_kernel": {False: ("stride_ak", "stride_bk", "stride_cn"),
+                             True: ("stride_ak", "stride_bn", "stride_cn")},
+    "_grouped_wgrad_kernel": {False: ("stride_ak", "stride_bk", "stride_cn")},
+    "_combine_kernel": {False: ()},
+}
+
+
+def compile_one(fn, signature, constexprs, cap, num_warps, num_stages, label):
+    # As the JIT specializes at run time: unit strides become constexpr 1, and pointers and other
+    # int arguments are assumed 16-divisible (true for the shapes that matter, e.g. H=2048, I=768).
+    for name in fn.arg_names:
+        if name.startswith("stride_") and constexprs.get(name) is None and signature.get(name) == I32:
+            if name in UNIT_STRIDES.get(fn.__name__, {}).get(constexprs.get("B_NCONTIG", False), ()):
+                signature[name] = "constexpr"
+                constexprs[name] = 1
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if signature.get(n, "").startswith("*") or signature.get(n) == I32}
+    src = ASTSource(fn, signature, constexprs, attrs)
+    opts = {"num_warps": num_warps, "num_stages": num_stages}
+    try:
+        k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=opts)
+        smem = k.metadata.shared
+        print(f"ok   sm{cap} {label} smem={smem}", flush=True)
+        return smem
+    except Exception as e:  # noqa: BLE001
+        print(f"FAIL sm{cap} {label}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+        return None
+
+
+def gemm(cap, cfg, bm, epilogue, tma, ncontig, dtype="bf16"):
+    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    sig = {
+        "a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "c_ptr": f"*{dtype}", "aux_ptr": f"*{dtype}",
+        "rows_ptr": "*i32", "block_expert_ptr": "*i32", "scale_ptr": "*fp32", "dscale_ptr": "*fp32",
+    }
+    for name in ("P", "N", "K", "B_N_TOTAL", "stride_am", "stride_ak", "stride_be", "stride_bn", "stride_bk",
+                 "stride_cm", "stride_cn", "stride_xm"):
+        sig[name] = I32
+    const = {}
+    if tma:
+        block = [1, bk, bn] if ncontig else [1, bn, bk]
+        sig["b_desc"] = f"tensordesc<{dtype}[{', '.join(map(str, block))}]>"
+    else:
+        const["b_desc"] = None
+    const.update(
+        EPILOGUE=epilogue, SAVE_AUX=epilogue == 1, GATHER_A=epilogue != 0, TOPK=8, B_TMA=tma,
+        B_NCONTIG=ncontig, UPCAST=False, PRECISION="ieee" if dtype == "fp32" else None, BLOCK_M=bm,
+        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
+    )
+    # ASTSource wants every argument in the signature; constexprs are marked "constexpr".
+    order = k80._grouped_gemm_kernel.arg_names
+    full = {n: sig.get(n, "constexpr") for n in order}
+    label = f"gemm epi={epilogue} tma={tma} ncontig={ncontig} bm={bm} {cfg} {dtype}"
+    return compile_one(k80._grouped_gemm_kernel, full, const, cap, cfg["num_warps"], cfg["num_stages"], label)
+
+
+def wgrad(cap, cfg, scale):
+    sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "rows_ptr": "*i32", "scale_ptr": "*fp32",
+           "expert_start_ptr": "*i32", "expert_count_ptr": "*i32"}
+    for name in ("M", "N", "stride_am", "stride_ak", "stride_bm", "stride_bk", "stride_ce", "stride_cm",
+                 "stride_cn"):
+        sig[name] = I32
+    const = dict(GATHER_A=scale, GATHER_B=not scale, SCALE_A=scale, B_SWIGLU=scale, TOPK=8, UPCAST=False,
+                 PRECISION=None,
+                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"])
+    full = {n: sig.get(n, "constexpr") for n in k80._grouped_wgrad_kernel.arg_names}
+    return compile_one(k80._grouped_wgrad_kernel, full, const, cap, cfg["num_warps"], cfg["num_stages"],
+                       f"wgrad scale={scale} {cfg}")
+
+
+def others(cap):
+    sig = {"y_ptr": "*bf16", "pos_ptr": "*i32", "w_ptr": "*bf16", "out_ptr": "*bf16", "H": I32,
+           "stride_ym": I32, "stride_wt": I32, "stride_wk": I32, "stride_om": I32}
+    full = {n: sig.get(n, "constexpr") for n in k80._combine_kernel.arg_names}
+    compile_one(k80._combine_kernel, full, dict(TOPK=8, HAS_W=True, RNE=False, BLOCK_H=1024), cap, 4, 3,
+                "combine")
+    sig = {"idx_ptr": "*i64", "rows_ptr": "*i32", "block_expert_ptr": "*i32", "start_ptr": "*i32",
+           "count_ptr": "*i32", "pos_ptr": "*i32", "n": I32, "E": I32, "P": I32, "NUM_BLOCKS": I32}
+    full = {n: sig.get(n, "constexpr") for n in rt._align_small_kernel.arg_names}
+    compile_one(rt._align_small_kernel, full, dict(BLOCK_M=16, BLOCK_N=512, BLOCK_E=256, BLOCK_J=32,
+                                                   BLOCK_P=256), cap, 8, 3, "align_small")
+
+
+def main() -> None:
+    failures = 0
+    for cap in (90, 80):
+        others(cap)
+        data = cfgs._load(cap)
+        buckets = list(data["buckets"])
+        for shape_buckets in data.get("shapes", {}).values():
+            buckets += shape_buckets
+        for b in buckets:
+            tma = cap == 90 and b.get("tma", True)
+            for stage, epi, ncontig in (("gate_up", 1, False), ("down", 0, False), ("dgrad", 2, True),
+                                        ("down", 0, True)):
+                failures += gemm(cap, b[stage], b["block_m"], epi, tma, ncontig) is None
+            failures += wgrad(cap, b["wgrad"], True) is None
+            failures += wgrad(cap, b["wgrad"], False) is None
+        failures += gemm(cap, buckets[0]["gate_up"], 16, 1, False, False, dtype="fp32") is None
+    print("failures:", failures)
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
