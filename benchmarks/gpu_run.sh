@@ -17,7 +17,7 @@ for step in $steps; do
   case $step in
     tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -x 2>&1 | tail -40 | tee "$OUT/gpu_tests.log" ;;
     demo) timeout 120 python3 examples/demo.py 2>&1 | tee "$OUT/demo.log" | tail -40 ;;
-    swiglu) timeout 200 python3 benchmarks/bench_swiglu.py 2>&1 | tee "$OUT/bench_swiglu.log" | tail -60 ;;
+    swiglu) timeout 200 python3 kernels_repo/swiglu/benchmarks/bench_swiglu.py 2>&1 | tee "$OUT/bench_swiglu.log" | tail -60 ;;
     routing) timeout 120 python3 benchmarks/bench_moe_routing.py 2>&1 | tee "$OUT/bench_routing.log" | tail -40 ;;
     moe) timeout 300 python3 kernels_repo/moe/benchmarks/bench_moe.py 2>&1 | tee "$OUT/bench_moe.log" | tail -80 ;;
   esac
