@@ -200,8 +200,14 @@ def _config(variant: str, E: int, H: int, inter: int, pairs: int, config: dict |
 
 def _use_tma(variant: str, cfg: dict, gate_up_proj, down_proj) -> bool:
     # A bucket may turn TMA off (decode: building two host descriptors costs ~12 us of launch-bound
-    # time, and a few weight tiles per CTA gain nothing from TMA).
-    return variant == "sm90" and cfg.get("tma", True) and sm90.tma_ok(gate_up_proj) and sm90.tma_ok(down_proj)
+    # time, and a few weight tiles per CTA gain nothing from TMA). A pinned sm90 variant on a
+    # pre-Hopper device index runs the pointer path: TMA needs capability >= 9.0.
+    if variant != "sm90" or not cfg.get("tma", True):
+        return False
+    dev = gate_up_proj.device
+    if dev.type == "cuda" and device_capability(dev) < 90:
+        return False
+    return sm90.tma_ok(gate_up_proj) and sm90.tma_ok(down_proj)
 
 
 def _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, save: bool):
