@@ -87,6 +87,8 @@ class MoEExperts(nn.Module):
     # Not yet: the autograd.Function, TensorDescriptor arguments and the index check are untested
     # under torch.compile (Dynamo); kernelize should keep eager forwards for TORCH_COMPILE.
     can_torch_compile = False
+    # kernelize asks the layer whether it can serve a module before binding it.
+    unsupported_reason = staticmethod(unsupported_reason)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
