@@ -46,6 +46,12 @@ def layer_problem(layer: object, host: nn.Module, mode: Mode) -> str | None:
         return f"layer {layer!r} is not an nn.Module class"
     if layer.__init__ is not nn.Module.__init__:
         return f"layer {layer.__name__} defines __init__; kernel layers must be stateless"
+    # The layer's own verdict first: it names the real difference (e.g. GPT-OSS weight layout).
+    check = getattr(layer, "unsupported_reason", None)
+    if callable(check):
+        reason = check(host)
+        if reason:
+            return f"layer {layer.__name__}: {reason}"
     try:
         mine = _forward_params(layer.forward)
         theirs = _forward_params(type(host).forward)
@@ -60,9 +66,4 @@ def layer_problem(layer: object, host: nn.Module, mode: Mode) -> str | None:
         return f"layer {layer.__name__} has no backward (has_backward is not True), mode is {mode}"
     if Mode.TORCH_COMPILE in mode and getattr(layer, "can_torch_compile", False) is not True:
         return f"layer {layer.__name__} does not support torch.compile (can_torch_compile is not True)"
-    check = getattr(layer, "unsupported_reason", None)
-    if callable(check):
-        reason = check(host)
-        if reason:
-            return f"layer {layer.__name__}: {reason}"
     return None

@@ -31,7 +31,8 @@ def tiny_model(kind: str) -> torch.nn.Module:
         cfg = transformers.DeepseekV3Config(
             intermediate_size=48, moe_intermediate_size=24, n_routed_experts=4, num_experts_per_tok=2,
             n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16,
-            q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, **TINY)
+            q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+            **{**TINY, "num_key_value_heads": 2})
         return transformers.DeepseekV3ForCausalLM(cfg)
     if kind == "olmoe":
         cfg = transformers.OlmoeConfig(intermediate_size=24, num_experts=4, num_experts_per_tok=2, **TINY)
@@ -72,3 +73,95 @@ def test_experts_implementation_kernelhub_is_registered():
     model.set_experts_implementation("kernelhub")
     assert model.config._experts_implementation == "kernelhub"
     assert kernelhub.__name__ == "kernelhub"
+
+
+def _triton_on_cpu_mapping():
+    """Map the CPU to the sm80 Triton layers, which run in the Triton interpreter in these tests."""
+    root = kernelhub.default_mapping.bundled_kernels_dir()
+    return {
+        "SwiGLUMLP": {"cpu": kernelhub.LocalLayerRepository(root / "swiglu", layer_name="SwiGLUMLPSm80")},
+        "MoEExperts": {"cpu": kernelhub.LocalLayerRepository(root / "moe", layer_name="MoEExpertsSm80")},
+    }
+
+
+@pytest.mark.parametrize("kind", sorted(EXPECTED))
+def test_kernelized_logits_equal_eager(kind):
+    torch.manual_seed(0)
+    model = tiny_model(kind).eval()
+    ids = torch.randint(0, 64, (2, 5))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    with kernelhub.use_kernel_mapping(_triton_on_cpu_mapping()):
+        report = kernelhub.kernelize(model, config={})
+    assert len(report.kernelized) == sum(EXPECTED[kind]) and not report.fallbacks
+    assert all(e.layer.endswith("Sm80") for e in report.entries)
+    with torch.no_grad():
+        out = model(input_ids=ids).logits
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3", "llama"])
+def test_training_loss_and_every_gradient_equal_eager(kind):
+    torch.manual_seed(0)
+    model = tiny_model(kind).train()
+    ids = torch.randint(0, 64, (2, 5))
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref_loss, ref_grads = loss_and_grads()
+    with kernelhub.use_kernel_mapping(_triton_on_cpu_mapping()):
+        report = kernelhub.kernelize(model, mode=kernelhub.Mode.TRAINING, config={})
+    assert not report.fallbacks
+    loss, grads = loss_and_grads()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_gpt_oss_experts_fall_back_with_the_reason():
+    cfg = transformers.GptOssConfig(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                                    head_dim=16, **{**TINY, "num_attention_heads": 2})
+    model = transformers.GptOssForCausalLM(cfg).eval()
+    ids = torch.randint(0, 64, (1, 4))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    report = kernelhub.kernelize(model, config={})
+    experts = [e for e in report.entries if e.layer_name == "MoEExperts"]
+    assert len(experts) == 2
+    for e in experts:
+        assert e.layer is None and "transposed" in e.fallback_reason
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, ref)
+
+
+def test_from_pretrained_with_experts_implementation_kernelhub(tmp_path):
+    torch.manual_seed(0)
+    model = tiny_model("qwen3_moe").eval()
+    model.save_pretrained(tmp_path)
+    ids = torch.randint(0, 64, (2, 5))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="kernelhub").eval()
+    assert loaded.config._experts_implementation == "kernelhub"
+    calls = []
+    from kernelhub.integrations import transformers as integration
+
+    original = integration.kernelhub_experts_forward
+
+    def spy(self, *args):
+        calls.append(type(self).__name__)
+        return original(self, *args)
+
+    transformers.integrations.moe.ExpertsInterface.register("kernelhub", spy)
+    try:
+        with torch.no_grad():
+            out = loaded(input_ids=ids).logits
+    finally:
+        integration.register_experts_implementation()
+    assert calls == ["Qwen3MoeExperts", "Qwen3MoeExperts"]
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
