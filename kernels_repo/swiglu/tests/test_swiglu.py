@@ -145,6 +145,19 @@ def test_packed_input_that_is_itself_strided():
 
 
 @pytest.mark.parametrize("impl", IMPLS + ["reference"])
+def test_out_is_written_in_place_everywhere(impl):
+    gate, up = (_rand((2, 3, 96), torch.bfloat16) for _ in range(2))
+    out = torch.full((2, 3, 96), float("nan"), dtype=torch.bfloat16)  # poisoned
+    assert ops.swiglu(gate, up, out=out, impl=impl) is out
+    assert not torch.isnan(out).any()
+    assert torch.equal(out, ops.swiglu(gate, up, impl=impl))
+    x = torch.cat([gate, up], dim=-1)
+    out.fill_(float("nan"))
+    assert ops.swiglu_packed(x, out=out, impl=impl) is out
+    assert torch.equal(out, ops.swiglu(gate, up, impl=impl))
+
+
+@pytest.mark.parametrize("impl", IMPLS + ["reference"])
 def test_empty_inputs(impl):
     for shape in [(0, 64), (4, 0), (2, 0, 8)]:
         gate = torch.randn(shape, requires_grad=True)
@@ -256,6 +269,17 @@ def test_errors_name_the_function_and_argument(fake_gpus):
         (TypeError, r"swiglu_packed: `x` must be float16, bfloat16 or float32",
          lambda: ops.swiglu_packed(torch.randn(4, 8).double())),
         (TypeError, r"swiglu_packed: `x` must be a torch.Tensor", lambda: ops.swiglu_packed(3)),
+        (TypeError, r"swiglu: `out` must be a torch.Tensor or None", lambda: ops.swiglu(g, g, out=[])),
+        (ValueError, r"swiglu: `out` must be on cpu like the input, got meta",
+         lambda: ops.swiglu(g, g, out=torch.empty(4, 8, device="meta"))),
+        (TypeError, r"swiglu: `out` must have dtype torch.float32 like the input, got torch.float16",
+         lambda: ops.swiglu(g, g, out=torch.empty(4, 8, dtype=torch.float16))),
+        (ValueError, r"swiglu_packed: `out` must have shape \(4, 4\), got \(4, 8\)",
+         lambda: ops.swiglu_packed(g, out=torch.empty(4, 8))),
+        (ValueError, r"swiglu: `out` must be contiguous",
+         lambda: ops.swiglu(g, g, out=torch.empty(8, 4).t())),
+        (ValueError, r"swiglu: `out` is not differentiable",
+         lambda: ops.swiglu(g.clone().requires_grad_(), g, out=torch.empty(4, 8))),
     ]
     for exc, pattern, call in cases:
         with pytest.raises(exc, match=pattern):

@@ -240,12 +240,31 @@ class _SwiGLUPackedFunction(torch.autograd.Function):
         return dx, None
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
+def _check_out(fn: str, out: object, shape: tuple, like: torch.Tensor, needs_grad: bool) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{fn}: `out` must be a torch.Tensor or None, got {type(out).__name__}")
+    if out.device != like.device:
+        raise ValueError(f"{fn}: `out` must be on {like.device} like the input, got {out.device}")
+    if out.dtype != like.dtype:
+        raise TypeError(f"{fn}: `out` must have dtype {like.dtype} like the input, got {out.dtype}")
+    if out.shape != shape:
+        raise ValueError(f"{fn}: `out` must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    if not out.is_contiguous():
+        raise ValueError(f"{fn}: `out` must be contiguous, got strides {out.stride()}")
+    if torch.is_grad_enabled() and (needs_grad or out.requires_grad):
+        raise ValueError(f"{fn}: `out` is not differentiable; call without `out` when inputs require grad")
+
+
+def swiglu(
+    gate: torch.Tensor, up: torch.Tensor, *, out: torch.Tensor | None = None, impl: str | None = None
+) -> torch.Tensor:
     """silu(gate) * up, computed in fp32 and rounded once; differentiable.
 
     Args:
         gate: [..., I], float16/bfloat16/float32, any strides (a `chunk` view works, no copy).
         up: same shape, dtype and device as `gate`.
+        out: optional preallocated result: contiguous, gate's shape, dtype and device; written in
+            place and returned (not differentiable). Validated, never moved or reallocated.
         impl: None picks by the capability of `gate`'s device (>= 90: "sm90", else "sm80");
             "sm90"/"sm80" force a Triton variant (CUDA, or CPU under TRITON_INTERPRET=1),
             "reference" the torch reference.
@@ -255,35 +274,52 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, impl: str | None = None) -> 
 
     Raises:
         TypeError: not tensors, unsupported dtype, or dtypes differ.
-        ValueError: devices or shapes differ, 0-d input, unknown `impl`.
+        ValueError: devices or shapes differ, 0-d input, unknown `impl`, unusable `out`.
     """
     _check_pair("swiglu", gate, up)
+    if out is not None:
+        _check_out("swiglu", out, gate.shape, gate, gate.requires_grad or up.requires_grad)
     if torch.compiler.is_compiling() and impl != "reference":
-        return _swiglu_op(gate, up, _impl_arg("swiglu", impl))
+        y = _swiglu_op(gate, up, _impl_arg("swiglu", impl))
+        return y if out is None else out.copy_(y)
     target = _resolve("swiglu", gate, impl)
     if target is None:
-        return swiglu_reference(gate, up)
+        y = swiglu_reference(gate, up)
+        return y if out is None else out.copy_(y)
+    if out is not None:
+        _run(target, False, False, gate.shape[-1], (gate, up, out))
+        return out
     if (gate.requires_grad or up.requires_grad) and torch.is_grad_enabled():
         return _SwiGLUFunction.apply(gate, up, target)
     return _forward(target, gate, up)
 
 
-def swiglu_packed(x: torch.Tensor, *, impl: str | None = None) -> torch.Tensor:
+def swiglu_packed(
+    x: torch.Tensor, *, out: torch.Tensor | None = None, impl: str | None = None
+) -> torch.Tensor:
     """`swiglu` of x's halves: gate = x[..., :I], up = x[..., I:] (views, no copies).
 
     Args:
         x: [..., 2I], float16/bfloat16/float32, any strides.
+        out: optional preallocated [..., I] result, as for `swiglu`.
         impl: as for `swiglu`.
 
     Returns:
         [..., I] contiguous; the gradient is one [..., 2I] tensor.
     """
     _check_packed(x)
+    if out is not None:
+        _check_out("swiglu_packed", out, (*x.shape[:-1], x.shape[-1] // 2), x, x.requires_grad)
     if torch.compiler.is_compiling() and impl != "reference":
-        return _swiglu_packed_op(x, _impl_arg("swiglu_packed", impl))
+        y = _swiglu_packed_op(x, _impl_arg("swiglu_packed", impl))
+        return y if out is None else out.copy_(y)
     target = _resolve("swiglu_packed", x, impl)
     if target is None:
-        return swiglu_packed_reference(x)
+        y = swiglu_packed_reference(x)
+        return y if out is None else out.copy_(y)
+    if out is not None:
+        _run(target, False, True, x.shape[-1] // 2, (x, x, out))
+        return out
     if x.requires_grad and torch.is_grad_enabled():
         return _SwiGLUPackedFunction.apply(x, target)
     return _forward_packed(target, x)
