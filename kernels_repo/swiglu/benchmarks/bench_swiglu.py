@@ -176,7 +176,7 @@ def main() -> None:
     impls, kernel = implementations()
     torch.cuda.set_device(DEV)
     probe = torch.empty(1, 8, device=DEV, dtype=torch.bfloat16)
-    print("ours resolves to", kernel.ops._resolve("bench", probe, None)[0], flush=True)
+    print("ours resolves to", kernel._dispatch._resolve("bench", probe, None)[0], flush=True)
     copy_bw = copy_bandwidth()
     shapes = SHAPES
     if os.environ.get("SHAPES"):

@@ -18,6 +18,7 @@ from kernelhub.hub import get_local_kernel
 
 kernel = get_local_kernel(Path(__file__).resolve().parents[1])
 ops = kernel.ops
+dispatch = kernel._dispatch
 layers = kernel.layers
 
 TOL = {  # (rtol, atol) per dtype, KERNELS.md
@@ -75,15 +76,15 @@ def test_sm90_and_sm80_paths_are_bit_identical(dtype):
     assert torch.equal(a, b)
     da, ua = torch.full_like(gate, float("nan")), torch.full_like(gate, float("nan"))
     db, ub = torch.full_like(gate, float("nan")), torch.full_like(gate, float("nan"))
-    ops._run((ops._VARIANTS["sm90"], -1, 2), True, False, 320, (dy, gate, up, da, ua))
-    ops._run((ops._VARIANTS["sm80"], -1, 2), True, False, 320, (dy, gate, up, db, ub))
+    dispatch._run((dispatch._VARIANTS["sm90"], -1, 2), True, False, 320, (dy, gate, up, da, ua))
+    dispatch._run((dispatch._VARIANTS["sm80"], -1, 2), True, False, 320, (dy, gate, up, db, ub))
     assert not torch.isnan(da).any() and not torch.isnan(ua).any()
     assert torch.equal(da, db) and torch.equal(ua, ub)
 
 
 def test_sm90_persistent_grid_is_smaller_than_tile_count_on_cpu():
     # the grid-stride loop only runs more than once if the grid is smaller than the tile count
-    bm, bn, _, grid = ops._VARIANTS["sm90"].config(45, 320, 2, ops._INTERPRETER_SM_COUNT, False)
+    bm, bn, _, grid = dispatch._VARIANTS["sm90"].config(45, 320, 2, dispatch._INTERPRETER_SM_COUNT, False)
     tiles = -(-45 // bm) * -(-320 // bn)
     assert grid < tiles
 
@@ -100,7 +101,7 @@ def test_strided_inputs(impl, dtype):
     # leading dims that no single row stride spans: [6, 4, 32] permuted from [4, 6, 32]
     g3 = _rand((4, 6, 32), dtype).permute(1, 0, 2)
     u3 = _rand((6, 4, 32), dtype)
-    assert ops._rows(g3.shape, g3.stride()) is None
+    assert dispatch._rows(g3.shape, g3.stride()) is None
     g3.requires_grad_()
     u3.requires_grad_()
     dy = _rand((6, 4, 32), dtype).expand(6, 4, 32)
@@ -145,6 +146,19 @@ def test_packed_input_that_is_itself_strided():
 
 
 @pytest.mark.parametrize("impl", IMPLS + ["reference"])
+def test_out_is_written_in_place_everywhere(impl):
+    gate, up = (_rand((2, 3, 96), torch.bfloat16) for _ in range(2))
+    out = torch.full((2, 3, 96), float("nan"), dtype=torch.bfloat16)  # poisoned
+    assert ops.swiglu(gate, up, out=out, impl=impl) is out
+    assert not torch.isnan(out).any()
+    assert torch.equal(out, ops.swiglu(gate, up, impl=impl))
+    x = torch.cat([gate, up], dim=-1)
+    out.fill_(float("nan"))
+    assert ops.swiglu_packed(x, out=out, impl=impl) is out
+    assert torch.equal(out, ops.swiglu(gate, up, impl=impl))
+
+
+@pytest.mark.parametrize("impl", IMPLS + ["reference"])
 def test_empty_inputs(impl):
     for shape in [(0, 64), (4, 0), (2, 0, 8)]:
         gate = torch.randn(shape, requires_grad=True)
@@ -180,21 +194,21 @@ def test_deterministic_and_inputs_not_mutated(impl):
 
 def test_cpu_default_path_is_the_triton_interpreter_sm80():
     x = torch.randn(2, 64)
-    assert ops._resolve("swiglu", x, None)[0].name == "sm80"
-    assert ops._resolve("swiglu", x, "reference") is None
+    assert dispatch._resolve("swiglu", x, None)[0].name == "sm80"
+    assert dispatch._resolve("swiglu", x, "reference") is None
 
 
 def test_variant_chosen_per_device_index(fake_gpus):
     # cuda:0 is sm80, cuda:1 sm90 (conftest); each tensor gets its own device's variant
     def pick(index, impl):
-        variant, device_index, sm_count = ops._resolve("swiglu", fake_cuda_tensor((2, 8), index), impl)
+        variant, device_index, sm_count = dispatch._resolve("swiglu", fake_cuda_tensor((2, 8), index), impl)
         return variant.name, device_index, sm_count
 
     assert pick(0, None) == ("sm80", 0, 108)
     assert pick(1, None) == ("sm90", 1, 132)
     assert pick(1, "sm80") == ("sm80", 1, 132)
     assert pick(0, "sm90") == ("sm90", 0, 108)
-    assert ops._resolve("swiglu", fake_cuda_tensor((2, 8), 1), "reference") is None
+    assert dispatch._resolve("swiglu", fake_cuda_tensor((2, 8), 1), "reference") is None
 
 
 def test_launch_runs_on_the_input_device_and_restores_current(fake_gpus, monkeypatch):
@@ -205,18 +219,18 @@ def test_launch_runs_on_the_input_device_and_restores_current(fake_gpus, monkeyp
         seen.append((variant.name, backward, fake_gpus.current, device_index, sm_count,
                      {t.device for t in tensors}))
 
-    monkeypatch.setattr(ops, "_launch", record)
+    monkeypatch.setattr(dispatch, "_launch", record)
     x = fake_cuda_tensor((4, 64), 1, torch.bfloat16)
     with x.fake_mode:
         y = ops.swiglu_packed(x)
         assert y.device == torch.device("cuda", 1) and y.shape == (4, 32)
         # backward: the same guard, and the gradient allocated on x's device
-        ctx = types.SimpleNamespace(saved_tensors=(x,), target=(ops._VARIANTS["sm90"], 1, 132))
+        ctx = types.SimpleNamespace(saved_tensors=(x,), target=(dispatch._VARIANTS["sm90"], 1, 132))
         dx, _ = ops._SwiGLUPackedFunction.backward(ctx, torch.empty((4, 32), dtype=torch.bfloat16,
                                                                     device=x.device))
         assert dx.device == x.device and dx.shape == x.shape
         g1, u1 = fake_cuda_tensor((4, 32), 1), fake_cuda_tensor((4, 32), 1)
-        ctx = types.SimpleNamespace(saved_tensors=(g1, u1), target=(ops._VARIANTS["sm90"], 1, 132))
+        ctx = types.SimpleNamespace(saved_tensors=(g1, u1), target=(dispatch._VARIANTS["sm90"], 1, 132))
         dg, du, _ = ops._SwiGLUFunction.backward(ctx, torch.empty((4, 32), device=x.device))
         assert dg.device == du.device == x.device
         g0 = fake_cuda_tensor((4, 32), 0, torch.float16)
@@ -256,6 +270,17 @@ def test_errors_name_the_function_and_argument(fake_gpus):
         (TypeError, r"swiglu_packed: `x` must be float16, bfloat16 or float32",
          lambda: ops.swiglu_packed(torch.randn(4, 8).double())),
         (TypeError, r"swiglu_packed: `x` must be a torch.Tensor", lambda: ops.swiglu_packed(3)),
+        (TypeError, r"swiglu: `out` must be a torch.Tensor or None", lambda: ops.swiglu(g, g, out=[])),
+        (ValueError, r"swiglu: `out` must be on cpu like the input, got meta",
+         lambda: ops.swiglu(g, g, out=torch.empty(4, 8, device="meta"))),
+        (TypeError, r"swiglu: `out` must have dtype torch.float32 like the input, got torch.float16",
+         lambda: ops.swiglu(g, g, out=torch.empty(4, 8, dtype=torch.float16))),
+        (ValueError, r"swiglu_packed: `out` must have shape \(4, 4\), got \(4, 8\)",
+         lambda: ops.swiglu_packed(g, out=torch.empty(4, 8))),
+        (ValueError, r"swiglu: `out` must be contiguous",
+         lambda: ops.swiglu(g, g, out=torch.empty(8, 4).t())),
+        (ValueError, r"swiglu: `out` is not differentiable",
+         lambda: ops.swiglu(g.clone().requires_grad_(), g, out=torch.empty(4, 8))),
     ]
     for exc, pattern, call in cases:
         with pytest.raises(exc, match=pattern):
@@ -404,7 +429,7 @@ def test_gpu_variants_match_reference(impl, dtype, shape):
         ref, rdg, rdu = _reference(g, u, dy)
         _close(y, ref, dtype)
         _close(x.grad, torch.cat([rdg, rdu], -1), dtype)
-    variant = ops._VARIANTS[impl]
+    variant = dispatch._VARIANTS[impl]
     assert variant.fwd.exact and variant.bwd.exact  # repeated calls took the cached launch
     # a misaligned view after an aligned one must not reuse the aligned specialization
     g1, u1 = (_rand((shape[0] * shape[1] + 1,), dtype, dev)[1:].view(shape) for _ in range(2))
