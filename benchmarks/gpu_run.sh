@@ -15,7 +15,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 for step in $steps; do
   echo "=== $step ($(date -u +%T))"
   case $step in
-    tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short 2>&1 > "$OUT/gpu_tests.log"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -30 ;;
+    tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short > "$OUT/gpu_tests.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -30 ;;
     demo) timeout 120 python3 examples/demo.py 2>&1 | tee "$OUT/demo.log" | tail -40 ;;
     swiglu) timeout 200 python3 kernels_repo/swiglu/benchmarks/bench_swiglu.py 2>&1 | tee "$OUT/bench_swiglu.log" | tail -60 ;;
     routing) timeout 120 python3 benchmarks/bench_moe_routing.py 2>&1 | tee "$OUT/bench_routing.log" | tail -40 ;;
