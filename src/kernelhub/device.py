@@ -40,18 +40,19 @@ def _check_int(owner: str, name: str, value: object) -> int:
 
 
 @dataclass(frozen=True)
-class CUDAProperties:
-    """A range of CUDA compute capabilities, as ``major * 10 + minor`` (90 is sm90), inclusive."""
+class _CapabilityRange:
+    """An inclusive range of capabilities, as ``major * 10 + minor``; validated on creation."""
 
     min_capability: int
     max_capability: int
 
     def __post_init__(self) -> None:
-        _check_int("CUDAProperties", "min_capability", self.min_capability)
-        _check_int("CUDAProperties", "max_capability", self.max_capability)
+        owner = type(self).__name__
+        _check_int(owner, "min_capability", self.min_capability)
+        _check_int(owner, "max_capability", self.max_capability)
         if self.min_capability > self.max_capability:
             raise ValueError(
-                f"CUDAProperties: `min_capability` ({self.min_capability}) must be <= "
+                f"{owner}: `min_capability` ({self.min_capability}) must be <= "
                 f"`max_capability` ({self.max_capability})"
             )
 
@@ -64,27 +65,13 @@ class CUDAProperties:
 
 
 @dataclass(frozen=True)
-class ROCmProperties:
+class CUDAProperties(_CapabilityRange):
+    """A range of CUDA compute capabilities (90 is sm90), inclusive."""
+
+
+@dataclass(frozen=True)
+class ROCmProperties(_CapabilityRange):
     """A range of ROCm GPU capabilities (``major * 10 + minor`` as torch reports them), inclusive."""
-
-    min_capability: int
-    max_capability: int
-
-    def __post_init__(self) -> None:
-        _check_int("ROCmProperties", "min_capability", self.min_capability)
-        _check_int("ROCmProperties", "max_capability", self.max_capability)
-        if self.min_capability > self.max_capability:
-            raise ValueError(
-                f"ROCmProperties: `min_capability` ({self.min_capability}) must be <= "
-                f"`max_capability` ({self.max_capability})"
-            )
-
-    def matches(self, capability: int) -> bool:
-        return self.min_capability <= capability <= self.max_capability
-
-    @property
-    def width(self) -> int:
-        return self.max_capability - self.min_capability
 
 
 @dataclass(frozen=True)
