@@ -24,9 +24,11 @@ def bundled_kernels_dir() -> Path:
     raise FileNotFoundError(f"bundled kernels_repo not found next to {here}")
 
 
-def _variants(repo: Path, layer: str, *, sm90_range: CUDAProperties) -> dict[Device, LocalLayerRepository]:
+def _variants(
+    repo: Path, layer: str, *, sm90_range: CUDAProperties, sm90_layer: str = "Sm90"
+) -> dict[Device, LocalLayerRepository]:
     variants = {
-        Device("cuda", properties=sm90_range): LocalLayerRepository(repo, layer_name=f"{layer}Sm90"),
+        Device("cuda", properties=sm90_range): LocalLayerRepository(repo, layer_name=f"{layer}{sm90_layer}"),
         Device("cuda", properties=SM80_TO_SM89): LocalLayerRepository(repo, layer_name=f"{layer}Sm80"),
         Device("cpu"): LocalLayerRepository(repo, layer_name=f"{layer}Reference"),
     }
@@ -38,9 +40,11 @@ def _variants(repo: Path, layer: str, *, sm90_range: CUDAProperties) -> dict[Dev
 def default_kernel_mapping() -> dict:
     root = bundled_kernels_dir()
     return {
-        # Elementwise sm90 kernels (persistent grid, wide vectors) suit every later generation too.
-        "SwiGLUMLP": _variants(root / "swiglu", "SwiGLUMLP", sm90_range=SM90_AND_LATER),
-        "SiluAndMul": _variants(root / "swiglu", "SiluAndMul", sm90_range=SM90_AND_LATER),
+        # SwiGLU on sm90+: the sm80 (one tile per program) kernels, measured faster on an H200 than
+        # the persistent sm90 ones (0.97-0.98 vs 0.88-0.89 of copy bandwidth, docs/performance.md);
+        # pin layer SwiGLUMLPSm90 in config to use those.
+        "SwiGLUMLP": _variants(root / "swiglu", "SwiGLUMLP", sm90_range=SM90_AND_LATER, sm90_layer="Sm80"),
+        "SiluAndMul": _variants(root / "swiglu", "SiluAndMul", sm90_range=SM90_AND_LATER, sm90_layer="Sm80"),
         # The sm90 grouped GEMM's TMA tiles are sized for Hopper's shared memory and untested on
         # Blackwell, so sm100+ gets the pointer-load kernels until they are measured there.
         "MoEExperts": _variants(root / "moe", "MoEExperts", sm90_range=SM90_ONLY),

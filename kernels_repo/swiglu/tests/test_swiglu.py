@@ -205,7 +205,13 @@ def test_variant_chosen_per_device_index(fake_gpus):
         return variant.name, device_index, sm_count
 
     assert pick(0, None) == ("sm80", 0, 108)
-    assert pick(1, None) == ("sm90", 1, 132)
+    # capability 90 runs what measured fastest there (dispatch._AUTO_SM90), with its own SM count
+    assert pick(1, None) == (dispatch._AUTO_SM90, 1, 132)
+    fake_gpus.specs[0]["capability"] = 75  # below sm80: still the generic (sm80) kernels
+    from kernelhub.device import clear_device_caches
+
+    clear_device_caches()
+    assert pick(0, None) == ("sm80", 0, 108)
     assert pick(1, "sm80") == ("sm80", 1, 132)
     assert pick(0, "sm90") == ("sm90", 0, 108)
     assert dispatch._resolve("swiglu", fake_cuda_tensor((2, 8), 1), "reference") is None
@@ -236,7 +242,7 @@ def test_launch_runs_on_the_input_device_and_restores_current(fake_gpus, monkeyp
         g0 = fake_cuda_tensor((4, 32), 0, torch.float16)
         ops.swiglu(g0, fake_cuda_tensor((4, 32), 0, torch.float16))
     cuda1 = {torch.device("cuda", 1)}
-    assert seen[0] == ("sm90", False, 1, 1, 132, cuda1)
+    assert seen[0] == (dispatch._AUTO_SM90, False, 1, 1, 132, cuda1)
     assert seen[1] == ("sm90", True, 1, 1, 132, cuda1)
     assert seen[2] == ("sm90", True, 1, 1, 132, cuda1)
     assert seen[3] == ("sm80", False, 0, 0, 108, {torch.device("cuda", 0)})

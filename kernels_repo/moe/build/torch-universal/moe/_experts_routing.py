@@ -1,9 +1,8 @@
 """Private, sync-free alignment of (token, k) pairs to experts for `fused_experts`.
 
-Narrow on purpose: `fused_experts` needs only the `ExpertRows` below, so the public
-`get_fused_mapping` of `routing.py` can replace `align_rows` later if it is faster.
-Only torch ops with static output shapes are used (sort, scatter, cumsum, searchsorted), so no
-host synchronisation happens and the whole thing can be captured in a CUDA graph.
+`fused_experts` needs only the `ExpertRows` below. Decode-sized batches are aligned by one
+Triton program; larger ones by the public `get_fused_mapping` of `routing.py` with an explicit
+row count. Neither synchronises with the host, so the whole thing can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -14,6 +13,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from .routing import get_fused_mapping, group_count
 
 # Up to this many (token, k) pairs one Triton program aligns them in one launch (decode: T<=64,
 # K<=8) instead of ~15 torch ops, whose launches would cost more than the expert GEMMs there.
@@ -116,33 +117,24 @@ def align_rows(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> Expert
     n = T * K
     if 0 < n <= SMALL_PAIRS and (device.type == "cuda" or _INTERPRET):
         return _align_small(topk_idx.contiguous(), num_experts, block_m)
+    # Larger batches: the routing kernels' get_fused_mapping (three launches, no host sync with an
+    # explicit P). It replaced ~15 torch ops that took 0.5-1.1 ms on an H200 at T=512..16384
+    # (benchmarks/bench_moe.py stage times, 2026-12-02) against ~37 us of GPU time for the kernels.
     E = num_experts
     P = max_rows(n, E, block_m)
-    flat = topk_idx.reshape(-1).to(torch.int64)
-    key = torch.where((flat >= 0) & (flat < E), flat, torch.full_like(flat, E))
-    counts = torch.zeros(E + 1, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, key, torch.ones_like(key))
-    aligned = (counts[:E] + block_m - 1) // block_m * block_m
-    ends = torch.cumsum(aligned, 0)
-    starts = ends - aligned
-    sorted_key, order = torch.sort(key, stable=True)
-    first = torch.cumsum(counts, 0) - counts  # first sorted index of each key
-    rank = torch.arange(n, device=device) - first[sorted_key]
-    starts_ext = torch.cat([starts, starts.new_zeros(1)])
-    pos_sorted = torch.where(sorted_key < E, starts_ext[sorted_key] + rank, torch.full_like(rank, -1))
-    token_topk_to_pos = torch.empty(n, dtype=torch.int64, device=device)
-    token_topk_to_pos.scatter_(0, order, pos_sorted)
-    rows = torch.full((P + 1,), -1, dtype=torch.int64, device=device)
-    rows.scatter_(0, torch.where(pos_sorted >= 0, pos_sorted, torch.full_like(pos_sorted, P)), order)
-    block_first_row = torch.arange(0, P, block_m, device=device)
-    block_expert = torch.searchsorted(ends, block_first_row, right=True)
-    block_expert = torch.where(block_expert < E, block_expert, torch.full_like(block_expert, -1))
+    # get_fused_mapping rejects ids >= E (a device-side assert); fused_experts drops them instead.
+    idx = torch.where((topk_idx >= 0) & (topk_idx < E), topk_idx, torch.full_like(topk_idx, -1))
+    pos_to_expert, _, pos_to_token_topk, token_topk_to_pos, starts, _, _, _ = get_fused_mapping(
+        idx, E, P, block_m
+    )
     return ExpertRows(
-        rows=rows[:P].to(torch.int32),
-        block_expert=block_expert.to(torch.int32),
-        expert_start=starts.to(torch.int32),
-        expert_count=counts[:E].to(torch.int32),
-        token_topk_to_pos=token_topk_to_pos.view(T, K).to(torch.int32),
+        rows=pos_to_token_topk,
+        # Each block's first row is a real row of its expert (ranges start at multiples of block_m
+        # and pad < block_m rows), or -1 past the last expert.
+        block_expert=pos_to_expert[::block_m].contiguous(),  # kernels index it densely
+        expert_start=starts,
+        expert_count=group_count(idx, E),  # real rows (the mapping's counts are aligned lengths)
+        token_topk_to_pos=token_topk_to_pos,
         num_rows=P,
         block_m=block_m,
     )

@@ -17,6 +17,11 @@ from . import _sm80, _sm90
 from ._launcher import CachedLaunch
 
 IMPLS = ("sm90", "sm80", "reference")
+# What `impl=None` runs on capability >= 90. Measured on an H200 (docs/performance.md, 2026-12-02):
+# the one-tile-per-program sm80 kernels reach 0.97-0.98 of copy bandwidth at 8192x14336 and
+# 32768x4096 (eager) against 0.88-0.89 for the persistent sm90 ones, so they are the default there
+# until the sm90 variant beats them; impl="sm90" (or layer SwiGLUMLPSm90) still forces it.
+_AUTO_SM90 = "sm80"
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # The interpreter has no SMs; 2 keeps the persistent (sm90) grid smaller than the tile count in
 # tests, so its grid-stride loop runs more than once.
@@ -65,7 +70,7 @@ def _resolve(fn: str, x: torch.Tensor, impl: str | None) -> tuple[_Variant, int,
     if x.is_cuda:
         props = device_properties(x.device)
         if variant is None:
-            variant = _VARIANTS["sm90" if props.capability >= 90 else "sm80"]
+            variant = _VARIANTS[_AUTO_SM90 if props.capability >= 90 else "sm80"]
         return variant, x.device.index, props.sm_count
     if not _INTERPRET:
         return None
