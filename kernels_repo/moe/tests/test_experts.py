@@ -529,3 +529,34 @@ def _restore_kernelhub(interface, previous) -> None:
         interface._global_mapping.pop("kernelhub", None)
     else:
         interface.register("kernelhub", previous)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["sm90", "sm80"])
+def test_weight_gradients_of_experts_past_2_to_the_31_elements(variant):
+    """DeepSeek-V3 sizes: expert e's gradient starts at e * 4096 * 7168 elements, past int32 for e > 73."""
+    E, H, I, T, K = 256, 7168, 2048, 4, 8
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator(device=dev).manual_seed(0)
+    gu = (torch.randn(E, 2 * I, H, device=dev, generator=g, dtype=torch.bfloat16) * 0.02).requires_grad_()
+    dn = (torch.randn(E, H, I, device=dev, generator=g, dtype=torch.bfloat16) * 0.02).requires_grad_()
+    x = torch.randn(T, H, device=dev, generator=g, dtype=torch.bfloat16).requires_grad_()
+    idx = torch.randperm(E, device=dev, generator=g)[: T * K].view(T, K)
+    idx[0, 0] = E - 1  # the last expert: the largest offset
+    w = torch.rand(T, K, device=dev, generator=g)
+    moe.fused_experts(x, gu, dn, idx, w, variant=variant).float().square().sum().backward()
+    torch.cuda.synchronize(dev)
+    touched = torch.unique(idx)
+    untouched = torch.ones(E, dtype=torch.bool, device=dev)
+    untouched[touched] = False
+    assert gu.grad[untouched].abs().max().item() == 0 and dn.grad[untouched].abs().max().item() == 0
+    # The touched experts against the reference on just those experts (ids renumbered).
+    remap = torch.full((E,), -1, dtype=torch.long, device=dev)
+    remap[touched] = torch.arange(touched.numel(), device=dev)
+    gu_s = gu.detach()[touched].float().requires_grad_()
+    dn_s = dn.detach()[touched].float().requires_grad_()
+    x_s = x.detach().float().requires_grad_()
+    moe.fused_experts_reference(x_s, gu_s, dn_s, remap[idx], w).square().sum().backward()
+    assert_close_rel(gu.grad[touched].float(), gu_s.grad, 2e-2, "dW_gate_up")
+    assert_close_rel(dn.grad[touched].float(), dn_s.grad, 2e-2, "dW_down")
+    assert_close_rel(x.grad.float(), x_s.grad, 2e-2, "dx")

@@ -163,7 +163,9 @@ def _grouped_wgrad_kernel(
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
-    e = pid // (num_m * num_n)
+    # int64: e * stride_ce passes 2**31 for DeepSeek-V3's dW_gate_up ([256, 4096, 7168]); in int32
+    # it wrapped and wrote out of bounds (illegal address on the H200, 2026-12-02).
+    e = (pid // (num_m * num_n)).to(tl.int64)
     rest = pid % (num_m * num_n)
     pid_m = rest // num_n
     pid_n = rest % num_n
