@@ -1,0 +1,59 @@
+"""Markdown tables from the benchmarks' JSON lines (as pasted into docs/performance.md).
+
+    python benchmarks/summarize.py swiglu benchmarks/results/2026-12-02-run3/swiglu_bench.jsonl
+    python benchmarks/summarize.py moe benchmarks/results/2026-12-02-run3/bench_moe.jsonl [more.jsonl]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def rows(paths: list[str]) -> list[dict]:
+    return [json.loads(line) for p in paths for line in open(p) if line.strip()]
+
+
+def swiglu(data: list[dict]) -> None:
+    copy = next(r["value"] for r in data if r.get("what") == "d2d_copy_GBps") * 1e9
+    impls = ["ours", "ours_sm80", "ours_sm90", "eager", "compile", "liger"]
+    print(f"copy bandwidth {copy / 1e9:.0f} GB/s\n")
+    print("| T x I | pass | " + " | ".join(f"{i} eager / graph" for i in impls if any(r.get("impl") == i for r in data)) + " |")
+    present = [i for i in impls if any(r.get("impl") == i for r in data)]
+    print("| --- | --- |" + " --- |" * len(present))
+    for T, I in [(8192, 14336), (32768, 4096), (4096, 6144), (64, 14336)]:
+        for p, tensors in (("fwd", 3), ("fwdbwd", 8)):
+            cells = []
+            for i in present:
+                r = next((r for r in data if r.get("kind") == "swiglu" and r["impl"] == i and r["T"] == T
+                          and r["I"] == I and r["pass_"] == p), None)
+                if r is None:
+                    cells.append("-")
+                    continue
+                nbytes = tensors * T * I * 2
+                cells.append(f"{nbytes / (r['eager_us'] * 1e-6) / copy:.2f} / {nbytes / (r['graph_us'] * 1e-6) / copy:.2f}")
+            print(f"| {T}x{I} | {p} | " + " | ".join(cells) + " |")
+    print("\nhost time per eager call, T=1 x I=128 (us):",
+          ", ".join(f"{r['impl']} {r['pass_']} {r['host_us']:.1f}" for r in data if r.get("kind") == "host_overhead"))
+
+
+def moe(data: list[dict]) -> None:
+    print("| shape | T | pass | kernelhub ms (floor frac) | best peer ms (which) | ratio |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    keys = sorted({(r["shape"], r["T"], r["kind"]) for r in data if r.get("kind") in ("moe_fwd", "moe_fwdbwd")},
+                  key=lambda k: (k[0], k[1], k[2]))
+    for shape, T, kind in keys:
+        rs = [r for r in data if (r.get("shape"), r.get("T"), r.get("kind")) == (shape, T, kind)]
+        ours = next((r for r in rs if r["impl"] == "kernelhub"), None)
+        graph = next((r for r in rs if r["impl"] == "kernelhub_graph"), None)
+        peers = [r for r in rs if not r["impl"].startswith("kernelhub")]
+        if ours is None or not peers:
+            continue
+        best = min(peers, key=lambda r: r["ms"])
+        g = f"; graph {graph['ms']:.3f}" if graph else ""
+        print(f"| {shape} | {T} | {kind[4:]} | {ours['ms']:.3f} ({ours['frac_floor']:.2f}){g} | "
+              f"{best['ms']:.3f} ({best['impl']}) | {best['ms'] / ours['ms']:.2f}x |")
+
+
+if __name__ == "__main__":
+    {"swiglu": swiglu, "moe": moe}[sys.argv[1]](rows(sys.argv[2:]))
