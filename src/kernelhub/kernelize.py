@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kernelhub.config import KernelhubConfig, load_config
 from kernelhub.device import as_torch_device, device_capability, module_device
 from kernelhub.layer import layer_problem
 from kernelhub.matching import match_layer
@@ -120,16 +121,10 @@ def _load_layer(repo: Any) -> type[nn.Module]:
 
 def _resolve_config(config: Any) -> Any:
     if config is None:
-        from kernelhub.config import load_config
-
         return load_config(None)
     if isinstance(config, (str, Path)):
-        from kernelhub.config import load_config
-
         return load_config(config)
     if isinstance(config, dict):
-        from kernelhub.config import KernelhubConfig
-
         return KernelhubConfig.from_dict(config)
     if callable(getattr(config, "repository_for", None)):
         return config
