@@ -205,6 +205,21 @@ def single_process_moe(case: dict[str, Any]) -> list[dict[str, torch.Tensor]]:
     ]
 
 
+def assert_matches_single_process(
+    results: list[dict[str, Any]], case: dict[str, Any], world: int, **tol: float
+) -> None:
+    """Each rank's EP output and gradients equal the single-process MoE (its experts' slice)."""
+    oracle = single_process_moe(case)
+    for rank, (got, want) in enumerate(zip(results, oracle, strict=True)):
+        start, end = local_expert_range(rank, case["num_experts"], world)
+        torch.testing.assert_close(got["out"], want["out"], **tol)
+        torch.testing.assert_close(got["module_out"], want["out"], **tol)
+        torch.testing.assert_close(got["grad_x"], want["grad_x"], **tol)
+        torch.testing.assert_close(got["grad_w"], want["grad_w"], **tol)
+        torch.testing.assert_close(got["grad_gate_up"], want["grad_gate_up"][start:end], **tol)
+        torch.testing.assert_close(got["grad_down"], want["grad_down"][start:end], **tol)
+
+
 def invalid_routing(rank: int, world: int) -> tuple[str, str]:
     case = moe_case(world)
     mine = case["ranks"][rank]

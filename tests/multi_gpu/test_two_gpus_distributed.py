@@ -19,9 +19,7 @@ os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the shared harness lives in tests/
 
 from _distributed_harness import run_ranks  # noqa: E402
-from _distributed_scenarios import LAYOUT, moe_case, pattern, single_process_moe  # noqa: E402
-
-from kernelhub.distributed import local_expert_range  # noqa: E402
+from _distributed_scenarios import LAYOUT, assert_matches_single_process, moe_case, pattern  # noqa: E402
 
 pytestmark = [
     pytest.mark.multigpu,
@@ -68,16 +66,6 @@ def test_cuda_count_divergence_is_caught_by_barrier():
 
 def test_ep_moe_over_nccl_equals_the_single_process_moe():
     results = run_ranks("ep_forward_backward", 2, backend="nccl", env=_ENV, device="cuda", timeout=240)
-    case = moe_case(2)
-    oracle = single_process_moe(case)
+    assert all(got["backend"] == "nccl" for got in results)
     # fp32 on the GPU: TF32 is off by default for matmuls, so fp32 tolerances hold.
-    tol = {"rtol": 1e-5, "atol": 1e-5}
-    for rank, (got, want) in enumerate(zip(results, oracle, strict=True)):
-        assert got["backend"] == "nccl"
-        start, end = local_expert_range(rank, case["num_experts"], 2)
-        torch.testing.assert_close(got["out"], want["out"], **tol)
-        torch.testing.assert_close(got["module_out"], want["out"], **tol)
-        torch.testing.assert_close(got["grad_x"], want["grad_x"], **tol)
-        torch.testing.assert_close(got["grad_w"], want["grad_w"], **tol)
-        torch.testing.assert_close(got["grad_gate_up"], want["grad_gate_up"][start:end], **tol)
-        torch.testing.assert_close(got["grad_down"], want["grad_down"][start:end], **tol)
+    assert_matches_single_process(results, moe_case(2), 2, rtol=1e-5, atol=1e-5)
