@@ -7,9 +7,11 @@ time, so `HF_ENDPOINT`, `HF_HUB_CACHE`/`HF_HOME`, `HF_HUB_OFFLINE` and `KERNELHU
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,25 +126,32 @@ def _versions(branches) -> list[int]:
     return sorted(int(m.group(1)) for b in branches if (m := _VERSION_BRANCH_RE.match(b)))
 
 
-def _resolve_online(
-    repo_id: str, repo_type: str, revision: str | None, version: int | None
-) -> tuple[str, str]:
-    """(ref, commit) from the Hub."""
+@contextlib.contextmanager
+def _hub_errors(repo_id: str, repo_type: str, revision: str | None) -> Iterator[None]:
+    """Turn the Hub client's missing-repo/revision errors into ours, naming what was asked for."""
     from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
-    hub = api()
     try:
-        if revision is not None and _COMMIT_RE.match(revision):
-            return revision, revision
-        if revision is not None:
-            return revision, hub.repo_info(repo_id, repo_type=repo_type, revision=revision).sha
-        refs = hub.list_repo_refs(repo_id, repo_type=repo_type)
+        yield
     except RepositoryNotFoundError as e:
         raise KernelNotFoundError(
             f"kernel repository {repo_id!r} ({repo_type}) not found on {endpoint()}"
         ) from e
     except RevisionNotFoundError as e:
         raise KernelNotFoundError(f"kernel repository {repo_id!r} has no revision {revision!r}") from e
+
+
+def _resolve_online(
+    repo_id: str, repo_type: str, revision: str | None, version: int | None
+) -> tuple[str, str]:
+    """(ref, commit) from the Hub."""
+    hub = api()
+    with _hub_errors(repo_id, repo_type, revision):
+        if revision is not None and _COMMIT_RE.match(revision):
+            return revision, revision
+        if revision is not None:
+            return revision, hub.repo_info(repo_id, repo_type=repo_type, revision=revision).sha
+        refs = hub.list_repo_refs(repo_id, repo_type=repo_type)
     branches = {b.name: b.target_commit for b in refs.branches}
     versions = _versions(branches)
     if version is None:  # neither given: the newest published version, else main
@@ -189,20 +198,15 @@ def _resolve_cached(
 
 
 def _variants_online(repo_id: str, repo_type: str, commit: str) -> list[str]:
-    from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.errors import EntryNotFoundError
     from huggingface_hub.hf_api import RepoFolder
 
-    try:
-        tree = api().list_repo_tree(repo_id, path_in_repo="build", revision=commit, repo_type=repo_type)
-        return sorted(item.path.split("/")[-1] for item in tree if isinstance(item, RepoFolder))
-    except EntryNotFoundError:
-        return []
-    except RepositoryNotFoundError as e:
-        raise KernelNotFoundError(
-            f"kernel repository {repo_id!r} ({repo_type}) not found on {endpoint()}"
-        ) from e
-    except RevisionNotFoundError as e:
-        raise KernelNotFoundError(f"kernel repository {repo_id!r} has no revision {commit!r}") from e
+    with _hub_errors(repo_id, repo_type, commit):
+        try:
+            tree = api().list_repo_tree(repo_id, path_in_repo="build", revision=commit, repo_type=repo_type)
+            return sorted(item.path.split("/")[-1] for item in tree if isinstance(item, RepoFolder))
+        except EntryNotFoundError:
+            return []
 
 
 def list_variants(
