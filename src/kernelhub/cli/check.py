@@ -10,13 +10,13 @@ each layer is an `nn.Module` subclass).
 
 from __future__ import annotations
 
-import argparse
 import ast
 import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kernelhub.cli._common import add_subcommand
 from kernelhub.variants import Variant
 
 try:
@@ -154,12 +154,7 @@ def check_kernel_dir(repo: str | Path, *, do_import: bool = False) -> tuple[Kern
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "check",
-        help="validate a kernel repository's layout (kernel.toml, build/, layers)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = add_subcommand(sub, "check", "validate a kernel repository's layout (kernel.toml, build/, layers)", __doc__)
     p.add_argument("dir", type=Path, help="kernel repository directory, e.g. kernels_repo/swiglu")
     p.add_argument(
         "--import",

@@ -8,24 +8,16 @@ kernels load offline (HF_HUB_OFFLINE=1).
 
 from __future__ import annotations
 
-import argparse
-
 from kernelhub._fetch import resolve_kernel
+from kernelhub.cli._common import add_ref_arguments, add_subcommand
 
 __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "download",
-        help="download kernels (this system's build variant) into the cache",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = add_subcommand(sub, "download", "download kernels (this system's build variant) into the cache", __doc__)
     p.add_argument("repo_id", nargs="?", help="ORG/NAME; omit to download the kernels of the config")
-    ref = p.add_mutually_exclusive_group()
-    ref.add_argument("--version", type=int, help="version N (branch vN)")
-    ref.add_argument("--revision", help="branch, tag or commit")
+    add_ref_arguments(p)
     p.add_argument("--variant", help="download this build variant instead of the best one for this system")
     p.add_argument("--config", help="kernelhub.toml or pyproject.toml (when no ORG/NAME is given)")
     p.set_defaults(run=run)

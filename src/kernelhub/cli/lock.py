@@ -8,9 +8,9 @@ config (or use `LockedLayerRepository`) to load only locked, verified bytes.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
+from kernelhub.cli._common import add_subcommand
 from kernelhub.config import load_config
 from kernelhub.lock import DEFAULT_LOCKFILE, lock_kernel, write_lockfile
 
@@ -18,12 +18,7 @@ __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "lock",
-        help="resolve the config's Hub kernels to commits and write kernels.lock",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = add_subcommand(sub, "lock", "resolve the config's Hub kernels to commits and write kernels.lock", __doc__)
     p.add_argument(
         "--config", help="kernelhub.toml or pyproject.toml (default: search the current directory)"
     )

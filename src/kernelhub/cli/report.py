@@ -11,11 +11,12 @@ current directory) applies as it would in `kernelize(model, config=...)`.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 import torch
+
+from kernelhub.cli._common import add_subcommand
 
 __all__ = ["add_parser", "build_meta_model", "report_model", "run"]
 
@@ -78,12 +79,7 @@ def _devices(args) -> list[torch.device]:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "report",
-        help="show which kernel each module of a model gets on each GPU",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = add_subcommand(sub, "report", "show which kernel each module of a model gets on each GPU", __doc__)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--config", help="transformers config.json")
     src.add_argument("--model-type", help="a transformers model type, e.g. llama, qwen3_moe, mixtral")

@@ -9,12 +9,12 @@ Users then load it with `get_kernel("ORG/NAME", version=N)`.
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from pathlib import Path
 
 from kernelhub._fetch import api, default_repo_type
+from kernelhub.cli._common import add_subcommand
 from kernelhub.cli.check import check_kernel_dir
 
 __all__ = ["add_parser", "run", "upload_kernel"]
@@ -67,11 +67,8 @@ def upload_kernel(
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "upload",
-        help="publish a kernel repository to branch vN of a Hub repository and tag it",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = add_subcommand(
+        sub, "upload", "publish a kernel repository to branch vN of a Hub repository and tag it", __doc__
     )
     p.add_argument("dir", type=Path, help="kernel repository directory, e.g. kernels_repo/swiglu")
     p.add_argument("--repo-id", required=True, help="Hub repository, ORG/NAME")

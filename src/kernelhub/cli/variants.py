@@ -7,24 +7,18 @@ other variant is rejected.
 
 from __future__ import annotations
 
-import argparse
-
+from kernelhub.cli._common import add_ref_arguments, add_subcommand
 from kernelhub.variants import SystemInfo, rank_variants
 
 __all__ = ["add_parser", "run"]
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "variants",
-        help="show the build variants this system accepts (or a repository's, ranked)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = add_subcommand(
+        sub, "variants", "show the build variants this system accepts (or a repository's, ranked)", __doc__
     )
     p.add_argument("repo_id", nargs="?", help="ORG/NAME on the Hub")
-    ref = p.add_mutually_exclusive_group()
-    ref.add_argument("--version", type=int, help="version N (branch vN)")
-    ref.add_argument("--revision", help="branch, tag or commit")
+    add_ref_arguments(p)
     p.set_defaults(run=run)
 
 
