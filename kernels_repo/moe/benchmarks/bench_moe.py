@@ -154,8 +154,9 @@ def stage_breakdown(base, x, idx, w, dy, sname, T, variant) -> None:
     aux = torch.empty(P, two_i, device=DEV, dtype=x.dtype)
     y = torch.empty(P, H, device=DEV, dtype=x.dtype)
     out = torch.empty_like(x)
-    ws = rt.sorted_weights(r, w)
-    dws = torch.zeros(P, device=DEV, dtype=torch.float32)
+    wf = w.reshape(-1).contiguous()
+    dws = torch.zeros(wf.shape[0], device=DEV, dtype=torch.float32)
+    hw = torch.empty(P, inter, device=DEV, dtype=x.dtype)
     dgu = torch.empty(P, two_i, device=DEV, dtype=x.dtype)
     dwd = torch.empty_like(dn)
     dwgu = torch.empty_like(gu)
@@ -167,11 +168,10 @@ def stage_breakdown(base, x, idx, w, dy, sname, T, variant) -> None:
                                  b_ncontig=False, topk=K, use_tma=tma),
         "combine": lambda: ex._combine(y, r.token_topk_to_pos, w, out),
         "dgrad": lambda: ex._gemm(dy, dn, dgu, r, cfg["dgrad"], n=inter, k=H, epilogue=2, gather_a=True,
-                                  b_ncontig=True, topk=K, use_tma=tma, aux=aux, scale=ws, dscale=dws),
+                                  b_ncontig=True, topk=K, use_tma=tma, aux=aux, scale=wf, dscale=dws, h=hw),
         "dx": lambda: ex._gemm(dgu, gu, y, r, cfg["down"], n=H, k=two_i, epilogue=0, gather_a=False,
                                b_ncontig=True, topk=K, use_tma=tma),
-        "wgrad_down": lambda: ex._wgrad(dy, aux, dwd, r, cfg["wgrad"], gather_a=True, gather_b=False, topk=K,
-                                        scale=ws, b_swiglu=True),
+        "wgrad_down": lambda: ex._wgrad(dy, hw, dwd, r, cfg["wgrad"], gather_a=True, gather_b=False, topk=K),
         "wgrad_gate_up": lambda: ex._wgrad(dgu, x, dwgu, r, cfg["wgrad"], gather_a=False, gather_b=True,
                                            topk=K),
     }

@@ -61,10 +61,11 @@ def gemm(cap, cfg, bm, epilogue, tma, ncontig, dtype="bf16"):
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     sig = {
         "a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "c_ptr": f"*{dtype}", "aux_ptr": f"*{dtype}",
-        "rows_ptr": "*i32", "block_expert_ptr": "*i32", "scale_ptr": "*fp32", "dscale_ptr": "*fp32",
+        "rows_ptr": "*i32", "row_expert_ptr": "*i32", "scale_ptr": f"*{dtype}", "dscale_ptr": "*fp32",
+        "h_ptr": f"*{dtype}",
     }
     for name in ("P", "N", "K", "B_N_TOTAL", "stride_am", "stride_ak", "stride_be", "stride_bn", "stride_bk",
-                 "stride_cm", "stride_cn", "stride_xm"):
+                 "stride_cm", "stride_cn", "stride_xm", "stride_hm"):
         sig[name] = I32
     const = {}
     if tma:
@@ -73,7 +74,7 @@ def gemm(cap, cfg, bm, epilogue, tma, ncontig, dtype="bf16"):
     else:
         const["b_desc"] = None
     const.update(
-        EPILOGUE=epilogue, SAVE_AUX=epilogue == 1, GATHER_A=epilogue != 0, TOPK=8, B_TMA=tma,
+        EPILOGUE=epilogue, SAVE_AUX=epilogue == 1, SAVE_H=epilogue == 2, GATHER_A=epilogue != 0, TOPK=8, B_TMA=tma,
         B_NCONTIG=ncontig, UPCAST=False, PRECISION="ieee" if dtype == "fp32" else None, BLOCK_M=bm,
         BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
     )
@@ -84,18 +85,18 @@ def gemm(cap, cfg, bm, epilogue, tma, ncontig, dtype="bf16"):
     return compile_one(k80._grouped_gemm_kernel, full, const, cap, cfg["num_warps"], cfg["num_stages"], label)
 
 
-def wgrad(cap, cfg, scale):
-    sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "rows_ptr": "*i32", "scale_ptr": "*fp32",
+def wgrad(cap, cfg, gather_a):
+    sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "rows_ptr": "*i32",
            "expert_start_ptr": "*i32", "expert_count_ptr": "*i32"}
     for name in ("M", "N", "stride_am", "stride_ak", "stride_bm", "stride_bk", "stride_ce", "stride_cm",
                  "stride_cn"):
         sig[name] = I32
-    const = dict(GATHER_A=scale, GATHER_B=not scale, SCALE_A=scale, B_SWIGLU=scale, TOPK=8, UPCAST=False,
+    const = dict(GATHER_A=gather_a, GATHER_B=not gather_a, TOPK=8, UPCAST=False,
                  PRECISION=None,
                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"])
     full = {n: sig.get(n, "constexpr") for n in k80._grouped_wgrad_kernel.arg_names}
     return compile_one(k80._grouped_wgrad_kernel, full, const, cap, cfg["num_warps"], cfg["num_stages"],
-                       f"wgrad scale={scale} {cfg}")
+                       f"wgrad gather_a={gather_a} {cfg}")
 
 
 def others(cap):
@@ -104,8 +105,8 @@ def others(cap):
     full = {n: sig.get(n, "constexpr") for n in k80._combine_kernel.arg_names}
     compile_one(k80._combine_kernel, full, dict(TOPK=8, HAS_W=True, RNE=False, BLOCK_H=1024), cap, 4, 3,
                 "combine")
-    sig = {"idx_ptr": "*i64", "rows_ptr": "*i32", "block_expert_ptr": "*i32", "start_ptr": "*i32",
-           "count_ptr": "*i32", "pos_ptr": "*i32", "n": I32, "E": I32, "P": I32, "NUM_BLOCKS": I32}
+    sig = {"idx_ptr": "*i64", "rows_ptr": "*i32", "row_expert_ptr": "*i32", "start_ptr": "*i32",
+           "count_ptr": "*i32", "pos_ptr": "*i32", "n": I32, "E": I32, "P": I32}
     full = {n: sig.get(n, "constexpr") for n in rt._align_small_kernel.arg_names}
     compile_one(rt._align_small_kernel, full, dict(BLOCK_M=16, BLOCK_N=512, BLOCK_E=256, BLOCK_J=32,
                                                    BLOCK_P=256), cap, 8, 3, "align_small")

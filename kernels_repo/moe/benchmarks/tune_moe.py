@@ -89,8 +89,9 @@ def tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, tma, full, training, 
     aux = torch.empty(P, 2 * I, device=DEV, dtype=x.dtype)
     y = torch.empty(P, H, device=DEV, dtype=x.dtype)
     dgu = torch.empty(P, 2 * I, device=DEV, dtype=x.dtype)
-    ws = rt.sorted_weights(r, w)
-    dws = torch.zeros(P, device=DEV, dtype=torch.float32)
+    wf = w.reshape(-1).contiguous()
+    dws = torch.zeros(wf.shape[0], device=DEV, dtype=torch.float32)
+    hw = torch.empty(P, I, device=DEV, dtype=x.dtype)
     dwd = torch.empty_like(dn)
 
     def gate_up(c):
@@ -102,10 +103,10 @@ def tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, tma, full, training, 
 
     def dgrad(c):
         ex._gemm(dy, dn, dgu, r, c, n=I, k=H, epilogue=2, gather_a=True, b_ncontig=True, topk=K, use_tma=tma,
-                 aux=aux, scale=ws, dscale=dws)
+                 aux=aux, scale=wf, dscale=dws, h=hw)
 
     def wgrad(c):
-        ex._wgrad(dy, aux, dwd, r, c, gather_a=True, gather_b=False, topk=K, scale=ws, b_swiglu=True)
+        ex._wgrad(dy, hw, dwd, r, c, gather_a=True, gather_b=False, topk=K)
 
     stages = {"gate_up": gate_up, "down": down}
     if training:

@@ -14,7 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .routing import get_fused_mapping, group_count
+from kernelhub.triton_launch import CachedLaunch
+
+from .routing import _mapping
 
 # Up to this many (token, k) pairs one Triton program aligns them in one launch (decode: T<=64,
 # K<=8) instead of ~15 torch ops, whose launches would cost more than the expert GEMMs there.
@@ -26,7 +28,8 @@ class ExpertRows(NamedTuple):
     """Expert-major buffer of P rows; expert e owns rows [start[e], start[e] + align(count[e]))."""
 
     rows: torch.Tensor  # int32 [P]: flat index t*K+k of the pair held by each row, -1 on padding rows
-    block_expert: torch.Tensor  # int32 [P // block_m]: expert of each block of rows, -1 past the end
+    row_expert: torch.Tensor  # int32 [P]: expert of each row; the first row of every block of
+    # block_m rows is a real row of its expert (or -1 past the last expert), kernels read only those
     expert_start: torch.Tensor  # int32 [E]: first row of each expert (multiple of block_m)
     expert_count: torch.Tensor  # int32 [E]: real (unpadded) rows of each expert
     token_topk_to_pos: torch.Tensor  # int32 [T, K]: row of pair (t, k), -1 where the id is dropped
@@ -51,8 +54,8 @@ def max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 @triton.jit
 def _align_small_kernel(
-    idx_ptr, rows_ptr, block_expert_ptr, start_ptr, count_ptr, pos_ptr,
-    n, E, P, NUM_BLOCKS,
+    idx_ptr, rows_ptr, row_expert_ptr, start_ptr, count_ptr, pos_ptr,
+    n, E, P,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_J: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
@@ -72,7 +75,7 @@ def _align_small_kernel(
     for p0 in range(0, P, BLOCK_P):
         offs_p = p0 + tl.arange(0, BLOCK_P)
         tl.store(rows_ptr + offs_p, tl.full((BLOCK_P,), -1, tl.int32), mask=offs_p < P)
-        tl.store(block_expert_ptr + offs_p, tl.full((BLOCK_P,), -1, tl.int32), mask=offs_p < NUM_BLOCKS)
+        tl.store(row_expert_ptr + offs_p, tl.full((BLOCK_P,), -1, tl.int32), mask=offs_p < P)
     tl.debug_barrier()  # the fills and `starts` above are read/overwritten below by other threads
     rank = tl.zeros((BLOCK_N,), dtype=tl.int32)
     for j0 in range(0, BLOCK_N, BLOCK_J):
@@ -84,9 +87,10 @@ def _align_small_kernel(
     pos = tl.where(valid, start + rank, -1)
     tl.store(pos_ptr + offs, pos, mask=in_range)
     tl.store(rows_ptr + pos, offs, mask=valid)
-    # Every aligned block of an expert holds >= 1 real row, so scattering the expert id from each
-    # pair's row labels every used block.
-    tl.store(block_expert_ptr + pos // BLOCK_M, key, mask=valid)
+    tl.store(row_expert_ptr + pos, key, mask=valid)
+
+
+_align_small_launch = CachedLaunch(_align_small_kernel)
 
 
 def _align_small(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> ExpertRows:
@@ -94,16 +98,16 @@ def _align_small(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> Expe
     n = T * K
     E = num_experts
     P = max_rows(n, E, block_m)
-    nb = P // block_m
-    buf = torch.empty(P + nb + 2 * E + n, dtype=torch.int32, device=topk_idx.device)
-    rows, block_expert = buf[:P], buf[P:P + nb]
-    start, count, pos = buf[P + nb:P + nb + E], buf[P + nb + E:P + nb + 2 * E], buf[P + nb + 2 * E:]
-    _align_small_kernel[(1,)](
-        topk_idx.reshape(-1), rows, block_expert, start, count, pos, n, E, P, nb,
+    buf = torch.empty(2 * P + 2 * E + n, dtype=torch.int32, device=topk_idx.device)
+    rows, row_expert = buf[:P], buf[P:2 * P]
+    start, count, pos = buf[2 * P:2 * P + E], buf[2 * P + E:2 * P + 2 * E], buf[2 * P + 2 * E:]
+    _align_small_launch(
+        (1,), topk_idx.device.index if topk_idx.is_cuda else -1,
+        topk_idx.reshape(-1), rows, row_expert, start, count, pos, n, E, P,
         BLOCK_M=block_m, BLOCK_N=max(16, _next_pow2(n)),
         BLOCK_E=max(16, _next_pow2(E + 1)), BLOCK_J=32, BLOCK_P=256, num_warps=8,
     )
-    return ExpertRows(rows, block_expert, start, count, pos.view(T, K), P, block_m)
+    return ExpertRows(rows, row_expert, start, count, pos.view(T, K), P, block_m)
 
 
 def align_rows(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> ExpertRows:
@@ -117,31 +121,18 @@ def align_rows(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> Expert
     n = T * K
     if 0 < n <= SMALL_PAIRS and (device.type == "cuda" or _INTERPRET):
         return _align_small(topk_idx.contiguous(), num_experts, block_m)
-    # Larger batches: the routing kernels' get_fused_mapping (three launches, no host sync with an
-    # explicit P). It replaced ~15 torch ops that took 0.5-1.1 ms on an H200 at T=512..16384
-    # (benchmarks/bench_moe.py stage times, 2026-12-02) against ~37 us of GPU time for the kernels.
-    E = num_experts
-    P = max_rows(n, E, block_m)
-    # get_fused_mapping rejects ids >= E (a device-side assert); fused_experts drops them instead.
-    idx = torch.where((topk_idx >= 0) & (topk_idx < E), topk_idx, torch.full_like(topk_idx, -1))
-    pos_to_expert, _, pos_to_token_topk, token_topk_to_pos, starts, _, _, _ = get_fused_mapping(
-        idx, E, P, block_m
-    )
+    # Larger batches: the three mapping kernels of `get_fused_mapping` with the static bound P (no
+    # host sync). They drop ids outside [0, E) as this function must, and count real rows per
+    # expert on the way, so nothing else is launched. (They replaced ~15 torch ops that took
+    # 0.5-1.1 ms on an H200 at T=512..16384 against ~37 us of GPU time for the kernels.)
+    m = _mapping(topk_idx, num_experts, max_rows(n, num_experts, block_m), block_m)
     return ExpertRows(
-        rows=pos_to_token_topk,
-        # Each block's first row is a real row of its expert (ranges start at multiples of block_m
-        # and pad < block_m rows), or -1 past the last expert.
-        block_expert=pos_to_expert[::block_m].contiguous(),  # kernels index it densely
-        expert_start=starts,
-        expert_count=group_count(idx, E),  # real rows (the mapping's counts are aligned lengths)
-        token_topk_to_pos=token_topk_to_pos,
-        num_rows=P,
+        rows=m.pos_to_token_topk,
+        row_expert=m.pos_to_expert,
+        expert_start=m.expert_start,
+        expert_count=m.counts,
+        token_topk_to_pos=m.token_topk_to_pos,
+        num_rows=m.pos_to_expert.shape[0],
         block_m=block_m,
     )
 
-
-def sorted_weights(routing: ExpertRows, topk_weights: torch.Tensor) -> torch.Tensor:
-    """fp32 [P]: the routing weight of each row, 0 on padding rows."""
-    flat_w = topk_weights.reshape(-1).to(torch.float32)
-    rows = routing.rows.to(torch.int64)
-    return torch.where(rows >= 0, flat_w[rows.clamp(min=0)], flat_w.new_zeros(()))

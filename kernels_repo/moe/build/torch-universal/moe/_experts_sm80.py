@@ -51,14 +51,15 @@ def _load_b_tile(b_ptr, b_desc, e, offs_k, offs_n, k_limit, n_limit, stride_be, 
 @triton.jit
 def _grouped_gemm_kernel(
     # pointers
-    a_ptr, b_ptr, b_desc, c_ptr, aux_ptr, rows_ptr, block_expert_ptr, scale_ptr, dscale_ptr,
+    a_ptr, b_ptr, b_desc, c_ptr, aux_ptr, rows_ptr, row_expert_ptr, scale_ptr, dscale_ptr, h_ptr,
     # sizes
     P, N, K, B_N_TOTAL,
     # strides
-    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_xm,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_xm, stride_hm,
     # meta
     EPILOGUE: tl.constexpr,     # 0: C = A@B; 1: C = silu(A@Bg)*(A@Bu) (+ aux = [g, u]); 2: SwiGLU bwd
     SAVE_AUX: tl.constexpr,     # EPILOGUE 1: also store the pre-activation [g | u] into aux
+    SAVE_H: tl.constexpr,       # EPILOGUE 2: also store w * silu(g) * u (dW_down's operand) into h
     GATHER_A: tl.constexpr,     # A row of buffer row p is rows[p] // TOPK (a token id); else p
     TOPK: tl.constexpr,
     B_TMA: tl.constexpr,        # weights through a TensorDescriptor (sm90)
@@ -79,7 +80,8 @@ def _grouped_gemm_kernel(
     pid_m = first_m + (pid % per_group) % group_size
     pid_n = (pid % per_group) // group_size
 
-    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    # The first row of each block is a real row of the block's expert (or -1 past the last one).
+    e = tl.load(row_expert_ptr + pid_m.to(tl.int64) * BLOCK_M).to(tl.int64)
     if e < 0:  # block past the last used row: nothing to do
         return
 
@@ -130,14 +132,21 @@ def _grouped_gemm_kernel(
         tl.store(c_ptrs, _to(h, c_ptr.dtype.element_ty, UPCAST), mask=c_mask)
     else:
         # acc = dY[tok] @ Wd[e] = dL/dh before the routing weight; aux holds [g | u] of the forward.
+        # scale = topk_weights and dscale = its fp32 gradient, both flat [T*K], indexed by rows[p].
         x_ptrs = aux_ptr + offs_m[:, None] * stride_xm + offs_n[None, :]
         g = tl.load(x_ptrs, mask=c_mask, other=0.0).to(tl.float32)
         u = tl.load(x_ptrs + N, mask=c_mask, other=0.0).to(tl.float32)
-        w = tl.load(scale_ptr + offs_m, mask=m_mask, other=0.0)
+        w = tl.load(scale_ptr + flat, mask=row_valid, other=0.0).to(tl.float32)
         sig = tl.sigmoid(g)
         silu = g * sig
-        # dL/dw[p] = <dY[tok], y[p]> = <acc, h[p]>, summed over the N tiles by atomics.
-        tl.atomic_add(dscale_ptr + offs_m, tl.sum(acc * silu * u, axis=1), mask=m_mask & row_valid)
+        h = silu * u
+        # dL/dw[t, k] = <dY[t], y[p]> = <acc, h[p]>, summed over the N tiles by atomics.
+        tl.atomic_add(dscale_ptr + flat, tl.sum(acc * h, axis=1), mask=row_valid)
+        if SAVE_H:
+            # dW_down[e] = sum_p (w_p dY[tok_p])^T h_p: computed here once per element instead of
+            # in every M tile of the weight-gradient GEMM (where the sigmoid cost as much as the MMA).
+            tl.store(h_ptr + offs_m[:, None] * stride_hm + offs_n[None, :],
+                     _to(h * w[:, None], h_ptr.dtype.element_ty, UPCAST), mask=c_mask)
         dh = acc * w[:, None]
         dg = dh * u * sig * (1.0 + g * (1.0 - sig))
         du = dh * silu
@@ -147,19 +156,14 @@ def _grouped_gemm_kernel(
 
 @triton.jit
 def _grouped_wgrad_kernel(
-    a_ptr, b_ptr, c_ptr, rows_ptr, scale_ptr, expert_start_ptr, expert_count_ptr,
+    a_ptr, b_ptr, c_ptr, rows_ptr, expert_start_ptr, expert_count_ptr,
     M, N,
     stride_am, stride_ak, stride_bm, stride_bk, stride_ce, stride_cm, stride_cn,
-    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, SCALE_A: tl.constexpr, TOPK: tl.constexpr,
-    B_SWIGLU: tl.constexpr,     # B[p] = silu(b[p, :N]) * b[p, N:2N], recomputed from the saved [g | u]
+    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, TOPK: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """dW[e] = sum over e's rows p of A[p]^T B[p]: [M, N] per expert; experts with no rows get 0.
-
-    B_SWIGLU recomputes h = silu(g) * u instead of keeping h [P, I] alive from the forward: the
-    saved activations are then [g | u] only (as in Liger), which bounds fwd+bwd peak memory.
-    """
+    """dW[e] = sum over e's rows p of A[p]^T B[p]: [M, N] per expert; experts with no rows get 0."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -188,13 +192,6 @@ def _grouped_wgrad_kernel(
         b_mask = valid[:, None] & (offs_n[None, :] < N)
         b_ptrs = b_ptr + rb[:, None] * stride_bm + offs_n[None, :] * stride_bk
         b = tl.load(b_ptrs, mask=b_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
-        if B_SWIGLU:
-            g = b.to(tl.float32)
-            u = tl.load(b_ptrs + N * stride_bk, mask=b_mask, other=0.0).to(tl.float32)
-            b = _to(g * tl.sigmoid(g) * u, b_ptr.dtype.element_ty, UPCAST)
-        if SCALE_A:
-            s = tl.load(scale_ptr + p, mask=p_mask, other=0.0)
-            a = _to(a.to(tl.float32) * s[:, None], a_ptr.dtype.element_ty, UPCAST)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)

@@ -19,10 +19,11 @@ import os
 import torch
 
 from kernelhub.device import device_capability, device_guard, device_properties
+from kernelhub.triton_launch import CachedLaunch
 
 from . import _experts_sm90 as sm90
 from ._experts_configs import INTERPRETER_CONFIG, fitted_config, pick_config
-from ._experts_routing import ExpertRows, align_rows, sorted_weights
+from ._experts_routing import ExpertRows, align_rows
 from ._experts_sm80 import _combine_kernel, _grouped_gemm_kernel, _grouped_wgrad_kernel
 from .reference_experts import fused_experts_reference
 
@@ -120,6 +121,16 @@ def _capturing(x: torch.Tensor) -> bool:
 
 # ---------------------------------------------------------------- launchers (inside device_guard)
 
+# Cached launchers: Triton's `kernel[grid](...)` costs tens of us of Python per launch, which is
+# most of an eager decode step (about ten launches per forward).
+_gemm_launch = CachedLaunch(_grouped_gemm_kernel)
+_wgrad_launch = CachedLaunch(_grouped_wgrad_kernel)
+_combine_launch = CachedLaunch(_combine_kernel)
+
+
+def _index(t: torch.Tensor) -> int:
+    return t.device.index if t.is_cuda else -1
+
 
 def _precision(dtype: torch.dtype) -> str | None:
     # fp32 inputs: exact fp32 products (the default would be tf32); 16-bit: Triton's default.
@@ -128,7 +139,7 @@ def _precision(dtype: torch.dtype) -> str | None:
 
 def _gemm(a, weight, out, routing: ExpertRows, cfg: dict, *, n: int, k: int, epilogue: int,
           gather_a: bool, b_ncontig: bool, topk: int, use_tma: bool, aux=None, save_aux=False,
-          scale=None, dscale=None) -> None:
+          scale=None, dscale=None, h=None) -> None:
     """One grouped GEMM over the P aligned rows: out[p, :n] from a[row(p), :k] and weight[e(p)]."""
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     bm = routing.block_m
@@ -141,31 +152,32 @@ def _gemm(a, weight, out, routing: ExpertRows, cfg: dict, *, n: int, k: int, epi
     if use_tma:
         desc = sm90.weight_descriptor(weight, bk, bn) if b_ncontig else sm90.weight_descriptor(weight, bn, bk)
     aux_t = aux if aux is not None else out
-    grid = (_cdiv(P, bm) * _cdiv(n, bn),)
-    _grouped_gemm_kernel[grid](
-        a, weight, desc, out, aux_t, routing.rows, routing.block_expert,
-        scale if scale is not None else out, dscale if dscale is not None else out,
+    h_t = h if h is not None else out
+    _gemm_launch(
+        (_cdiv(P, bm) * _cdiv(n, bn),), _index(a),
+        a, weight, desc, out, aux_t, routing.rows, routing.row_expert,
+        scale if scale is not None else out, dscale if dscale is not None else out, h_t,
         P, n, k, weight.shape[1],
         a.stride(0), a.stride(1), weight.stride(0), stride_bn, stride_bk, out.stride(0), out.stride(1),
-        aux_t.stride(0),
-        EPILOGUE=epilogue, SAVE_AUX=save_aux, GATHER_A=gather_a, TOPK=topk, B_TMA=use_tma,
+        aux_t.stride(0), h_t.stride(0),
+        EPILOGUE=epilogue, SAVE_AUX=save_aux, SAVE_H=h is not None, GATHER_A=gather_a, TOPK=topk,
+        B_TMA=use_tma,
         B_NCONTIG=b_ncontig, UPCAST=_interpreting(), PRECISION=_precision(a.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
-def _wgrad(a, b, out, routing: ExpertRows, cfg: dict, *, gather_a: bool, gather_b: bool, topk: int,
-           scale=None, b_swiglu: bool = False) -> None:
+def _wgrad(a, b, out, routing: ExpertRows, cfg: dict, *, gather_a: bool, gather_b: bool,
+           topk: int) -> None:
     """out[e] = sum over e's rows p of a[row(p)]^T b[row(p)] ([M, N] per expert)."""
     E, M, N = out.shape
     bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    grid = (E * _cdiv(M, bm) * _cdiv(N, bn),)
-    _grouped_wgrad_kernel[grid](
-        a, b, out, routing.rows, scale if scale is not None else out, routing.expert_start,
-        routing.expert_count, M, N,
+    _wgrad_launch(
+        (E * _cdiv(M, bm) * _cdiv(N, bn),), _index(a),
+        a, b, out, routing.rows, routing.expert_start, routing.expert_count, M, N,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
-        GATHER_A=gather_a, GATHER_B=gather_b, SCALE_A=scale is not None, TOPK=topk, B_SWIGLU=b_swiglu,
+        GATHER_A=gather_a, GATHER_B=gather_b, TOPK=topk,
         UPCAST=_interpreting(), PRECISION=_precision(a.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
@@ -177,7 +189,8 @@ def _combine(y, token_topk_to_pos, weights, out) -> None:
     K = token_topk_to_pos.shape[1]
     block_h = min(1024, _next_pow2(H))
     w = weights if weights is not None else out
-    _combine_kernel[(T, _cdiv(H, block_h))](
+    _combine_launch(
+        (T, _cdiv(H, block_h)), _index(y),
         y, token_topk_to_pos, w, out, H, y.stride(0), w.stride(0), w.stride(1), out.stride(0),
         TOPK=K, HAS_W=weights is not None, RNE=_interpreting(), BLOCK_H=block_h, num_warps=4,
     )
@@ -240,13 +253,22 @@ def _backward(dout, x, gate_up_proj, down_proj, topk_weights, routing: ExpertRow
     dev = x.device
     P = routing.num_rows
     tma = _use_tma(variant, cfg, gate_up_proj, down_proj)
-    w_rows = sorted_weights(routing, topk_weights)
-    # dL/d[gate|up] per row, and dL/dw per row (fp32, atomically summed over the I tiles).
+    w_flat = topk_weights.reshape(-1)
+    if not w_flat.is_contiguous():
+        w_flat = w_flat.contiguous()
+    # dL/d[gate|up] per row; dL/dw per (token, k) (fp32, atomically summed over the I tiles); and,
+    # for dW_down, h * w per row (so that GEMM reads it instead of recomputing the SwiGLU per tile).
     dgu = torch.empty(P, two_i, device=dev, dtype=x.dtype)
-    dw_rows = torch.zeros(P, device=dev, dtype=torch.float32)
+    dw_flat = torch.zeros(w_flat.shape[0], device=dev, dtype=torch.float32)
+    hw = torch.empty(P, inter, device=dev, dtype=x.dtype) if needs[2] else None
     _gemm(dout, down_proj, dgu, routing, cfg["dgrad"], n=inter, k=H, epilogue=2, gather_a=True,
-          b_ncontig=True, topk=K, use_tma=tma, aux=aux, scale=w_rows, dscale=dw_rows)
+          b_ncontig=True, topk=K, use_tma=tma, aux=aux, scale=w_flat, dscale=dw_flat, h=hw)
     dx = d_gate_up = d_down = d_w = None
+    if needs[2]:
+        # First, so that hw is freed before dx's [P, H] rows exist (peak memory).
+        d_down = torch.empty(E, H, inter, device=dev, dtype=down_proj.dtype)
+        _wgrad(dout, hw, d_down, routing, cfg["wgrad"], gather_a=True, gather_b=False, topk=K)
+        del hw
     if needs[0]:
         dx_rows = torch.empty(P, H, device=dev, dtype=x.dtype)
         _gemm(dgu, gate_up_proj, dx_rows, routing, cfg["down"], n=H, k=two_i, epilogue=0,
@@ -254,16 +276,11 @@ def _backward(dout, x, gate_up_proj, down_proj, topk_weights, routing: ExpertRow
         dx = torch.empty(T, H, device=dev, dtype=x.dtype)
         _combine(dx_rows, routing.token_topk_to_pos, None, dx)
         del dx_rows
-    if needs[2]:
-        d_down = torch.empty(E, H, inter, device=dev, dtype=down_proj.dtype)
-        _wgrad(dout, aux, d_down, routing, cfg["wgrad"], gather_a=True, gather_b=False, topk=K, scale=w_rows,
-               b_swiglu=True)
     if needs[1]:
         d_gate_up = torch.empty(E, two_i, H, device=dev, dtype=gate_up_proj.dtype)
         _wgrad(dgu, x, d_gate_up, routing, cfg["wgrad"], gather_a=False, gather_b=True, topk=K)
     if needs[3]:
-        pos = routing.token_topk_to_pos.to(torch.int64)
-        d_w = torch.where(pos >= 0, dw_rows[pos.clamp(min=0)], dw_rows.new_zeros(())).to(topk_weights.dtype)
+        d_w = dw_flat.view(topk_weights.shape).to(topk_weights.dtype)
     return dx, d_gate_up, d_down, d_w
 
 
@@ -276,7 +293,7 @@ class _FusedExpertsFunction(torch.autograd.Function):
         # h is not saved: the down_proj gradient recomputes it from aux (saves P*I elements).
         del h
         ctx.save_for_backward(x, gate_up_proj, down_proj, topk_weights, aux, routing.rows,
-                              routing.block_expert, routing.expert_start, routing.expert_count,
+                              routing.row_expert, routing.expert_start, routing.expert_count,
                               routing.token_topk_to_pos)
         ctx.meta = (variant, cfg, routing.num_rows, routing.block_m)
         return out

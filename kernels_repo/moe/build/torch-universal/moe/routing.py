@@ -7,10 +7,13 @@ kernels under `TRITON_INTERPRET=1`. Mapping tensors are int32, as in TileKernels
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
 from kernelhub.device import device_guard
+from kernelhub.triton_launch import CachedLaunch
 
 from . import _routing_checks as _c
 from . import _routing_kernels as _k
@@ -29,6 +32,16 @@ __all__ = [
     "set_num_sms",
     "get_num_sms",
 ]
+
+# Every kernel through a cached launcher: Triton's own `kernel[grid](...)` costs tens of us of
+# Python per launch, more than these kernels take on the GPU at decode and prefill sizes.
+_launch = {name: CachedLaunch(getattr(_k, name)) for name in dir(_k) if name.endswith("_kernel")}
+
+
+def _index(t: Tensor) -> int:
+    """The device index a launch is for (-1 on the CPU: the interpreter takes Triton's path)."""
+    return t.device.index if t.is_cuda else -1
+
 
 set_num_sms = _c.set_num_sms
 get_num_sms = _c.get_num_sms
@@ -65,8 +78,8 @@ def topk_gate(scores: Tensor, num_topk: int) -> Tensor:
     e_pow2 = _pow2(e)
     block_t = max(1, min(16, 4096 // e_pow2))  # <= 32 scores per thread (register pressure)
     with device_guard(scores):
-        _k._topk_gate_kernel[(_cdiv(t, block_t),)](
-            scores, out, t, e, scores.stride(0), scores.stride(1),
+        _launch["_topk_gate_kernel"](
+            (_cdiv(t, block_t),), _index(scores), scores, out, t, e, scores.stride(0), scores.stride(1),
             K=num_topk, BLOCK_T=block_t, E_POW2=e_pow2, num_warps=4,
         )
     return out
@@ -89,8 +102,9 @@ def normalize_weight(topk_weights: Tensor) -> tuple[Tensor, Tensor]:
         return denom, out
     block_t = 128
     with device_guard(w):
-        _k._normalize_weight_kernel[(_cdiv(t, block_t),)](
-            w, denom, out, t, w.stride(0), w.stride(1), K=k, BLOCK_T=block_t, num_warps=4,
+        _launch["_normalize_weight_kernel"](
+            (_cdiv(t, block_t),), _index(w), w, denom, out, t, w.stride(0), w.stride(1),
+            K=k, BLOCK_T=block_t, num_warps=4,
         )
     return denom, out
 
@@ -108,8 +122,8 @@ def _count(fn: str, name: str, idx: Tensor, num_groups: int, what: str) -> Tenso
     block = 1024
     grid = min(_cdiv(numel, block), cfg.hist_programs_per_sm * sms)
     with device_guard(idx):
-        _k._group_count_kernel[(grid,)](
-            flat, buf, numel, num_groups, BLOCK=block, NB=_pow2(num_groups + 1),
+        _launch["_group_count_kernel"](
+            (grid,), _index(idx), flat, buf, numel, num_groups, BLOCK=block, NB=_pow2(num_groups + 1),
             num_warps=4,
         )
         # No host sync here (graph capturable): the last slot counts invalid ids.
@@ -188,8 +202,9 @@ def mask_indices_by_tp(indices: Tensor, n: int, num_ep_ranks: int, tp_rank: int,
     per_gpu = n // num_ep_ranks
     block = 1024
     with device_guard(indices):
-        _k._mask_indices_by_tp_kernel[(_cdiv(numel, block),)](
-            src, out, numel, per_gpu, num_tp_ranks * per_gpu, num_tp_ranks, tp_rank, BLOCK=block,
+        _launch["_mask_indices_by_tp_kernel"](
+            (_cdiv(numel, block),), _index(indices), src, out, numel, per_gpu,
+            num_tp_ranks * per_gpu, num_tp_ranks, tp_rank, BLOCK=block,
         )
     return out
 
@@ -212,8 +227,8 @@ def inplace_unique_group_indices(group_indices: Tensor, num_groups: int) -> None
         return
     block_t = 256
     with device_guard(g):
-        _k._unique_group_kernel[(_cdiv(t, block_t),)](
-            g, t, g.stride(0), g.stride(1), K=k, BLOCK_T=block_t,
+        _launch["_unique_group_kernel"](
+            (_cdiv(t, block_t),), _index(g), g, t, g.stride(0), g.stride(1), K=k, BLOCK_T=block_t,
         )
 
 
@@ -226,6 +241,70 @@ def inplace_unique_group_indices(group_indices: Tensor, num_groups: int) -> None
 def _upper_bound_pos(numel: int, num_experts: int, alignment: int) -> int:
     """Largest P any routing can need: sum_e align(c_e) <= numel + (alignment - 1) * E."""
     return (numel + (alignment - 1) * num_experts) // alignment * alignment
+
+
+
+class _Mapping(NamedTuple):
+    pos_to_expert: Tensor
+    pos_to_token: Tensor
+    pos_to_token_topk: Tensor
+    token_topk_to_pos: Tensor
+    expert_start: Tensor
+    expert_end: Tensor
+    meta: Tensor  # [aligned count per expert (E), invalid ids, P needed, 1 if both fine]
+    counts: Tensor  # real (unaligned) rows per expert [E]
+
+
+def _mapping(topk_idx: Tensor, num_experts: int, num_pos: int, alignment: int) -> _Mapping:
+    """The three mapping launches on topk_idx's device, unchecked (callers validate).
+
+    Ids outside [0, num_experts) are dropped (no row, position -1) and counted in `meta`; rows past
+    `num_pos` are never written. `fused_experts` calls this directly: a bound P that always fits,
+    and dropping rather than asserting on out-of-range ids (the EP sentinel of transformers).
+    """
+    t, k = topk_idx.shape
+    numel = t * k
+    dev = topk_idx.device
+    cfg, sms = _c.select_config(dev)
+    e1 = num_experts + 1
+    sub = cfg.map_sub
+    nsub_total = max(1, _cdiv(numel, sub))
+    n_tiles = min(nsub_total, cfg.map_programs_per_sm * sms)
+    nsub = _cdiv(nsub_total, n_tiles)
+    n_tiles = _cdiv(nsub_total, nsub)
+    # One allocation for every int32 output and scratch (each torch.empty costs host time):
+    # 3 x P position arrays | T*K inverse | start E | end E | meta E+3 | tile counts | totals.
+    sizes = (num_pos, num_pos, num_pos, numel, num_experts, num_experts, num_experts + 3,
+             n_tiles * e1, e1)
+    buf = torch.empty((sum(sizes),), dtype=torch.int32, device=dev)
+    views, at = [], 0
+    for n in sizes:  # plain slicing: Tensor.split costs ~30 us of host time here
+        views.append(buf[at : at + n])
+        at += n
+    (pos_to_expert, pos_to_token, pos_to_token_topk, inverse, expert_start, expert_end, meta,
+     tile_counts, totals) = views
+    src = topk_idx if topk_idx.is_contiguous() else topk_idx.contiguous()
+    nb = _pow2(e1)
+    index = _index(topk_idx)
+    with device_guard(topk_idx):
+        _launch["_map_count_kernel"](
+            (n_tiles,), index, src, tile_counts, pos_to_expert, pos_to_token, pos_to_token_topk,
+            numel, num_experts, num_pos, nsub, _cdiv(num_pos, n_tiles),
+            SUB=sub, NB=nb, FILL_BLOCK=1024, num_warps=cfg.map_warps,
+        )
+        block_e = 16
+        _launch["_map_scan_kernel"](
+            (_cdiv(e1, block_e),), index, tile_counts, totals, n_tiles, e1,
+            BLOCK_T=128, BLOCK_E=block_e, num_warps=4,
+        )
+        _launch["_map_scatter_kernel"](
+            (n_tiles,), index, src, tile_counts, totals, meta, pos_to_expert, pos_to_token,
+            pos_to_token_topk, inverse, expert_start, expert_end,
+            numel, num_experts, num_pos, nsub, alignment, max(k, 1),
+            SUB=sub, NB=nb, num_warps=cfg.map_warps,
+        )
+    return _Mapping(pos_to_expert, pos_to_token, pos_to_token_topk, inverse.view(t, k), expert_start,
+                    expert_end, meta, totals[:num_experts])
 
 
 def get_fused_mapping(
@@ -278,7 +357,6 @@ def get_fused_mapping(
     if bound > _c.INT32_MAX:  # kernels count rows in int32
         raise ValueError(f"{fn}: T*K + (alignment-1)*E = {bound} rows do not fit int32 positions")
     num_pos = num_expanded_tokens or bound
-    dev = topk_idx.device
     if not _c.use_triton(topk_idx):
         # CPU reference: a host sync costs nothing here, so every check is a plain ValueError.
         _c.check_ids_host(fn, "topk_idx", topk_idx, num_experts, "expert")
@@ -290,44 +368,9 @@ def get_fused_mapping(
         outs = _ref.get_fused_mapping_ref(topk_idx, num_experts, needed if sync else num_pos, alignment)
         return (*outs, outs[6].tolist() if sync else [])
 
-    cfg, sms = _c.select_config(dev)
-    e1 = num_experts + 1
-    sub = cfg.map_sub
-    nsub_total = max(1, _cdiv(numel, sub))
-    n_tiles = min(nsub_total, cfg.map_programs_per_sm * sms)
-    nsub = _cdiv(nsub_total, n_tiles)
-    n_tiles = _cdiv(nsub_total, nsub)
-    # One allocation for every int32 output and scratch (each torch.empty costs host time):
-    # 3 x P position arrays | T*K inverse | start E | end E | meta E+2 | tile counts | totals.
-    # meta = [num_tokens_per_expert (E), invalid-id count, P needed, 1 if both are fine].
-    sizes = [num_pos, num_pos, num_pos, numel, num_experts, num_experts, num_experts + 3,
-             n_tiles * e1, e1]
-    buf = torch.empty((sum(sizes),), dtype=torch.int32, device=dev)
-    views, at = [], 0
-    for n in sizes:  # plain slicing: Tensor.split costs ~30 us of host time here
-        views.append(buf[at : at + n])
-        at += n
-    (pos_to_expert, pos_to_token, pos_to_token_topk, inverse, expert_start, expert_end, meta,
-     tile_counts, totals) = views
-    token_topk_to_pos = inverse.view(t, k)
-    src = topk_idx if topk_idx.is_contiguous() else topk_idx.contiguous()
-    nb = _pow2(e1)
+    (pos_to_expert, pos_to_token, pos_to_token_topk, token_topk_to_pos, expert_start, expert_end,
+     meta, _) = _mapping(topk_idx, num_experts, num_pos, alignment)
     with device_guard(topk_idx):
-        _k._map_count_kernel[(n_tiles,)](
-            src, tile_counts, pos_to_expert, pos_to_token, pos_to_token_topk,
-            numel, num_experts, num_pos, nsub, _cdiv(num_pos, n_tiles),
-            SUB=sub, NB=nb, FILL_BLOCK=1024, num_warps=cfg.map_warps,
-        )
-        block_e = 16
-        _k._map_scan_kernel[(_cdiv(e1, block_e),)](
-            tile_counts, totals, n_tiles, e1, BLOCK_T=128, BLOCK_E=block_e, num_warps=4,
-        )
-        _k._map_scatter_kernel[(n_tiles,)](
-            src, tile_counts, totals, meta, pos_to_expert, pos_to_token, pos_to_token_topk,
-            token_topk_to_pos, expert_start, expert_end,
-            numel, num_experts, num_pos, nsub, alignment, max(k, 1),
-            SUB=sub, NB=nb, num_warps=cfg.map_warps,
-        )
         num_tokens_per_expert = meta[:num_experts]
         if not sync:
             # No host sync (CUDA-graph capturable): invalid ids and an overflowing P assert on
@@ -379,8 +422,8 @@ def expand_to_fused(x: Tensor, token_topk_to_pos: Tensor, pos_to_expert: Tensor)
     pad_rows = 128
     grid = (t + _cdiv(num_pos, pad_rows), _cdiv(h, block_h))
     with device_guard(x):
-        _k._expand_kernel[grid](
-            x, out, mapping, pte, t, num_pos, h, x.stride(0), mapping.stride(0),
+        _launch["_expand_kernel"](
+            grid, _index(x), x, out, mapping, pte, t, num_pos, h, x.stride(0), mapping.stride(0),
             K=mapping.shape[1], BLOCK_H=block_h, PAD_ROWS=pad_rows, PAD_R=16, SUB_H=min(block_h, 128),
             num_warps=cfg.copy_warps,
         )
@@ -434,9 +477,9 @@ def reduce_fused(x: Tensor, topk_weights: Tensor | None, token_topk_to_pos: Tens
     cfg, _ = _c.select_config(x.device)
     block_h = min(cfg.reduce_block_h, _pow2(h))
     with device_guard(x):
-        _k._reduce_kernel[(t, _cdiv(h, block_h))](
-            x, w, mapping, out, num_pos, h, x.stride(0), w.stride(0), w.stride(1),
-            mapping.stride(0), out.stride(0),
+        _launch["_reduce_kernel"](
+            (t, _cdiv(h, block_h)), _index(x), x, w, mapping, out, num_pos, h, x.stride(0),
+            w.stride(0), w.stride(1), mapping.stride(0), out.stride(0),
             K=k, HAS_W=topk_weights is not None, BLOCK_H=block_h, num_warps=cfg.reduce_warps,
         )
     return out

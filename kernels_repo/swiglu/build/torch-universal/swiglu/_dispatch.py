@@ -12,9 +12,9 @@ import os
 import torch
 
 from kernelhub.device import device_guard, device_properties
+from kernelhub.triton_launch import CachedLaunch
 
 from . import _sm80, _sm90
-from ._launcher import CachedLaunch
 
 IMPLS = ("sm90", "sm80", "reference")
 # What `impl=None` runs on capability >= 90. Measured on an H200 (docs/performance.md, 2026-12-02):
@@ -36,8 +36,8 @@ class _Variant:
         self.name = name
         self._config = module.config
         self._configs: dict[tuple, tuple] = {}
-        self.fwd = CachedLaunch(module.fwd_kernel, module.OPTIONS)
-        self.bwd = CachedLaunch(module.bwd_kernel, module.OPTIONS)
+        self.fwd = CachedLaunch(module.fwd_kernel, **module.OPTIONS)
+        self.bwd = CachedLaunch(module.bwd_kernel, **module.OPTIONS)
 
     def config(self, M: int, N: int, elem_bytes: int, sm_count: int,
                backward: bool) -> tuple[int, int, int, int]:
@@ -133,7 +133,8 @@ def _launch(target: tuple[_Variant, int, int], backward: bool, packed: bool, N: 
     else:
         ints = (M, N, rs[0], strides[0][-1], rs[1], strides[1][-1], rs[2])
         launcher = variant.fwd
-    launcher(grid, num_warps, device_index, tensors, ints, (block_m, block_n, N % block_n == 0, packed))
+    launcher((grid,), device_index, *tensors, *ints, block_m, block_n, N % block_n == 0, packed,
+             num_warps=num_warps)
 
 
 def _run(target: tuple[_Variant, int, int], backward: bool, packed: bool, N: int,

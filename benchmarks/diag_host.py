@@ -1,0 +1,145 @@
+"""Where the time of one eager call goes: torch.profiler tables (host ops, CUDA kernels, syncs).
+
+For the calls whose eager time is far above their CUDA-graph time in docs/performance.md:
+SwiGLU forward+backward at 4096x6144, the MoE alignment at Qwen3-30B-A3B T=512/4096/16384 and
+fused_experts forward at T=1/512. Prints, per case, the ms per eager call (CUDA events around
+N calls), the host ms per call (perf_counter before the sync) and the profiler's top rows.
+
+    PYTHONPATH=src python benchmarks/diag_host.py [swiglu] [align] [experts]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+from kernelhub._loader import load_kernel_from_dir  # noqa: E402
+
+DEV = torch.device("cuda", 0)
+
+
+def timed(name: str, fn, n: int = 50) -> None:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t0) / n * 1e3
+    end.record()
+    torch.cuda.synchronize()
+    print(f"## {name}: {start.elapsed_time(end) / n:.4f} ms per eager call, host {host:.4f} ms", flush=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60)
+    print(table, flush=True)
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8, max_name_column_width=60)
+    print(table, flush=True)
+
+
+def swiglu_cases() -> None:
+    k = load_kernel_from_dir(ROOT / "kernels_repo" / "swiglu")
+    import torch.nn.functional as F
+
+    T, I = 4096, 6144
+    g = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    u = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(T, I, device=DEV, dtype=torch.bfloat16)
+    timed("swiglu ours fwd+bwd 4096x6144", lambda: torch.autograd.grad(k.swiglu(g, u), (g, u), dy))
+    timed("swiglu torch fwd+bwd 4096x6144", lambda: torch.autograd.grad(F.silu(g) * u, (g, u), dy))
+    gd, ud = g.detach(), u.detach()
+    timed("swiglu ours fwd 4096x6144", lambda: k.swiglu(gd, ud))
+
+    # Where the backward's host time goes: wall time inside our backward (on whichever thread
+    # autograd runs it), against a trivial autograd.Function whose backward is two torch ops.
+    ops = sys.modules[k.__name__ + ".ops"]
+    fn = ops._SwiGLUFunction
+    inner, threads = [], set()
+    orig = fn.backward
+
+    def timed_backward(ctx, dy):
+        import threading
+
+        threads.add(threading.current_thread().name)
+        t0 = time.perf_counter()
+        res = orig(ctx, dy)
+        inner.append(time.perf_counter() - t0)
+        return res
+
+    fn.backward = staticmethod(timed_backward)
+    try:
+        timed("swiglu ours fwd+bwd, backward timed inside", lambda: torch.autograd.grad(k.swiglu(g, u), (g, u), dy))
+    finally:
+        fn.backward = staticmethod(orig)
+    inner.sort()
+    print(f"## inside our backward: median {inner[len(inner) // 2] * 1e6:.1f} us, threads {threads}", flush=True)
+
+    class Trivial(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            return a * b
+
+        @staticmethod
+        def backward(ctx, d):
+            return d * 2, d * 3
+
+    timed("trivial autograd.Function fwd+bwd 4096x6144", lambda: torch.autograd.grad(Trivial.apply(g, u), (g, u), dy))
+    y = k.swiglu(g, u)
+    timed("swiglu ours backward only (retain_graph)", lambda: torch.autograd.grad(y, (g, u), dy, retain_graph=True))
+    gs = torch.randn(1, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    us = torch.randn(1, 128, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    dys = torch.randn(1, 128, device=DEV, dtype=torch.bfloat16)
+    timed("swiglu ours fwd+bwd 1x128", lambda: torch.autograd.grad(k.swiglu(gs, us), (gs, us), dys))
+    timed("swiglu torch fwd+bwd 1x128", lambda: torch.autograd.grad(F.silu(gs) * us, (gs, us), dys))
+
+
+def moe_inputs(T: int, E: int = 128, H: int = 2048, I: int = 768, K: int = 8):
+    logits = torch.randn(T, E, device=DEV)
+    w, idx = torch.topk(torch.softmax(logits, -1), K, dim=-1)
+    x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
+    gu = torch.randn(E, 2 * I, H, device=DEV, dtype=torch.bfloat16) * 0.02
+    dn = torch.randn(E, H, I, device=DEV, dtype=torch.bfloat16) * 0.02
+    return x, gu, dn, idx, w.to(torch.bfloat16)
+
+
+def align_cases(moe) -> None:
+    rt = sys.modules[moe.__name__ + "._experts_routing"]
+    for T, bm in ((512, 32), (4096, 64), (16384, 128)):
+        _, _, _, idx, _ = moe_inputs(T)
+        timed(f"align_rows Qwen3 T={T} block_m={bm}", lambda idx=idx, bm=bm: rt.align_rows(idx, 128, bm))
+
+
+def experts_cases(moe) -> None:
+    for T in (1, 512):
+        x, gu, dn, idx, w = moe_inputs(T)
+        with torch.no_grad():
+            timed(f"fused_experts fwd Qwen3 T={T}",
+                  lambda x=x, gu=gu, dn=dn, idx=idx, w=w: moe.fused_experts(x, gu, dn, idx, w, check_indices=False))
+
+
+def main() -> None:
+    import triton
+
+    print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(), flush=True)
+    which = sys.argv[1:] or ["swiglu", "align", "experts"]
+    moe = load_kernel_from_dir(ROOT / "kernels_repo" / "moe")
+    if "swiglu" in which:
+        swiglu_cases()
+    if "align" in which:
+        align_cases(moe)
+    if "experts" in which:
+        experts_cases(moe)
+
+
+if __name__ == "__main__":
+    main()

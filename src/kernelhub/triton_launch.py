@@ -1,0 +1,145 @@
+"""Lean Triton launches for kernel repositories: `kernel[grid](...)` once, then the compiled handle.
+
+`kernel[grid](...)` spends tens of microseconds of Python per call (binding, specializing every
+argument, hashing a key, reading knobs) before a few-microsecond driver call; a MoE forward makes
+about ten launches, so in eager decode that Python *is* the run time. `CachedLaunch` lets Triton
+compile and launch the first call of each specialization, keeps the compiled kernel, and afterwards
+calls that kernel's launcher itself with the same arguments: same binary, same stream, same bits.
+The launcher's calling convention, `run(gx, gy, gz, stream, function, packed_metadata,
+launch_metadata, enter_hook, exit_hook, *all_args)`, is the one `JITFunction.run` uses in triton
+3.4 through 3.7.
+
+Device safety: the caller names the device index the launch is for (the one its guard made
+current); the stream is that device's current stream and every key includes the index, so a
+kernel compiled for one GPU is never launched on another.
+
+Keys are at least as fine as Triton's own specialization: tensors by dtype and 16-byte alignment,
+ints by exact value (and, to reuse a compiled kernel for a new value, by Triton's int
+specialization: `== 1`, `% 16 == 0`, 32/64-bit), constexprs, bools, floats, None and tensor
+descriptors by value. Profiler hooks, pre-run hooks, stage hooks, async compilation and the
+interpreter take Triton's own path.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    from triton import knobs as _knobs
+except ImportError:  # triton < 3.4: always take Triton's own path
+    _knobs = None
+
+__all__ = ["CachedLaunch"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_MAX_KEYS = 4096  # exact keys; a sweep over many sequence lengths must not grow forever
+_I32 = 1 << 31
+
+
+def _int_spec(v: int) -> int:
+    """Triton's specialization of a runtime int: == 1 (a constant), else % 16 and 32/64-bit width."""
+    if v == 1:
+        return 1
+    return 2 + (v % 16 == 0) + 2 * (v >= _I32 or v < -_I32)
+
+
+def _arg_key(a: object) -> object:
+    """An argument's part of the exact key (never equal for two args Triton specializes apart)."""
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    if type(a) is int or a is None:
+        return a
+    base = getattr(a, "base", None)
+    if isinstance(base, torch.Tensor):  # a host TensorDescriptor: every field, exactly
+        return (type(a), base.dtype, base.data_ptr() % 16 == 0, tuple(a.shape), tuple(a.strides),
+                tuple(a.block_shape), getattr(a, "padding", None))
+    return (type(a), a)  # bool (True == 1 must not collide with an int), float, str, dtype
+
+
+def _spec_key(exact: tuple, constexpr: tuple[bool, ...]) -> tuple:
+    """The exact key with each runtime int replaced by Triton's specialization of it."""
+    return tuple(
+        _int_spec(k) if type(k) is int and not is_const else k
+        for k, is_const in zip(exact, constexpr, strict=True)
+    )
+
+
+def _hooks_registered() -> bool:
+    rt = _knobs.runtime
+    for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
+        # 3.6/3.7: a HookChain whose `calls` list is empty when nothing is registered
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return getattr(rt, "add_stages_inspection_hook", None) is not None
+
+
+class CachedLaunch:
+    """Launch one `@triton.jit` kernel; every parameter passed (positionally or as constexpr kw)."""
+
+    def __init__(self, kernel, **options) -> None:
+        self.kernel = kernel
+        self.options = {} if _INTERPRET else options  # GPU-only compile options (e.g. maxnreg)
+        params = getattr(kernel, "params", None)  # JITFunction; the interpreter's has arg_names only
+        self.names = tuple(getattr(kernel, "arg_names", None) or (p.name for p in params or ()))
+        self.constexpr = tuple(bool(p.is_constexpr) for p in params) if params is not None else ()
+        self.exact: dict[tuple, tuple] = {}  # exact key -> (run, function, packed_metadata)
+        self.by_spec: dict[tuple, tuple] = {}  # Triton's specialization -> the same triple
+        self.fast = (not _INTERPRET and _knobs is not None and params is not None
+                     and hasattr(kernel, "pre_run_hooks"))
+
+    def _triton(self, grid: tuple, args: tuple, num_warps: int, num_stages: int | None,
+                kwargs: dict | None = None):
+        extra = dict(kwargs or {})
+        if num_stages is not None:
+            extra["num_stages"] = num_stages
+        return self.kernel[grid](*args, num_warps=num_warps, **extra, **self.options)
+
+    def __call__(self, grid: tuple, device_index: int, *args, num_warps: int = 4,
+                 num_stages: int | None = None, **constexprs) -> None:
+        """Launch on `device_index`'s current stream; that device must be current (the guard).
+
+        `grid` has 1-3 entries; `args` are the kernel's leading parameters in order and
+        `constexprs` the remaining ones by name.
+        """
+        if constexprs:
+            names = self.names[len(args):]
+            if len(names) != len(constexprs) or not all(n in constexprs for n in names):
+                self._triton(grid, args, num_warps, num_stages, constexprs)
+                return
+            args = args + tuple([constexprs[n] for n in names])
+        if not self.fast or len(args) != len(self.names) or self.kernel.pre_run_hooks or _hooks_registered():
+            self._triton(grid, args, num_warps, num_stages)
+            return
+        rt = _knobs.runtime
+        head = (device_index, num_warps, num_stages, rt.debug,
+                getattr(_knobs.compilation, "instrumentation_mode", None))
+        exact = tuple([_arg_key(a) for a in args])
+        key = (head, exact)
+        hit = self.exact.get(key)
+        if hit is None:
+            spec_key = (head, _spec_key(exact, self.constexpr))
+            hit = self.by_spec.get(spec_key)
+            if hit is None:
+                compiled = self._triton(grid, args, num_warps, num_stages)
+                # 3.7's async compile mode returns a future: keep only a loaded, launchable kernel
+                if compiled is None or hasattr(compiled, "result") or not all(
+                    hasattr(compiled, a) for a in ("run", "function", "packed_metadata")
+                ) or not callable(compiled.run):
+                    return
+                hit = self.by_spec[spec_key] = (compiled.run, compiled.function, compiled.packed_metadata)
+                self._remember(key, hit)
+                return
+            self._remember(key, hit)
+        run, function, metadata = hit
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        # launch metadata and hooks None: what Triton passes when no hook is registered
+        run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(device_index), function, metadata,
+            None, None, None, *args)
+
+    def _remember(self, key: tuple, hit: tuple) -> None:
+        if len(self.exact) >= _MAX_KEYS:
+            self.exact.clear()
+        self.exact[key] = hit

@@ -1,0 +1,76 @@
+"""CachedLaunch: keys at least as fine as Triton's specialization, and the same results either way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kernelhub import triton_launch
+from kernelhub.triton_launch import CachedLaunch, _arg_key, _int_spec, _spec_key
+
+
+@triton.jit
+def _axpy_kernel(x_ptr, y_ptr, out_ptr, n, alpha, SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask)
+    y = tl.load(y_ptr + offs, mask=mask)
+    tl.store(out_ptr + offs, x * alpha * SCALE + y, mask=mask)
+
+
+def test_keys_tell_apart_what_triton_specializes_apart():
+    a = torch.zeros(64)
+    assert _arg_key(True) != _arg_key(1)  # i1 vs the constant 1
+    assert _arg_key(a) != _arg_key(a.half())  # dtype
+    assert _arg_key(a) != _arg_key(a[1:])  # 16-byte alignment (4-byte offset)
+    assert _arg_key(a) == _arg_key(torch.ones(64))  # same dtype and alignment: same kernel
+    assert _arg_key(None) is None and _arg_key(7) == 7
+
+
+def test_runtime_ints_map_to_triton_specializations_and_constexprs_stay_exact():
+    assert _int_spec(1) == 1
+    assert _int_spec(16) == _int_spec(4096) != _int_spec(17)
+    assert _int_spec(17) == _int_spec(3)
+    assert _int_spec(2**31) != _int_spec(2**31 - 16)  # 64-bit vs 32-bit
+    exact = (5, 32, 16)
+    assert _spec_key(exact, (False, False, True)) == (_int_spec(5), _int_spec(32), 16)
+
+
+def test_constexpr_keywords_are_ordered_by_the_kernel_signature():
+    launch = CachedLaunch(_axpy_kernel)
+    x, y = torch.randn(100), torch.randn(100)
+    out = torch.empty(100)
+    # keywords in another order than the signature's
+    launch((2,), -1, x, y, out, 100, 0.5, BLOCK=64, SCALE=2, num_warps=4)
+    torch.testing.assert_close(out, x + y, rtol=0, atol=0)
+    assert launch.names[-2:] == ("SCALE", "BLOCK")
+    out.zero_()
+    launch((2,), -1, x, y, out, 100, 0.5, BLOCK=64, SCALE=4, num_warps=4)
+    torch.testing.assert_close(out, 2 * x + y)
+
+
+@pytest.mark.gpu
+def test_cached_launches_match_triton_launches_on_the_gpu():
+    launch = CachedLaunch(_axpy_kernel)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf = torch.randn(4096 + 8, device=dev)
+    y = torch.randn(4096 + 8, device=dev)
+    for n in (1, 16, 100, 4096):  # == 1, % 16, other: three specializations, reused across n
+        for offset in (0, 1):  # aligned and misaligned pointers
+            x = buf[offset:offset + n]
+            out = torch.empty(n, device=dev)
+            for _ in range(2):  # first call through Triton, second through the cached handle
+                out.zero_()
+                launch((triton.cdiv(n, 64),), dev.index, x, y[:n], out, n, 1.5, SCALE=2, BLOCK=64)
+                torch.testing.assert_close(out, x * 3 + y[:n], rtol=0, atol=0)
+    if launch.fast:  # triton >= 3.4 without hooks: the cached path was taken
+        assert launch.exact and launch.by_spec
+        assert len(launch.by_spec) <= 3 * 2  # n: == 1, % 16, other; x: aligned or not
+
+
+def test_the_interpreter_always_takes_tritons_path():
+    if not triton_launch._INTERPRET:
+        pytest.skip("only meaningful under TRITON_INTERPRET=1")
+    assert not CachedLaunch(_axpy_kernel).fast
