@@ -67,6 +67,11 @@ def swiglu_cases() -> None:
     inner, threads = [], set()
     orig = fn.backward
 
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+
     def timed_backward(ctx, dy):
         import threading
 
@@ -74,6 +79,10 @@ def swiglu_cases() -> None:
         t0 = time.perf_counter()
         res = orig(ctx, dy)
         inner.append(time.perf_counter() - t0)
+        if len(inner) > 20:  # a cProfile of the backward body, on the thread autograd runs it on
+            prof.enable()
+            orig(ctx, dy)
+            prof.disable()
         return res
 
     fn.backward = staticmethod(timed_backward)
@@ -83,6 +92,7 @@ def swiglu_cases() -> None:
         fn.backward = staticmethod(orig)
     inner.sort()
     print(f"## inside our backward: median {inner[len(inner) // 2] * 1e6:.1f} us, threads {threads}", flush=True)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
 
     class Trivial(torch.autograd.Function):
         @staticmethod
@@ -119,6 +129,34 @@ def align_cases(moe) -> None:
         timed(f"align_rows Qwen3 T={T} block_m={bm}", lambda idx=idx, bm=bm: rt.align_rows(idx, 128, bm))
 
 
+def launcher_report(moe) -> None:
+    """Did the cached launches take their fast path? (exact-key hits need `fast` and no hooks)."""
+    from kernelhub import triton_launch as tlaunch
+
+    ex = sys.modules[moe.__name__ + ".experts"]
+    rt = sys.modules[moe.__name__ + ".routing"]
+    print(f"## launcher: hooks_registered={tlaunch._hooks_registered()} gemm fast={ex._gemm_launch.fast} "
+          f"exact={len(ex._gemm_launch.exact)} by_spec={len(ex._gemm_launch.by_spec)} "
+          f"map_scatter exact={len(rt._launch['_map_scatter_kernel'].exact)}", flush=True)
+    x, gu, dn, idx, w = moe_inputs(512)
+    lau = rt._launch["_map_scan_kernel"]
+    buf = torch.zeros(64 * 129, device=DEV, dtype=torch.int32)
+    tot = torch.zeros(129, device=DEV, dtype=torch.int32)
+    kw = dict(BLOCK_T=128, BLOCK_E=16, num_warps=4)
+    fast = lambda: lau((9,), 0, buf, tot, 64, 129, **kw)  # noqa: E731
+    slow = lambda: lau.kernel[(9,)](buf, tot, 64, 129, **kw)  # noqa: E731
+    for name, fn in (("cached", fast), ("triton", slow)):
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(500):
+            fn()
+        host = (time.perf_counter() - t0) / 500 * 1e6
+        torch.cuda.synchronize()
+        print(f"## one launch of _map_scan_kernel, {name}: {host:.1f} us host", flush=True)
+
+
 def experts_cases(moe) -> None:
     for T in (1, 512):
         x, gu, dn, idx, w = moe_inputs(T)
@@ -139,6 +177,7 @@ def main() -> None:
         align_cases(moe)
     if "experts" in which:
         experts_cases(moe)
+        launcher_report(moe)
 
 
 if __name__ == "__main__":

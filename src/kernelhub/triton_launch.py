@@ -115,7 +115,7 @@ class CachedLaunch:
         rt = _knobs.runtime
         head = (device_index, num_warps, num_stages, rt.debug,
                 getattr(_knobs.compilation, "instrumentation_mode", None))
-        exact = tuple([_arg_key(a) for a in args])
+        exact = tuple([a if type(a) is int else _arg_key(a) for a in args])
         key = (head, exact)
         hit = self.exact.get(key)
         if hit is None:

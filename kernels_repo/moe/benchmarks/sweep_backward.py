@@ -1,0 +1,76 @@
+"""Sweep the backward tiles (dgrad GEMM, both weight-gradient GEMMs) of the largest sm90 bucket.
+
+The forward tiles were tuned by `tune_moe.py`; this is the short list to check the backward ones
+(the dgrad epilogue and the weight gradients set the forward+backward time at large T).
+Usage (repo root, GPU): PYTHONPATH=src python kernels_repo/moe/benchmarks/sweep_backward.py
+  env: POINTS=mixtral_8x7b:16384,deepseek_v3:16384
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from tune_moe import DEV, SHAPES, ex, moe, rt, timed  # same directory
+
+DGRAD = [
+    {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
+    {"BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
+    {"BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
+]
+WGRAD = [
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 8, "num_stages": 4},
+    {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 32, "num_warps": 8, "num_stages": 4},
+]
+
+
+def sweep_point(name: str, T: int, variant: str) -> None:
+    s = SHAPES[name]
+    E, H, I, K = s["E"], s["H"], s["I"], s["K"]
+    cfg = ex._config(variant, E, H, I, T * K, None, DEV, 2)
+    bm = cfg["block_m"]
+    x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
+    gu = torch.randn(E, 2 * I, H, device=DEV, dtype=torch.bfloat16) * 0.02
+    dn = torch.randn(E, H, I, device=DEV, dtype=torch.bfloat16) * 0.02
+    w, idx = torch.topk(torch.softmax(torch.randn(T, E, device=DEV), -1), K, dim=-1)
+    dy = torch.randn_like(x)
+    r = rt.align_rows(idx, E, bm)
+    P = r.num_rows
+    tma = ex._use_tma(variant, cfg, gu, dn)
+    aux = torch.randn(P, 2 * I, device=DEV, dtype=x.dtype)
+    dgu = torch.empty(P, 2 * I, device=DEV, dtype=x.dtype)
+    hw = torch.empty(P, I, device=DEV, dtype=x.dtype)
+    wf = w.reshape(-1).contiguous()
+    dws = torch.zeros(wf.shape[0], device=DEV, dtype=torch.float32)
+    dwd, dwgu = torch.empty_like(dn), torch.empty_like(gu)
+    print(f"== {name} T={T} block_m={bm} current dgrad={cfg['dgrad']} wgrad={cfg['wgrad']}", flush=True)
+
+    def dgrad(c):
+        ex._gemm(dy, dn, dgu, r, c, n=I, k=H, epilogue=2, gather_a=True, b_ncontig=True, topk=K,
+                 use_tma=tma, aux=aux, scale=wf, dscale=dws, h=hw)
+
+    for c in DGRAD:
+        print(f"dgrad {name} T={T} {c} ms={timed(lambda c=c: dgrad(c)):.3f}", flush=True)
+    for c in WGRAD:
+        ms1 = timed(lambda c=c: ex._wgrad(dy, hw, dwd, r, c, gather_a=True, gather_b=False, topk=K))
+        ms2 = timed(lambda c=c: ex._wgrad(dgu, x, dwgu, r, c, gather_a=False, gather_b=True, topk=K))
+        print(f"wgrad {name} T={T} {c} down_ms={ms1:.3f} gate_up_ms={ms2:.3f} sum={ms1 + ms2:.3f}", flush=True)
+
+
+def main() -> None:
+    points = os.environ.get("POINTS", "mixtral_8x7b:16384,deepseek_v3:16384,qwen3_30b_a3b:16384")
+    variant = moe.select_variant(DEV)
+    for point in points.split(","):
+        name, T = point.split(":")
+        sweep_point(name, int(T), variant)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
