@@ -20,6 +20,21 @@ def _axpy_kernel(x_ptr, y_ptr, out_ptr, n, alpha, SCALE: tl.constexpr, BLOCK: tl
     tl.store(out_ptr + offs, x * alpha * SCALE + y, mask=mask)
 
 
+@triton.jit
+def _twice_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=mask) * 2, mask=mask)
+
+
+def test_split_launch_runs_the_same_kernel():
+    launch = CachedLaunch(_twice_kernel)
+    x = torch.randn(100)
+    out = torch.zeros(100)
+    launch.split((2,), -1, (x, out), (100,), (64,))
+    torch.testing.assert_close(out, 2 * x, rtol=0, atol=0)
+
+
 def test_keys_tell_apart_what_triton_specializes_apart():
     a = torch.zeros(64)
     assert _arg_key(True) != _arg_key(1)  # i1 vs the constant 1
@@ -68,6 +83,18 @@ def test_cached_launches_match_triton_launches_on_the_gpu():
     if launch.fast:  # triton >= 3.4 without hooks: the cached path was taken
         assert launch.exact and launch.by_spec
         assert len(launch.by_spec) <= 3 * 2  # n: == 1, % 16, other; x: aligned or not
+    twice = CachedLaunch(_twice_kernel)
+    for n in (1, 16, 100, 4096):
+        for offset in (0, 1):
+            x = buf[offset:offset + n]
+            for dtype in (torch.float32, torch.bfloat16):
+                xx = x.to(dtype)
+                out = torch.zeros(n, device=dev, dtype=dtype)
+                for _ in range(2):
+                    twice.split((triton.cdiv(n, 64),), dev.index, (xx, out), (n,), (64,))
+                    torch.testing.assert_close(out, 2 * xx, rtol=0, atol=0)
+    if twice.fast:
+        assert any(k[0] == "split" for k in twice.exact)
 
 
 def test_the_interpreter_always_takes_tritons_path():

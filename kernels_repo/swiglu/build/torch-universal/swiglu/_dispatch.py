@@ -133,8 +133,8 @@ def _launch(target: tuple[_Variant, int, int], backward: bool, packed: bool, N: 
     else:
         ints = (M, N, rs[0], strides[0][-1], rs[1], strides[1][-1], rs[2])
         launcher = variant.fwd
-    launcher((grid,), device_index, *tensors, *ints, block_m, block_n, N % block_n == 0, packed,
-             num_warps=num_warps)
+    launcher.split((grid,), device_index, tensors, ints, (block_m, block_n, N % block_n == 0, packed),
+                   num_warps=num_warps)
 
 
 def _run(target: tuple[_Variant, int, int], backward: bool, packed: bool, N: int,
