@@ -1,9 +1,11 @@
 """SwiGLU kernels for capability 80 and the generic GPU path: one tile per program.
 
 Ampere (A100: 1.5-2 TB/s, 108 SMs) saturates HBM with modest bytes in flight per SM, so a plain
-grid of small tiles (4 KiB per tensor, 4 warps, 32 bytes = two 16-byte vectors per thread and
-tensor) lets the hardware scheduler balance the tail. Kernels and launch configs only: devices
-are handled in `ops.py`.
+grid of small tiles (8 KiB per tensor, 8 warps, 32 bytes = two 16-byte vectors per thread and
+tensor) lets the hardware scheduler balance the tail. 8 KiB / 8 warps against 4 KiB / 4 warps
+(H200, `benchmarks/sweep_tiles.py`, 2026-12-02): 4096x6144 forward under CUDA-graph replay 0.95
+vs 0.90 of copy, 8192x14336 1.00 either way; 32 KiB tiles lose (0.90 / 0.98).
+Kernels and launch configs only: devices are handled in `ops.py`.
 """
 
 import triton
@@ -11,8 +13,8 @@ import triton.language as tl
 
 from ._tiles import swiglu_bwd_tile, swiglu_fwd_tile
 
-TILE_BYTES = 4096
-NUM_WARPS = 4
+TILE_BYTES = 8192
+NUM_WARPS = 8
 MIN_TILE_BYTES = 1024
 CTAS_PER_SM_SMALL = 2  # below this many tiles per SM, shrink tiles so every SM gets work
 
