@@ -19,24 +19,17 @@ from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "kernels_repo" / "swiglu" / "benchmarks"))
+from bench_swiglu import time_eager  # noqa: E402  (the same eager timing as the SwiGLU benchmark)
+
 from kernelhub._loader import load_kernel_from_dir  # noqa: E402
 
 DEV = torch.device("cuda", 0)
 
 
 def timed(name: str, fn, n: int = 50) -> None:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t0) / n * 1e3
-    end.record()
-    torch.cuda.synchronize()
-    print(f"## {name}: {start.elapsed_time(end) / n:.4f} ms per eager call, host {host:.4f} ms", flush=True)
+    ms, host_us = time_eager(fn, n)
+    print(f"## {name}: {ms:.4f} ms per eager call, host {host_us / 1e3:.4f} ms", flush=True)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
             fn()

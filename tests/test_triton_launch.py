@@ -44,6 +44,20 @@ def test_keys_tell_apart_what_triton_specializes_apart():
     assert _arg_key(None) is None and _arg_key(7) == 7
 
 
+def test_tensor_descriptors_are_keyed_by_every_field():
+    TensorDescriptor = pytest.importorskip("triton.tools.tensor_descriptor").TensorDescriptor
+    w = torch.zeros(4, 64, 32)
+
+    def desc(t, block):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
+
+    base = _arg_key(desc(w, [1, 16, 32]))
+    assert base == _arg_key(desc(torch.ones(4, 64, 32), [1, 16, 32]))
+    assert base != _arg_key(desc(w, [1, 32, 32]))  # block shape
+    assert base != _arg_key(desc(w.half(), [1, 16, 32]))  # dtype
+    assert base != _arg_key(desc(w[:2], [1, 16, 32]))  # shape
+
+
 def test_runtime_ints_map_to_triton_specializations_and_constexprs_stay_exact():
     assert _int_spec(1) == 1
     assert _int_spec(16) == _int_spec(4096) != _int_spec(17)
