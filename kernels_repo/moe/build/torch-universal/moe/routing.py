@@ -243,7 +243,6 @@ def _upper_bound_pos(numel: int, num_experts: int, alignment: int) -> int:
     return (numel + (alignment - 1) * num_experts) // alignment * alignment
 
 
-
 class _Mapping(NamedTuple):
     pos_to_expert: Tensor
     pos_to_token: Tensor
