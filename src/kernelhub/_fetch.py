@@ -249,30 +249,23 @@ def fetch_variant(repo_id: str, repo_type: str, ref: str, commit: str, variant: 
     target = storage / "snapshots" / commit / "build" / variant
     with FileLock(str(locks / f"{commit}-{variant}.lock")):
         if not (marker.is_file() and target.is_dir()):
-            if offline():
-                # A cache filled by another tool has no marker: let huggingface_hub check completeness.
-                try:
-                    snapshot_download(
-                        repo_id,
-                        repo_type=repo_type,
-                        revision=commit,
-                        cache_dir=str(cache_dir()),
-                        allow_patterns=[f"build/{variant}/*"],
-                        local_files_only=True,
-                    )
-                except Exception as e:
-                    raise KernelNotFoundError(
-                        f"offline and kernel {repo_id!r} {variant} at {commit[:12]} is not fully cached: {e}"
-                    ) from e
-            else:
+            # Offline, a cache filled by another tool has no marker: huggingface_hub checks completeness.
+            where = {"local_files_only": True} if offline() else {"endpoint": endpoint()}
+            try:
                 snapshot_download(
                     repo_id,
                     repo_type=repo_type,
                     revision=commit,
                     cache_dir=str(cache_dir()),
                     allow_patterns=[f"build/{variant}/*"],
-                    endpoint=endpoint(),
+                    **where,
                 )
+            except Exception as e:
+                if not offline():
+                    raise
+                raise KernelNotFoundError(
+                    f"offline and kernel {repo_id!r} {variant} at {commit[:12]} is not fully cached: {e}"
+                ) from e
             if not target.is_dir():
                 raise KernelVariantNotFoundError(
                     f"kernel {repo_id!r} at {commit[:12]} has no build/{variant}/"
