@@ -9,7 +9,10 @@ the whole pipeline up to ptxas. Usage (repo root, TRITON_INTERPRET unset):
 from __future__ import annotations
 
 import os
+import re
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import triton
@@ -35,6 +38,20 @@ UNIT_STRIDES = {
 }
 
 
+def ptxas_report(ptx: str, cap: int) -> str:
+    """Registers per thread and spill bytes as ptxas reports them (the GPU is not needed)."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    arch = "sm_90a" if cap == 90 else f"sm_{cap}"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        Path(path).write_text(ptx)
+        out = subprocess.run([ptxas, "-v", f"--gpu-name={arch}", path, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", out)
+    spills = sum(int(v) for v in re.findall(r"(\d+) bytes spill", out))
+    return f"regs={regs.group(1) if regs else '?'} spill_bytes={spills}"
+
+
 def compile_one(fn, signature, constexprs, cap, num_warps, num_stages, label):
     # As the JIT specializes at run time: unit strides become constexpr 1, and pointers and other
     # int arguments are assumed 16-divisible (true for the shapes that matter, e.g. H=2048, I=768).
@@ -50,14 +67,14 @@ def compile_one(fn, signature, constexprs, cap, num_warps, num_stages, label):
     try:
         k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=opts)
         smem = k.metadata.shared
-        print(f"ok   sm{cap} {label} smem={smem}", flush=True)
+        print(f"ok   sm{cap} {label} smem={smem} {ptxas_report(k.asm['ptx'], cap)}", flush=True)
         return smem
     except Exception as e:  # noqa: BLE001
         print(f"FAIL sm{cap} {label}: {type(e).__name__}: {str(e)[:400]}", flush=True)
         return None
 
 
-def gemm(cap, cfg, bm, epilogue, tma, ncontig, dtype="bf16"):
+def gemm(cap, cfg, bm, epilogue, tma, ncontig, dtype="bf16", halves=False):
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     sig = {
         "a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "c_ptr": f"*{dtype}", "aux_ptr": f"*{dtype}",
@@ -74,14 +91,15 @@ def gemm(cap, cfg, bm, epilogue, tma, ncontig, dtype="bf16"):
     else:
         const["b_desc"] = None
     const.update(
-        EPILOGUE=epilogue, SAVE_AUX=epilogue == 1, SAVE_H=epilogue == 2, GATHER_A=epilogue != 0, TOPK=8, B_TMA=tma,
+        EPILOGUE=epilogue, SAVE_AUX=epilogue == 1, SAVE_H=epilogue == 2, EPI_HALVES=halves,
+        GATHER_A=epilogue != 0, TOPK=8, B_TMA=tma,
         B_NCONTIG=ncontig, UPCAST=False, PRECISION="ieee" if dtype == "fp32" else None, BLOCK_M=bm,
         BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
     )
     # ASTSource wants every argument in the signature; constexprs are marked "constexpr".
     order = k80._grouped_gemm_kernel.arg_names
     full = {n: sig.get(n, "constexpr") for n in order}
-    label = f"gemm epi={epilogue} tma={tma} ncontig={ncontig} bm={bm} {cfg} {dtype}"
+    label = f"gemm epi={epilogue}{' halves' if halves else ''} tma={tma} ncontig={ncontig} bm={bm} {cfg} {dtype}"
     return compile_one(k80._grouped_gemm_kernel, full, const, cap, cfg["num_warps"], cfg["num_stages"], label)
 
 
@@ -125,6 +143,8 @@ def main() -> None:
             for stage, epi, ncontig in (("gate_up", 1, False), ("down", 0, False), ("dgrad", 2, True),
                                         ("down", 0, True)):
                 failures += gemm(cap, b[stage], b["block_m"], epi, tma, ncontig) is None
+                if epi == 2:  # the optional two-halves epilogue (config key "EPI_HALVES")
+                    failures += gemm(cap, b[stage], b["block_m"], epi, tma, ncontig, halves=True) is None
             failures += wgrad(cap, b["wgrad"], True) is None
             failures += wgrad(cap, b["wgrad"], False) is None
         failures += gemm(cap, buckets[0]["gate_up"], 16, 1, False, False, dtype="fp32") is None
