@@ -3,7 +3,7 @@
 The forward tiles were tuned by `tune_moe.py`; this is the short list to check the backward ones
 (the dgrad epilogue and the weight gradients set the forward+backward time at large T).
 Usage (repo root, GPU): PYTHONPATH=src python kernels_repo/moe/benchmarks/sweep_backward.py
-  env: POINTS=mixtral_8x7b:16384,deepseek_v3:16384
+  env: POINTS=mixtral_8x7b:16384,deepseek_v3:16384  PARTS=dgrad,wgrad
 """
 
 from __future__ import annotations
@@ -59,9 +59,10 @@ def sweep_point(name: str, T: int, variant: str) -> None:
         ex._gemm(dy, dn, dgu, r, c, n=I, k=H, epilogue=2, gather_a=True, b_ncontig=True, topk=K,
                  use_tma=tma, aux=aux, scale=wf, dscale=dws, h=hw)
 
-    for c in DGRAD:
+    parts = os.environ.get("PARTS", "dgrad,wgrad").split(",")
+    for c in DGRAD if "dgrad" in parts else ():
         print(f"dgrad {name} T={T} {c} ms={timed(lambda c=c: dgrad(c)):.3f}", flush=True)
-    for c in WGRAD:
+    for c in WGRAD if "wgrad" in parts else ():
         ms1 = timed(lambda c=c: ex._wgrad(dy, hw, dwd, r, c, gather_a=True, gather_b=False, topk=K))
         ms2 = timed(lambda c=c: ex._wgrad(dgu, x, dwgu, r, c, gather_a=False, gather_b=True, topk=K))
         print(f"wgrad {name} T={T} {c} down_ms={ms1:.3f} gate_up_ms={ms2:.3f} sum={ms1 + ms2:.3f}", flush=True)
