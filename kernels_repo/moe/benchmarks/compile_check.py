@@ -74,7 +74,7 @@ def compile_one(fn, signature, constexprs, cap, num_warps, num_stages, label):
         return None
 
 
-def gemm(cap, cfg, bm, epilogue, tma, ncontig, dtype="bf16", halves=False):
+def gemm(cap, cfg, bm, epilogue, tma, ncontig, dtype="bf16"):
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     sig = {
         "a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "c_ptr": f"*{dtype}", "aux_ptr": f"*{dtype}",
@@ -91,7 +91,7 @@ def gemm(cap, cfg, bm, epilogue, tma, ncontig, dtype="bf16", halves=False):
     else:
         const["b_desc"] = None
     const.update(
-        EPILOGUE=epilogue, SAVE_AUX=epilogue == 1, SAVE_H=epilogue == 2, EPI_HALVES=halves,
+        EPILOGUE=epilogue, SAVE_AUX=epilogue == 1, SAVE_H=epilogue == 2,
         GATHER_A=epilogue != 0, TOPK=8, B_TMA=tma,
         B_NCONTIG=ncontig, UPCAST=False, PRECISION="ieee" if dtype == "fp32" else None, BLOCK_M=bm,
         BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
@@ -99,7 +99,7 @@ def gemm(cap, cfg, bm, epilogue, tma, ncontig, dtype="bf16", halves=False):
     # ASTSource wants every argument in the signature; constexprs are marked "constexpr".
     order = k80._grouped_gemm_kernel.arg_names
     full = {n: sig.get(n, "constexpr") for n in order}
-    label = f"gemm epi={epilogue}{' halves' if halves else ''} tma={tma} ncontig={ncontig} bm={bm} {cfg} {dtype}"
+    label = f"gemm epi={epilogue} tma={tma} ncontig={ncontig} bm={bm} {cfg} {dtype}"
     return compile_one(k80._grouped_gemm_kernel, full, const, cap, cfg["num_warps"], cfg["num_stages"], label)
 
 
@@ -143,8 +143,6 @@ def main() -> None:
             for stage, epi, ncontig in (("gate_up", 1, False), ("down", 0, False), ("dgrad", 2, True),
                                         ("down", 0, True)):
                 failures += gemm(cap, b[stage], b["block_m"], epi, tma, ncontig) is None
-                if epi == 2:  # the optional two-halves epilogue (config key "EPI_HALVES")
-                    failures += gemm(cap, b[stage], b["block_m"], epi, tma, ncontig, halves=True) is None
             failures += wgrad(cap, b["wgrad"], True) is None
             failures += wgrad(cap, b["wgrad"], False) is None
         failures += gemm(cap, buckets[0]["gate_up"], 16, 1, False, False, dtype="fp32") is None

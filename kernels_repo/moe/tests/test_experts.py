@@ -175,24 +175,6 @@ def test_large_batch_gradients_match_the_float64_loop():
         assert_close_rel(got, want, 1e-5, name)
 
 
-def test_dgrad_epilogue_in_two_halves_gives_the_same_gradients():
-    """Config key EPI_HALVES (dgrad stage): the same math on two column halves of the tile."""
-    cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
-    x, gu, dn, idx, w = make_inputs(6, 40, 24, 5, 2, seed=31, drop=2)
-    dy = torch.randn(6, 40, generator=torch.Generator().manual_seed(32))
-    halves = copy.deepcopy(cfgs.INTERPRETER_CONFIG)
-    halves["dgrad"]["EPI_HALVES"] = True
-    _, base = run_with_grads(lambda *a: moe.fused_experts(*a, variant="sm80"), x, gu, dn, idx, w, dy,
-                             torch.float32)
-    _, split = run_with_grads(lambda *a: moe.fused_experts(*a, variant="sm80", config=halves), x, gu, dn,
-                              idx, w, dy, torch.float32)
-    _, ref = run_with_grads(lambda *a: loop_reference(*a), x, gu, dn, idx, w, dy, torch.float64)
-    for got, plain, want, name in zip(split, base, ref, ("x", "gate_up_proj", "down_proj", "topk_weights"),
-                                      strict=True):
-        torch.testing.assert_close(got, plain, rtol=1e-6, atol=1e-6)  # dw sums in another order
-        assert_close_rel(got, want, 1e-5, name)
-
-
 def test_inference_path_matches_autograd_path():
     x, gu, dn, idx, w = make_inputs(7, 32, 16, 4, 2, seed=7)
     with torch.no_grad():

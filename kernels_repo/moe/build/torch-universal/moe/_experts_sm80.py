@@ -60,7 +60,6 @@ def _grouped_gemm_kernel(
     EPILOGUE: tl.constexpr,     # 0: C = A@B; 1: C = silu(A@Bg)*(A@Bu) (+ aux = [g, u]); 2: SwiGLU bwd
     SAVE_AUX: tl.constexpr,     # EPILOGUE 1: also store the pre-activation [g | u] into aux
     SAVE_H: tl.constexpr,       # EPILOGUE 2: also store w * silu(g) * u (dW_down's operand) into h
-    EPI_HALVES: tl.constexpr,   # EPILOGUE 2: run the epilogue on two column halves (registers)
     GATHER_A: tl.constexpr,     # A row of buffer row p is rows[p] // TOPK (a token id); else p
     TOPK: tl.constexpr,
     B_TMA: tl.constexpr,        # weights through a TensorDescriptor (sm90)
@@ -134,36 +133,17 @@ def _grouped_gemm_kernel(
     else:
         # acc = dY[tok] @ Wd[e] = dL/dh before the routing weight; aux holds [g | u] of the forward.
         # scale = topk_weights and dscale = its fp32 gradient, both flat [T*K], indexed by rows[p].
-        if EPI_HALVES:
-            # Two column halves: the whole-tile epilogue keeps ~4 fp32 tiles live (ptxas, sm90,
-            # 128x128 tile, 8 warps: 255 registers and 4.7 KB of spills; in halves 183, none).
-            w = tl.load(scale_ptr + flat, mask=row_valid, other=0.0).to(tl.float32)
-            acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
-            _swiglu_bwd_epilogue(acc0, n0 + tl.arange(0, BLOCK_N // 2), w, flat, row_valid, offs_m, m_mask, N,
-                                 aux_ptr, c_ptr, dscale_ptr, h_ptr, stride_xm, stride_cm, stride_cn, stride_hm,
-                                 SAVE_H, UPCAST)
-            _swiglu_bwd_epilogue(acc1, n0 + BLOCK_N // 2 + tl.arange(0, BLOCK_N // 2), w, flat, row_valid,
-                                 offs_m, m_mask, N, aux_ptr, c_ptr, dscale_ptr, h_ptr, stride_xm, stride_cm,
-                                 stride_cn, stride_hm, SAVE_H, UPCAST)
-        else:
-            # The whole tile at once: the code measured in docs/performance.md (2026-12-02), kept
-            # as it was until EPI_HALVES is timed on a GPU; then one of the two should go.
-            x_ptrs = aux_ptr + offs_m[:, None] * stride_xm + offs_n[None, :]
-            g = tl.load(x_ptrs, mask=c_mask, other=0.0).to(tl.float32)
-            u = tl.load(x_ptrs + N, mask=c_mask, other=0.0).to(tl.float32)
-            w = tl.load(scale_ptr + flat, mask=row_valid, other=0.0).to(tl.float32)
-            sig = tl.sigmoid(g)
-            silu = g * sig
-            h = silu * u
-            tl.atomic_add(dscale_ptr + flat, tl.sum(acc * h, axis=1), mask=row_valid)
-            if SAVE_H:
-                tl.store(h_ptr + offs_m[:, None] * stride_hm + offs_n[None, :],
-                         _to(h * w[:, None], h_ptr.dtype.element_ty, UPCAST), mask=c_mask)
-            dh = acc * w[:, None]
-            dg = dh * u * sig * (1.0 + g * (1.0 - sig))
-            du = dh * silu
-            tl.store(c_ptrs, _to(dg, c_ptr.dtype.element_ty, UPCAST), mask=c_mask)
-            tl.store(c_ptrs + N * stride_cn, _to(du, c_ptr.dtype.element_ty, UPCAST), mask=c_mask)
+        # Two column halves: the whole tile at once kept ~4 fp32 tiles live (ptxas, sm90, 128x128,
+        # 8 warps: 255 registers and 4.7 KB of spills; in halves 183 and none) and ran 27-39% slower
+        # (H200, sweep_backward.py, 2026-12-03: Mixtral T=16384 dgrad 12.2 -> 9.0 ms).
+        w = tl.load(scale_ptr + flat, mask=row_valid, other=0.0).to(tl.float32)
+        acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+        _swiglu_bwd_epilogue(acc0, n0 + tl.arange(0, BLOCK_N // 2), w, flat, row_valid, offs_m, m_mask, N,
+                             aux_ptr, c_ptr, dscale_ptr, h_ptr, stride_xm, stride_cm, stride_cn, stride_hm,
+                             SAVE_H, UPCAST)
+        _swiglu_bwd_epilogue(acc1, n0 + BLOCK_N // 2 + tl.arange(0, BLOCK_N // 2), w, flat, row_valid,
+                             offs_m, m_mask, N, aux_ptr, c_ptr, dscale_ptr, h_ptr, stride_xm, stride_cm,
+                             stride_cn, stride_hm, SAVE_H, UPCAST)
 
 
 @triton.jit

@@ -161,7 +161,7 @@ def _gemm(a, weight, out, routing: ExpertRows, cfg: dict, *, n: int, k: int, epi
         a.stride(0), a.stride(1), weight.stride(0), stride_bn, stride_bk, out.stride(0), out.stride(1),
         aux_t.stride(0), h_t.stride(0),
         EPILOGUE=epilogue, SAVE_AUX=save_aux, SAVE_H=h is not None,
-        EPI_HALVES=epilogue == 2 and bool(cfg.get("EPI_HALVES", False)), GATHER_A=gather_a, TOPK=topk,
+        GATHER_A=gather_a, TOPK=topk,
         B_TMA=use_tma,
         B_NCONTIG=b_ncontig, UPCAST=_interpreting(), PRECISION=_precision(a.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
