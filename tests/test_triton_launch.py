@@ -109,6 +109,24 @@ def test_cached_launches_match_triton_launches_on_the_gpu():
                     torch.testing.assert_close(out, 2 * xx, rtol=0, atol=0)
     if twice.fast:
         assert any(k[0] == "split" for k in twice.exact)
+        if triton.__version__.startswith("3.6."):  # the launcher's entry point, called directly
+            assert all(hit[3] is not None for hit in twice.by_spec.values())
+
+
+def test_direct_entry_only_for_a_scratch_free_triton_3_6_launcher():
+    class CudaLauncher:  # the fields of triton 3.6's launcher object
+        def __init__(self, **fields):
+            self.launch = print
+            self.launch_cooperative_grid = False
+            self.launch_pdl = True
+            self.global_scratch_size = self.profile_scratch_size = 0
+            self.__dict__.update(fields)
+
+    assert triton_launch._direct_entry(CudaLauncher()) == (print, False, True)
+    assert triton_launch._direct_entry(CudaLauncher(global_scratch_size=128)) is None
+    assert triton_launch._direct_entry(CudaLauncher(profile_scratch_size=8)) is None
+    assert triton_launch._direct_entry(CudaLauncher(arg_annotations=())) is None  # 3.7's layout
+    assert triton_launch._direct_entry(print) is None
 
 
 def test_the_interpreter_always_takes_tritons_path():

@@ -18,6 +18,13 @@ ints by exact value (and, to reuse a compiled kernel for a new value, by Triton'
 specialization: `== 1`, `% 16 == 0`, 32/64-bit), constexprs, bools, floats, None and tensor
 descriptors by value. Profiler hooks, pre-run hooks, stage hooks, async compilation and the
 interpreter take Triton's own path.
+
+Tensors reach the launcher as their addresses (ints): for a tensor it would call `data_ptr()` and
+ask the driver (`cuPointerGetAttribute`) whether the address is a device one, per pointer and per
+launch. Our callers have already checked that every tensor is a CUDA tensor on the launch's
+device, so that check repeats one of ours. On triton 3.6 the launcher's own entry point is called
+directly when the kernel needs no scratch memory (what `CudaLauncher.__call__` does, minus a
+Python frame).
 """
 
 from __future__ import annotations
@@ -75,6 +82,19 @@ def _hooks_registered() -> bool:
     return getattr(rt, "add_stages_inspection_hook", None) is not None
 
 
+def _direct_entry(run: object) -> tuple | None:
+    """(launch, cooperative, pdl) of a triton 3.6 CudaLauncher that needs no scratch memory, whose
+    `__call__` then only forwards to `launch(gx, gy, gz, stream, function, cooperative, pdl,
+    global_scratch, profile_scratch, *rest)`; None (call the launcher itself) for anything else,
+    e.g. triton 3.7, whose launcher takes its arguments in another layout."""
+    if type(run).__name__ != "CudaLauncher" or hasattr(run, "arg_annotations"):
+        return None
+    fields = ("launch", "launch_cooperative_grid", "launch_pdl", "global_scratch_size", "profile_scratch_size")
+    if not all(hasattr(run, f) for f in fields) or run.global_scratch_size or run.profile_scratch_size:
+        return None
+    return run.launch, run.launch_cooperative_grid, run.launch_pdl
+
+
 class CachedLaunch:
     """Launch one `@triton.jit` kernel; every parameter passed (positionally or as constexpr kw)."""
 
@@ -123,7 +143,8 @@ class CachedLaunch:
                                           num_warps, num_stages)
             if hit is None:
                 return  # launched by Triton itself
-        self._run(hit, grid, device_index, args)
+        self._run(hit, grid, device_index,
+                  tuple([a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]))
 
     def split(self, grid: tuple, device_index: int, tensors: tuple, ints: tuple, constexprs: tuple,
               num_warps: int = 4, num_stages: int | None = None) -> None:
@@ -132,9 +153,10 @@ class CachedLaunch:
         (`ints` plain ints, `constexprs` fixed types): the key is the tensors' dtypes, the ints
         and the constexprs, with no per-argument dispatch (a few us less per launch on slow hosts).
         """
+        ptrs = tuple([t.data_ptr() for t in tensors])
         aligned = True
-        for t in tensors:
-            aligned = aligned and t.data_ptr() % 16 == 0
+        for p in ptrs:
+            aligned = aligned and p % 16 == 0
         args = tensors + ints + constexprs
         if (not aligned or not self.fast or len(args) != len(self.names) or self.kernel.pre_run_hooks
                 or _hooks_registered()):
@@ -151,7 +173,7 @@ class CachedLaunch:
             hit = self._lookup_or_compile(key, spec_key, grid, args, num_warps, num_stages)
             if hit is None:
                 return
-        self._run(hit, grid, device_index, args)
+        self._run(hit, grid, device_index, ptrs + ints + constexprs)
 
     def _lookup_or_compile(self, key: tuple, spec_key: tuple, grid: tuple, args: tuple, num_warps: int,
                            num_stages: int | None) -> tuple | None:
@@ -167,18 +189,25 @@ class CachedLaunch:
             hasattr(compiled, a) for a in ("run", "function", "packed_metadata")
         ) or not callable(compiled.run):
             return None
-        hit = self.by_spec[spec_key] = (compiled.run, compiled.function, compiled.packed_metadata)
+        hit = self.by_spec[spec_key] = (compiled.run, compiled.function, compiled.packed_metadata,
+                                        _direct_entry(compiled.run))
         self._remember(key, hit)
         return None
 
     @staticmethod
     def _run(hit: tuple, grid: tuple, device_index: int, args: tuple) -> None:
-        run, function, metadata = hit
+        run, function, metadata, direct = hit
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
+        stream = torch._C._cuda_getCurrentRawStream(device_index)
         # launch metadata and hooks None: what Triton passes when no hook is registered
-        run(grid[0], g1, g2, torch._C._cuda_getCurrentRawStream(device_index), function, metadata,
-            None, None, None, *args)
+        if direct is not None:
+            launch, cooperative, pdl = direct
+            # scratch None: the kernel needs none (checked in _direct_entry)
+            launch(grid[0], g1, g2, stream, function, cooperative, pdl, None, None, metadata, None, None,
+                   None, *args)
+        else:
+            run(grid[0], g1, g2, stream, function, metadata, None, None, None, *args)
 
     def _remember(self, key: tuple, hit: tuple) -> None:
         if len(self.exact) >= _MAX_KEYS:
