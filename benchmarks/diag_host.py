@@ -138,7 +138,21 @@ def launcher_report(moe) -> None:
     kw = dict(BLOCK_T=128, BLOCK_E=16, num_warps=4)
     fast = lambda: lau((9,), 0, buf, tot, 64, 129, **kw)  # noqa: E731
     slow = lambda: lau.kernel[(9,)](buf, tot, 64, 129, **kw)  # noqa: E731
-    for name, fn in (("cached", fast), ("triton", slow)):
+    fast()
+    run, function, metadata, direct = next(iter(lau.by_spec.values()))
+    stream = torch._C._cuda_getCurrentRawStream(0)
+    # the launcher object with tensors (it calls data_ptr() and cuPointerGetAttribute per pointer)
+    # and with addresses, and its entry point with addresses (what CachedLaunch does on triton 3.6)
+    objs = lambda: run(9, 1, 1, stream, function, metadata, None, None, None, buf, tot, 64, 129, 128, 16)  # noqa: E731
+    ints = lambda: run(9, 1, 1, stream, function, metadata, None, None, None, buf.data_ptr(),  # noqa: E731
+                       tot.data_ptr(), 64, 129, 128, 16)
+    cases = [("cached", fast), ("triton", slow), ("launcher, tensors", objs), ("launcher, addresses", ints)]
+    if direct is not None:
+        launch, coop, pdl = direct
+        cases.append(("launcher entry, addresses", lambda: launch(
+            9, 1, 1, stream, function, coop, pdl, None, None, metadata, None, None, None, buf.data_ptr(),
+            tot.data_ptr(), 64, 129, 128, 16)))
+    for name, fn in cases:
         for _ in range(20):
             fn()
         torch.cuda.synchronize()
