@@ -62,13 +62,14 @@ def main() -> None:
     if os.environ.get("MODE") == "rows":
         sweep_shapes(kernel, copy_bw, shapes)
         return
-    defaults = (sm80.TILE_BYTES, sm80.NUM_WARPS)
+    defaults = (sm80.TILE_BYTES, sm80.BWD_TILE_BYTES, sm80.NUM_WARPS)
     for T, I in shapes:
         g = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
         u = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(T, I, device=DEV, dtype=torch.bfloat16)
         for tile_bytes, warps in TILES:
-            sm80.TILE_BYTES, sm80.NUM_WARPS = tile_bytes, warps
+            sm80.TILE_BYTES = sm80.BWD_TILE_BYTES = tile_bytes
+            sm80.NUM_WARPS = warps
             variant._configs.clear()
             for backward, tensors in ((False, 3), (True, 8)):
                 gg, uu = (g, u) if backward else (g.detach(), u.detach())
@@ -80,7 +81,7 @@ def main() -> None:
                 print(f"sweep {T}x{I} {'fwdbwd' if backward else 'fwd'} tile={tile_bytes} warps={warps} "
                       f"eager={nbytes / (eager_ms * 1e-3) / copy_bw:.3f} "
                       f"graph={nbytes / (graph_ms * 1e-3) / copy_bw:.3f}", flush=True)
-        sm80.TILE_BYTES, sm80.NUM_WARPS = defaults
+        sm80.TILE_BYTES, sm80.BWD_TILE_BYTES, sm80.NUM_WARPS = defaults
         variant._configs.clear()
         del g, u, dy
         torch.cuda.empty_cache()

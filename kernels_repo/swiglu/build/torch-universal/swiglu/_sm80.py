@@ -1,10 +1,12 @@
 """SwiGLU kernels for capability 80 and the generic GPU path: one tile per program.
 
 Ampere (A100: 1.5-2 TB/s, 108 SMs) saturates HBM with modest bytes in flight per SM, so a plain
-grid of small tiles (8 KiB per tensor, 8 warps, 32 bytes = two 16-byte vectors per thread and
-tensor) lets the hardware scheduler balance the tail. 8 KiB / 8 warps against 4 KiB / 4 warps
-(H200, `benchmarks/sweep_tiles.py`, 2026-12-02): 4096x6144 forward under CUDA-graph replay 0.95
-vs 0.90 of copy, 8192x14336 1.00 either way; 32 KiB tiles lose (0.90 / 0.98).
+grid of small tiles lets the hardware scheduler balance the tail. Forward: 4 KiB per tensor and
+tile, 8 warps (one 16-byte vector per thread and tensor); backward (five tensors): 8 KiB, 8 warps.
+Measured on an H200 (`benchmarks/sweep_tiles.py`): forward under CUDA-graph replay, 1x2048 tiles /
+8 warps 0.962 / 1.022 / 1.024 of copy at 4096x6144 / 8192x14336 / 32768x4096 against 0.895 /
+1.016 / 1.016 for 2x2048 (2026-12-03, MODE=rows); whole-row tiles (Liger-Kernel's shape) lose
+(0.82-0.94 at 4096x6144). Backward: 8 KiB / 8 warps (2026-12-02; 32 KiB tiles lose).
 Kernels and launch configs only: devices are handled in `ops.py`.
 """
 
@@ -13,7 +15,8 @@ import triton.language as tl
 
 from ._tiles import swiglu_bwd_tile, swiglu_fwd_tile
 
-TILE_BYTES = 8192
+TILE_BYTES = 4096  # forward
+BWD_TILE_BYTES = 8192
 NUM_WARPS = 8
 MIN_TILE_BYTES = 1024
 CTAS_PER_SM_SMALL = 2  # below this many tiles per SM, shrink tiles so every SM gets work
@@ -72,9 +75,9 @@ def warps_for(block_elems: int, elem_bytes: int, max_warps: int) -> int:
 def config(M: int, N: int, elem_bytes: int, sm_count: int, backward: bool) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, grid) for an [M, N] problem on a device with `sm_count` SMs.
 
-    The same tiles forward and backward: without a register cap, occupancy adapts by itself.
+    No register cap: occupancy adapts by itself.
     """
-    tile = TILE_BYTES // elem_bytes
+    tile = (BWD_TILE_BYTES if backward else TILE_BYTES) // elem_bytes
     min_tile = MIN_TILE_BYTES // elem_bytes
     while tile > min_tile and M * N < tile * sm_count * CTAS_PER_SM_SMALL:
         tile //= 2
