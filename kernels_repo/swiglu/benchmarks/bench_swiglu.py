@@ -204,6 +204,10 @@ def main() -> None:
         for name, fn in impls.items():
             try:
                 errs = check(name, fn, T, I)
+                # check()'s fp32 temporaries are freed; without this the timed buffers land in their
+                # fragments, and every two-input forward read ~0.93-0.95 under graph replay against
+                # 1.00-1.02 for the same kernel in a fresh process (diag_swiglu_graph.py, 2026-12-03)
+                torch.cuda.empty_cache()
                 g = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
                 u = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
                 dy = torch.randn(T, I, device=DEV, dtype=torch.bfloat16)
