@@ -204,9 +204,10 @@ def main() -> None:
         for name, fn in impls.items():
             try:
                 errs = check(name, fn, T, I)
-                # check()'s fp32 temporaries are freed; without this the timed buffers land in their
-                # fragments, and every two-input forward read ~0.93-0.95 under graph replay against
-                # 1.00-1.02 for the same kernel in a fresh process (diag_swiglu_graph.py, 2026-12-03)
+                # Fresh segments for the timed buffers. Placement moves the two-input forward at the
+                # large shapes by ~7% for every implementation (H200, 2026-12-03): with check()'s
+                # fragments reused, 1.01 of copy eager / 0.93-0.96 under graph (call 5); after this
+                # line 0.93 eager / 1.03 graph (call 6); the packed form reads 1.02-1.03 either way.
                 torch.cuda.empty_cache()
                 g = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
                 u = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
