@@ -103,18 +103,23 @@ def gemm(cap, cfg, bm, epilogue, tma, ncontig, dtype="bf16"):
     return compile_one(k80._grouped_gemm_kernel, full, const, cap, cfg["num_warps"], cfg["num_stages"], label)
 
 
-def wgrad(cap, cfg, gather_a):
+def wgrad(cap, cfg, gather_a, tma=False):
     sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "rows_ptr": "*i32",
            "expert_start_ptr": "*i32", "expert_count_ptr": "*i32"}
     for name in ("M", "N", "stride_am", "stride_ak", "stride_bm", "stride_bk", "stride_ce", "stride_cm",
                  "stride_cn"):
         sig[name] = I32
-    const = dict(GATHER_A=gather_a, GATHER_B=not gather_a, TOPK=8, UPCAST=False,
-                 PRECISION=None,
-                 BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"])
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    const = dict(GATHER_A=gather_a, GATHER_B=not gather_a, TOPK=8, UPCAST=False, PRECISION=None,
+                 A_TMA=tma and not gather_a, B_TMA=tma and gather_a, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    for name, on, cols in (("a_desc", const["A_TMA"], bm), ("b_desc", const["B_TMA"], bn)):
+        if on:
+            sig[name] = f"tensordesc<bf16[{bk}, {cols}]>"
+        else:
+            const[name] = None
     full = {n: sig.get(n, "constexpr") for n in k80._grouped_wgrad_kernel.arg_names}
     return compile_one(k80._grouped_wgrad_kernel, full, const, cap, cfg["num_warps"], cfg["num_stages"],
-                       f"wgrad gather_a={gather_a} {cfg}")
+                       f"wgrad gather_a={gather_a} tma={tma} {cfg}")
 
 
 def others(cap):
@@ -143,8 +148,10 @@ def main() -> None:
             for stage, epi, ncontig in (("gate_up", 1, False), ("down", 0, False), ("dgrad", 2, True),
                                         ("down", 0, True)):
                 failures += gemm(cap, b[stage], b["block_m"], epi, tma, ncontig) is None
-            failures += wgrad(cap, b["wgrad"], True) is None
-            failures += wgrad(cap, b["wgrad"], False) is None
+            for gather_a in (True, False):
+                failures += wgrad(cap, b["wgrad"], gather_a) is None
+                if tma:  # the optional TMA operand (wgrad stage key "TMA")
+                    failures += wgrad(cap, b["wgrad"], gather_a, tma=True) is None
         failures += gemm(cap, buckets[0]["gate_up"], 16, 1, False, False, dtype="fp32") is None
     print("failures:", failures)
     sys.exit(1 if failures else 0)

@@ -23,13 +23,12 @@ DGRAD = [
     {"BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
 ]
 WGRAD = [
-    {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3},  # buckets <= 256 rows
     {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
-    {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
-    {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "TMA": True},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4, "TMA": True},
+    {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "TMA": True},
+    {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3},  # buckets <= 256 rows
     {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 8, "num_stages": 4},
-    {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 32, "num_warps": 8, "num_stages": 4},
 ]
 
 
@@ -62,8 +61,8 @@ def sweep_point(name: str, T: int, variant: str) -> None:
     for c in DGRAD if "dgrad" in parts else ():
         print(f"dgrad {name} T={T} {c} ms={timed(lambda c=c: dgrad(c)):.3f}", flush=True)
     for c in WGRAD if "wgrad" in parts else ():
-        ms1 = timed(lambda c=c: ex._wgrad(dy, hw, dwd, r, c, gather_a=True, gather_b=False, topk=K))
-        ms2 = timed(lambda c=c: ex._wgrad(dgu, x, dwgu, r, c, gather_a=False, gather_b=True, topk=K))
+        ms1 = timed(lambda c=c: ex._wgrad(dy, hw, dwd, r, c, gather_a=True, gather_b=False, topk=K, use_tma=tma))
+        ms2 = timed(lambda c=c: ex._wgrad(dgu, x, dwgu, r, c, gather_a=False, gather_b=True, topk=K, use_tma=tma))
         print(f"wgrad {name} T={T} {c} down_ms={ms1:.3f} gate_up_ms={ms2:.3f} sum={ms1 + ms2:.3f}", flush=True)
 
 

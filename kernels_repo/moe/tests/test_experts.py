@@ -135,6 +135,61 @@ def test_pinned_tile_config_gives_the_same_result():
     torch.testing.assert_close(out.double(), loop_reference(x, gu, dn, idx, w), rtol=1e-4, atol=1e-5)
 
 
+def _with_wgrad_tma(cfg: dict, on: bool) -> dict:
+    pinned = copy.deepcopy(cfg)
+    pinned["wgrad"]["TMA"] = on
+    return pinned
+
+
+def _count_row_descriptors(monkeypatch) -> list:
+    """Calls of the sm90 2-D descriptor factory (the real one runs): proof the TMA branch ran."""
+    sm90 = importlib.import_module(moe.__name__ + "._experts_sm90")
+    calls = []
+    real = sm90.rows_descriptor
+
+    def spy(t, block_rows, block_cols):
+        calls.append(tuple(t.shape))
+        return real(t, block_rows, block_cols)
+
+    monkeypatch.setattr(sm90, "rows_descriptor", spy)
+    return calls
+
+
+def test_weight_gradients_with_tma_operands_match_the_pointer_path(monkeypatch):
+    """wgrad "TMA": the non-gathered operand by 2-D descriptor, padding rows included in the box."""
+    cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
+    x, gu, dn, idx, w = make_inputs(11, 40, 24, 5, 2, seed=41, drop=3)  # padded experts, -1 ids
+    dy = torch.randn(11, 40, generator=torch.Generator().manual_seed(42))
+    calls = _count_row_descriptors(monkeypatch)
+    _, plain = run_with_grads(lambda *a: moe.fused_experts(
+        *a, variant="sm90", config=_with_wgrad_tma(cfgs.INTERPRETER_CONFIG, False)), x, gu, dn, idx, w, dy,
+        torch.float32)
+    assert calls == []
+    _, tma = run_with_grads(lambda *a: moe.fused_experts(
+        *a, variant="sm90", config=_with_wgrad_tma(cfgs.INTERPRETER_CONFIG, True)), x, gu, dn, idx, w, dy,
+        torch.float32)
+    assert len(calls) == 2  # dW_down's h * w rows and dW_gate_up's d[gate|up] rows
+    _, ref = run_with_grads(lambda *a: loop_reference(*a), x, gu, dn, idx, w, dy, torch.float64)
+    for got, base, want, name in zip(tma, plain, ref, NAMES, strict=True):
+        torch.testing.assert_close(got, base, rtol=0, atol=0)
+        assert_close_rel(got, want, 1e-5, name)
+
+
+def test_wgrad_tma_is_skipped_when_a_box_could_leave_its_expert(monkeypatch):
+    cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
+    cfg = _with_wgrad_tma(cfgs.INTERPRETER_CONFIG, True)
+    cfg["wgrad"]["BLOCK_K"] = 2 * cfg["block_m"]  # a box would span two experts' rows
+    x, gu, dn, idx, w = make_inputs(7, 40, 24, 5, 2, seed=43)
+    dy = torch.randn(7, 40, generator=torch.Generator().manual_seed(44))
+    calls = _count_row_descriptors(monkeypatch)
+    _, got = run_with_grads(lambda *a: moe.fused_experts(*a, variant="sm90", config=cfg), x, gu, dn, idx, w,
+                            dy, torch.float32)
+    assert calls == []
+    _, ref = run_with_grads(lambda *a: loop_reference(*a), x, gu, dn, idx, w, dy, torch.float64)
+    for got_g, want, name in zip(got, ref, NAMES, strict=True):
+        assert_close_rel(got_g, want, 1e-5, name)
+
+
 def test_many_pairs_take_the_fused_mapping_path_and_stay_correct():
     routing = importlib.import_module(moe.__name__ + "._experts_routing")
     T, K = 300, 2
@@ -551,6 +606,26 @@ def test_gpu_inference_is_cuda_graph_capturable(T):
         fresh = moe.fused_experts(x, gu, dn, idx, w)
     assert not torch.equal(fresh, expected)
     torch.testing.assert_close(out, fresh, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,T", [("mixtral_8x7b", 2048), ("qwen3_30b_a3b", 4096)])
+def test_gpu_wgrad_tma_matches_the_pointer_path(shape, T):
+    """At real sizes, in bf16: weight gradients with TMA operands equal the pointer path's bits."""
+    if moe.select_variant(torch.device("cuda")) != "sm90":
+        pytest.skip("TMA needs a capability 9.x GPU")
+    ex = importlib.import_module(moe.__name__ + ".experts")
+    s = SHAPES[shape]
+    x, gu, dn, idx, w = gpu_inputs(s["E"], s["H"], s["I"], s["K"], T)
+    dy = torch.randn_like(x)
+    cfg = ex._config("sm90", s["E"], s["H"], s["I"], T * s["K"], None, x.device)
+    results = []
+    for on in (False, True):
+        _, grads = run_with_grads(lambda *a, on=on: moe.fused_experts(
+            *a, variant="sm90", config=_with_wgrad_tma(cfg, on)), x, gu, dn, idx, w, dy, torch.bfloat16)
+        results.append(grads)
+    for name, base, got in zip(NAMES, *results, strict=True):
+        assert torch.equal(base, got), name
 
 
 def _restore_kernelhub(interface, previous) -> None:

@@ -174,14 +174,21 @@ def _swiglu_bwd_epilogue(acc, cols, w, flat, row_valid, offs_m, m_mask, N, aux_p
 
 @triton.jit
 def _grouped_wgrad_kernel(
-    a_ptr, b_ptr, c_ptr, rows_ptr, expert_start_ptr, expert_count_ptr,
+    a_ptr, b_ptr, a_desc, b_desc, c_ptr, rows_ptr, expert_start_ptr, expert_count_ptr,
     M, N,
     stride_am, stride_ak, stride_bm, stride_bk, stride_ce, stride_cm, stride_cn,
     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, TOPK: tl.constexpr,
+    A_TMA: tl.constexpr, B_TMA: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """dW[e] = sum over e's rows p of A[p]^T B[p]: [M, N] per expert; experts with no rows get 0."""
+    """dW[e] = sum over e's rows p of A[p]^T B[p]: [M, N] per expert; experts with no rows get 0.
+
+    A_TMA / B_TMA (sm90, an operand that is not gathered): its [BLOCK_K, BLOCK_M|N] tiles come by
+    TMA from a 2-D descriptor over the [P, M|N] buffer. The box then also reads the expert's
+    padding rows (finite: written by the dgrad kernel), which meet zeros in the gathered operand;
+    the caller makes sure BLOCK_K divides the row alignment, so a box never leaves the expert.
+    """
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -191,13 +198,16 @@ def _grouped_wgrad_kernel(
     rest = pid % (num_m * num_n)
     pid_m = rest // num_n
     pid_n = rest % num_n
-    start = tl.load(expert_start_ptr + e).to(tl.int64)
-    end = start + tl.load(expert_count_ptr + e).to(tl.int64)
+    start32 = tl.load(expert_start_ptr + e)  # int32: descriptor coordinates are 32-bit
+    count = tl.load(expert_count_ptr + e)
+    start = start32.to(tl.int64)
+    end = start + count.to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_kk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for p0 in range(start, end, BLOCK_K):
+    for i in range(0, tl.cdiv(count, BLOCK_K)):
+        p0 = start + i * BLOCK_K
         p = p0 + offs_kk
         p_mask = p < end
         flat = tl.load(rows_ptr + p, mask=p_mask, other=-1)
@@ -205,11 +215,17 @@ def _grouped_wgrad_kernel(
         tok = tl.where(valid, flat // TOPK, 0).to(tl.int64)
         ra = tok if GATHER_A else p
         rb = tok if GATHER_B else p
-        a = tl.load(a_ptr + ra[:, None] * stride_am + offs_m[None, :] * stride_ak,
-                    mask=valid[:, None] & (offs_m[None, :] < M), other=0.0)  # [BLOCK_K, BLOCK_M]
-        b_mask = valid[:, None] & (offs_n[None, :] < N)
-        b_ptrs = b_ptr + rb[:, None] * stride_bm + offs_n[None, :] * stride_bk
-        b = tl.load(b_ptrs, mask=b_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+        if A_TMA:
+            a = a_desc.load([start32 + i * BLOCK_K, pid_m * BLOCK_M])
+        else:
+            a = tl.load(a_ptr + ra[:, None] * stride_am + offs_m[None, :] * stride_ak,
+                        mask=valid[:, None] & (offs_m[None, :] < M), other=0.0)  # [BLOCK_K, BLOCK_M]
+        if B_TMA:
+            b = b_desc.load([start32 + i * BLOCK_K, pid_n * BLOCK_N])
+        else:
+            b_mask = valid[:, None] & (offs_n[None, :] < N)
+            b_ptrs = b_ptr + rb[:, None] * stride_bm + offs_n[None, :] * stride_bk
+            b = tl.load(b_ptrs, mask=b_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)

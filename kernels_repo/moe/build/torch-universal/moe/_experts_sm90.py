@@ -22,7 +22,7 @@ except ImportError:  # pragma: no cover - older triton: sm90 runs the pointer pa
 
 def tma_ok(weight: torch.Tensor) -> bool:
     """TMA constraints: last dim contiguous, base and other strides 16-byte aligned."""
-    if TensorDescriptor is None or weight.dim() != 3 or weight.stride(-1) != 1:
+    if TensorDescriptor is None or weight.dim() < 2 or weight.stride(-1) != 1:
         return False
     size = weight.element_size()
     if weight.data_ptr() % 16:
@@ -33,3 +33,8 @@ def tma_ok(weight: torch.Tensor) -> bool:
 def weight_descriptor(weight: torch.Tensor, block_rows: int, block_cols: int):
     """Descriptor over weight [E, R, C] loading [1, block_rows, block_cols] boxes."""
     return TensorDescriptor(weight, list(weight.shape), list(weight.stride()), [1, block_rows, block_cols])
+
+
+def rows_descriptor(t: torch.Tensor, block_rows: int, block_cols: int):
+    """Descriptor over a 2-D row buffer [P, C] loading [block_rows, block_cols] boxes."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [block_rows, block_cols])

@@ -170,15 +170,24 @@ def _gemm(a, weight, out, routing: ExpertRows, cfg: dict, *, n: int, k: int, epi
 
 
 def _wgrad(a, b, out, routing: ExpertRows, cfg: dict, *, gather_a: bool, gather_b: bool,
-           topk: int) -> None:
-    """out[e] = sum over e's rows p of a[row(p)]^T b[row(p)] ([M, N] per expert)."""
+           topk: int, use_tma: bool = False) -> None:
+    """out[e] = sum over e's rows p of a[row(p)]^T b[row(p)] ([M, N] per expert).
+
+    With use_tma (sm90) and the stage's "TMA" key, the operand that is not gathered is read by
+    TMA; only when BLOCK_K divides the row alignment, so that a box stays inside its expert.
+    """
     E, M, N = out.shape
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    tma = use_tma and bool(cfg.get("TMA", False)) and routing.block_m % bk == 0
+    a_tma = tma and not gather_a and sm90.tma_ok(a)
+    b_tma = tma and not gather_b and sm90.tma_ok(b)
     _wgrad_launch(
         (E * _cdiv(M, bm) * _cdiv(N, bn),), _index(a),
-        a, b, out, routing.rows, routing.expert_start, routing.expert_count, M, N,
+        a, b, sm90.rows_descriptor(a, bk, bm) if a_tma else None,
+        sm90.rows_descriptor(b, bk, bn) if b_tma else None,
+        out, routing.rows, routing.expert_start, routing.expert_count, M, N,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
-        GATHER_A=gather_a, GATHER_B=gather_b, TOPK=topk,
+        GATHER_A=gather_a, GATHER_B=gather_b, TOPK=topk, A_TMA=a_tma, B_TMA=b_tma,
         UPCAST=_interpreting(), PRECISION=_precision(a.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
@@ -268,7 +277,7 @@ def _backward(dout, x, gate_up_proj, down_proj, topk_weights, routing: ExpertRow
     if needs[2]:
         # First, so that hw is freed before dx's [P, H] rows exist (peak memory).
         d_down = torch.empty(E, H, inter, device=dev, dtype=down_proj.dtype)
-        _wgrad(dout, hw, d_down, routing, cfg["wgrad"], gather_a=True, gather_b=False, topk=K)
+        _wgrad(dout, hw, d_down, routing, cfg["wgrad"], gather_a=True, gather_b=False, topk=K, use_tma=tma)
         del hw
     if needs[0]:
         dx_rows = torch.empty(P, H, device=dev, dtype=x.dtype)
@@ -279,7 +288,7 @@ def _backward(dout, x, gate_up_proj, down_proj, topk_weights, routing: ExpertRow
         del dx_rows
     if needs[1]:
         d_gate_up = torch.empty(E, two_i, H, device=dev, dtype=gate_up_proj.dtype)
-        _wgrad(dgu, x, d_gate_up, routing, cfg["wgrad"], gather_a=False, gather_b=True, topk=K)
+        _wgrad(dgu, x, d_gate_up, routing, cfg["wgrad"], gather_a=False, gather_b=True, topk=K, use_tma=tma)
     if needs[3]:
         d_w = dw_flat.view(topk_weights.shape).to(topk_weights.dtype)
     return dx, d_gate_up, d_down, d_w
