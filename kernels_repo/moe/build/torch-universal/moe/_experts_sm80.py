@@ -199,15 +199,13 @@ def _grouped_wgrad_kernel(
     pid_m = rest // num_n
     pid_n = rest % num_n
     start32 = tl.load(expert_start_ptr + e)  # int32: descriptor coordinates are 32-bit
-    count = tl.load(expert_count_ptr + e)
     start = start32.to(tl.int64)
-    end = start + count.to(tl.int64)
+    end = start + tl.load(expert_count_ptr + e).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_kk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in range(0, tl.cdiv(count, BLOCK_K)):
-        p0 = start + i * BLOCK_K
+    for p0 in range(start, end, BLOCK_K):
         p = p0 + offs_kk
         p_mask = p < end
         flat = tl.load(rows_ptr + p, mask=p_mask, other=-1)
@@ -216,12 +214,12 @@ def _grouped_wgrad_kernel(
         ra = tok if GATHER_A else p
         rb = tok if GATHER_B else p
         if A_TMA:
-            a = a_desc.load([start32 + i * BLOCK_K, pid_m * BLOCK_M])
+            a = a_desc.load([start32 + (p0 - start).to(tl.int32), pid_m * BLOCK_M])
         else:
             a = tl.load(a_ptr + ra[:, None] * stride_am + offs_m[None, :] * stride_ak,
                         mask=valid[:, None] & (offs_m[None, :] < M), other=0.0)  # [BLOCK_K, BLOCK_M]
         if B_TMA:
-            b = b_desc.load([start32 + i * BLOCK_K, pid_n * BLOCK_N])
+            b = b_desc.load([start32 + (p0 - start).to(tl.int32), pid_n * BLOCK_N])
         else:
             b_mask = valid[:, None] & (offs_n[None, :] < N)
             b_ptrs = b_ptr + rb[:, None] * stride_bm + offs_n[None, :] * stride_bk
