@@ -18,6 +18,15 @@ from bench_swiglu import DEV, call_fn, copy_bandwidth, implementations, time_eag
 TILES = [(4096, 4), (8192, 4), (8192, 8), (16384, 8), (32768, 8)]
 
 
+def measure(label: str, call, nbytes: int, copy_bw: float) -> None:
+    """One sweep line: fraction of copy per eager call and under graph replay, as bench_swiglu."""
+    reps = max(50, min(2000, int(2e10 / nbytes)))
+    eager_ms, _ = time_eager(call, reps)
+    graph_ms = time_graph(call, 5, max(10, reps // 5))
+    print(f"sweep {label} eager={nbytes / (eager_ms * 1e-3) / copy_bw:.3f} "
+          f"graph={nbytes / (graph_ms * 1e-3) / copy_bw:.3f}", flush=True)
+
+
 def tile_shapes(N: int) -> list[tuple[int, int, int]]:
     row = triton.next_power_of_2(N)
     return [(2, 2048, 8), (1, 2048, 4), (1, 2048, 8), (1, 4096, 8), (1, row, 8), (1, row, 16), (1, row, 32),
@@ -38,13 +47,7 @@ def sweep_shapes(kernel, copy_bw: float, shapes) -> None:
             variant._configs.clear()
             call = call_fn(lambda a, b: kernel.swiglu(a, b, impl="sm80"), g, u, None, False)
             assert torch.equal(call(), ref)
-            nbytes = 3 * T * I * 2
-            reps = max(50, min(2000, int(2e10 / nbytes)))
-            eager_ms, _ = time_eager(call, reps)
-            graph_ms = time_graph(call, 5, max(10, reps // 5))
-            print(f"sweep {T}x{I} fwd tile={bm}x{bn} warps={warps} "
-                  f"eager={nbytes / (eager_ms * 1e-3) / copy_bw:.3f} "
-                  f"graph={nbytes / (graph_ms * 1e-3) / copy_bw:.3f}", flush=True)
+            measure(f"{T}x{I} fwd tile={bm}x{bn} warps={warps}", call, 3 * T * I * 2, copy_bw)
         variant._config = default
         variant._configs.clear()
         del g, u, ref
@@ -74,13 +77,8 @@ def main() -> None:
             for backward, tensors in ((False, 3), (True, 8)):
                 gg, uu = (g, u) if backward else (g.detach(), u.detach())
                 call = call_fn(lambda a, b: kernel.swiglu(a, b, impl="sm80"), gg, uu, dy, backward)
-                nbytes = tensors * T * I * 2
-                reps = max(50, min(2000, int(2e10 / nbytes)))
-                eager_ms, _ = time_eager(call, reps)
-                graph_ms = time_graph(call, 5, max(10, reps // 5))
-                print(f"sweep {T}x{I} {'fwdbwd' if backward else 'fwd'} tile={tile_bytes} warps={warps} "
-                      f"eager={nbytes / (eager_ms * 1e-3) / copy_bw:.3f} "
-                      f"graph={nbytes / (graph_ms * 1e-3) / copy_bw:.3f}", flush=True)
+                measure(f"{T}x{I} {'fwdbwd' if backward else 'fwd'} tile={tile_bytes} warps={warps}", call,
+                        tensors * T * I * 2, copy_bw)
         sm80.TILE_BYTES, sm80.BWD_TILE_BYTES, sm80.NUM_WARPS = defaults
         variant._configs.clear()
         del g, u, dy
