@@ -56,10 +56,14 @@ def gemm_space(full: bool, rows_per_expert: float):
         yield {"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "num_warps": nw, "num_stages": ns}
 
 
-def wgrad_space(full: bool):
+def wgrad_space(full: bool, tma: bool):
+    """With tma (sm90), each tile also with its non-gathered operand by TMA (wgrad key "TMA")."""
     for bm, bn, bk, nw, ns in itertools.product([64, 128], [64, 128], [32, 64], [4, 8],
                                                 [3, 4] if full else [3]):
-        yield {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns}
+        cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns}
+        yield cfg
+        if tma:
+            yield {**cfg, "TMA": True}
 
 
 def timed(fn) -> float:
@@ -106,7 +110,7 @@ def tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, tma, full, training, 
                  aux=aux, scale=wf, dscale=dws, h=hw)
 
     def wgrad(c):
-        ex._wgrad(dy, hw, dwd, r, c, gather_a=True, gather_b=False, topk=K)
+        ex._wgrad(dy, hw, dwd, r, c, gather_a=True, gather_b=False, topk=K, use_tma=tma)
 
     stages = {"gate_up": gate_up, "down": down}
     if training:
@@ -118,7 +122,7 @@ def tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, tma, full, training, 
         bucket[stage] = c
         total += ms
     if training:
-        ms, c = best_of(f"wgrad T={T} block_m={bm}", wgrad, wgrad_space(full))
+        ms, c = best_of(f"wgrad T={T} block_m={bm}", wgrad, wgrad_space(full, tma))
         bucket["wgrad"] = c
         total += 2 * ms  # two weight gradients of about this size
     return bucket, total
