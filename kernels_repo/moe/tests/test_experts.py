@@ -610,7 +610,7 @@ def test_gpu_inference_is_cuda_graph_capturable(T):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,T", [("mixtral_8x7b", 2048), ("qwen3_30b_a3b", 4096)])
-def test_gpu_wgrad_tma_matches_the_pointer_path(shape, T):
+def test_gpu_wgrad_tma_matches_the_pointer_path(shape, T, monkeypatch):
     """At real sizes, in bf16: weight gradients with TMA operands equal the pointer path's bits."""
     if moe.select_variant(torch.device("cuda")) != "sm90":
         pytest.skip("TMA needs a capability 9.x GPU")
@@ -619,13 +619,18 @@ def test_gpu_wgrad_tma_matches_the_pointer_path(shape, T):
     x, gu, dn, idx, w = gpu_inputs(s["E"], s["H"], s["I"], s["K"], T)
     dy = torch.randn_like(x)
     cfg = ex._config("sm90", s["E"], s["H"], s["I"], T * s["K"], None, x.device)
+    calls = _count_row_descriptors(monkeypatch)
     results = []
     for on in (False, True):
         _, grads = run_with_grads(lambda *a, on=on: moe.fused_experts(
             *a, variant="sm90", config=_with_wgrad_tma(cfg, on)), x, gu, dn, idx, w, dy, torch.bfloat16)
         results.append(grads)
+    assert len(calls) == 2  # the TMA branch ran, for both weight gradients
     for name, base, got in zip(NAMES, *results, strict=True):
-        assert torch.equal(base, got), name
+        if name == "topk_weights":  # summed by fp32 atomics: the order (and last bits) varies per run
+            assert_close_rel(got, base, 1e-5, name)
+        else:
+            assert torch.equal(base, got), name
 
 
 def _restore_kernelhub(interface, previous) -> None:
