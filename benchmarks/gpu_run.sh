@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: versions, GPU tests, the demo, then the benchmarks.
 # Usage (device tool): bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [tiles] [profile] [diag] [graphdiag] [sweep] [routing] [moe]
-# Env: GPU_TESTS (pytest selection for `tests`), MOE_TIMEOUT, and the benchmarks' own (SHAPES, TOKENS...)
+# Env: GPU_TESTS (pytest selection for `tests`), MOE_TIMEOUT, SWEEP_TIMEOUT, and the benchmarks' own (SHAPES, TOKENS...)
 # Logs and JSON lines land in $OUT. The GPU image has torch/triton/transformers of its own; we
 # run from the source tree (PYTHONPATH=src) and bring Liger-Kernel as a wheel in .whl/.
 set -u
@@ -23,7 +23,7 @@ for step in $steps; do
     profile) timeout 60 python3 benchmarks/profile_swiglu_host.py 2>&1 | tee "$OUT/profile_swiglu.log" | head -45 ;;
     diag) timeout 200 python3 benchmarks/diag_host.py > "$OUT/diag.log" 2>&1; grep -E "^##|Error" "$OUT/diag.log" ;;
     graphdiag) timeout 200 python3 benchmarks/diag_swiglu_graph.py 2>&1 | tee "$OUT/diag_swiglu_graph.log" | tail -8 ;;
-    sweep) timeout 240 python3 kernels_repo/moe/benchmarks/sweep_backward.py 2>&1 | tee "$OUT/sweep_backward.log" | grep -v "^ " ;;
+    sweep) timeout ${SWEEP_TIMEOUT:-240} python3 kernels_repo/moe/benchmarks/sweep_backward.py 2>&1 | tee "$OUT/sweep_backward.log" | grep -v "^ " ;;
     routing) timeout 120 python3 benchmarks/bench_moe_routing.py 2>&1 | tee "$OUT/bench_routing.log" | tail -40 ;;
     moe) timeout ${MOE_TIMEOUT:-300} python3 kernels_repo/moe/benchmarks/bench_moe.py 2>&1 | tee "$OUT/bench_moe.log" | tail -40 ;;
   esac

@@ -24,11 +24,14 @@ DGRAD = [
 ]
 WGRAD = [
     {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
     {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "TMA": True},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4, "TMA": True},
-    {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "TMA": True},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3, "TMA": True},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4, "TMA": True},
+    {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3, "TMA": True},
+    {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3, "TMA": True},
     {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3},  # buckets <= 256 rows
-    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 8, "num_stages": 4},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
 ]
 
 
@@ -46,8 +49,8 @@ def sweep_point(name: str, T: int, variant: str) -> None:
     P = r.num_rows
     tma = ex._use_tma(variant, cfg, gu, dn)
     aux = torch.randn(P, 2 * I, device=DEV, dtype=x.dtype)
-    dgu = torch.empty(P, 2 * I, device=DEV, dtype=x.dtype)
-    hw = torch.empty(P, I, device=DEV, dtype=x.dtype)
+    dgu = torch.randn(P, 2 * I, device=DEV, dtype=x.dtype)
+    hw = torch.randn(P, I, device=DEV, dtype=x.dtype)  # TMA boxes read padding rows too
     wf = w.reshape(-1).contiguous()
     dws = torch.zeros(wf.shape[0], device=DEV, dtype=torch.float32)
     dwd, dwgu = torch.empty_like(dn), torch.empty_like(gu)

@@ -58,9 +58,9 @@ def gemm_space(full: bool, rows_per_expert: float):
 
 def wgrad_space(full: bool, tma: bool):
     """With tma (sm90), each tile also with its non-gathered operand by TMA (wgrad key "TMA")."""
-    for bm, bn, bk, nw, ns in itertools.product([64, 128], [64, 128], [32, 64], [4, 8],
-                                                [3, 4] if full else [3]):
-        cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns}
+    for bm, bn, bk, gm, nw, ns in itertools.product([64, 128], [64, 128], [32, 64], [1, 8] if full else [8],
+                                                    [4, 8], [3, 4] if full else [3]):
+        cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "num_warps": nw, "num_stages": ns}
         yield cfg
         if tma:
             yield {**cfg, "TMA": True}

@@ -180,7 +180,7 @@ def _grouped_wgrad_kernel(
     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, TOPK: tl.constexpr,
     A_TMA: tl.constexpr, B_TMA: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """dW[e] = sum over e's rows p of A[p]^T B[p]: [M, N] per expert; experts with no rows get 0.
 
@@ -196,8 +196,13 @@ def _grouped_wgrad_kernel(
     # it wrapped and wrote out of bounds (illegal address on the H200, 2026-12-02).
     e = (pid // (num_m * num_n)).to(tl.int64)
     rest = pid % (num_m * num_n)
-    pid_m = rest // num_n
-    pid_n = rest % num_n
+    # Within an expert, GROUP_M M-strips sweep the N tiles together (1: row by row), so that the
+    # CTAs in flight share their operand strips in L2 (an expert's gathered rows can pass 30 MB).
+    per_group = GROUP_M * num_n
+    first_m = (rest // per_group) * GROUP_M
+    group_size = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (rest % per_group) % group_size
+    pid_n = (rest % per_group) // group_size
     start32 = tl.load(expert_start_ptr + e)  # int32: descriptor coordinates are 32-bit
     start = start32.to(tl.int64)
     end = start + tl.load(expert_count_ptr + e).to(tl.int64)

@@ -189,7 +189,7 @@ def _wgrad(a, b, out, routing: ExpertRows, cfg: dict, *, gather_a: bool, gather_
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
         GATHER_A=gather_a, GATHER_B=gather_b, TOPK=topk, A_TMA=a_tma, B_TMA=b_tma,
         UPCAST=_interpreting(), PRECISION=_precision(a.dtype),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=cfg["num_warps"],
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 1), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
 
