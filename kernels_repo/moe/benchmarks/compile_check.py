@@ -111,7 +111,8 @@ def wgrad(cap, cfg, gather_a, tma=False):
         sig[name] = I32
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     const = dict(GATHER_A=gather_a, GATHER_B=not gather_a, TOPK=8, UPCAST=False, PRECISION=None,
-                 A_TMA=tma and not gather_a, B_TMA=tma and gather_a, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+                 A_TMA=tma and not gather_a, B_TMA=tma and gather_a, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                 GROUP_M=cfg.get("GROUP_M", 1))
     for name, on, cols in (("a_desc", const["A_TMA"], bm), ("b_desc", const["B_TMA"], bn)):
         if on:
             sig[name] = f"tensordesc<bf16[{bk}, {cols}]>"
