@@ -103,15 +103,17 @@ def gemm(cap, cfg, bm, epilogue, tma, ncontig, dtype="bf16"):
     return compile_one(k80._grouped_gemm_kernel, full, const, cap, cfg["num_warps"], cfg["num_stages"], label)
 
 
-def wgrad(cap, cfg, gather_a, tma=False):
+def wgrad(cap, cfg, gather_a, tma=False, rows=False):
+    """rows: both operands row-ordered copies (wgrad key "ROWS"), so neither is gathered."""
     sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "rows_ptr": "*i32",
            "expert_start_ptr": "*i32", "expert_count_ptr": "*i32"}
     for name in ("M", "N", "stride_am", "stride_ak", "stride_bm", "stride_bk", "stride_ce", "stride_cm",
                  "stride_cn"):
         sig[name] = I32
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    const = dict(GATHER_A=gather_a, GATHER_B=not gather_a, TOPK=8, UPCAST=False, PRECISION=None,
-                 A_TMA=tma and not gather_a, B_TMA=tma and gather_a, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+    ga, gb = (False, False) if rows else (gather_a, not gather_a)
+    const = dict(GATHER_A=ga, GATHER_B=gb, TOPK=8, UPCAST=False, PRECISION=None,
+                 A_TMA=tma and not ga, B_TMA=tma and not gb, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                  GROUP_M=cfg.get("GROUP_M", 1))
     for name, on, cols in (("a_desc", const["A_TMA"], bm), ("b_desc", const["B_TMA"], bn)):
         if on:
@@ -120,7 +122,7 @@ def wgrad(cap, cfg, gather_a, tma=False):
             const[name] = None
     full = {n: sig.get(n, "constexpr") for n in k80._grouped_wgrad_kernel.arg_names}
     return compile_one(k80._grouped_wgrad_kernel, full, const, cap, cfg["num_warps"], cfg["num_stages"],
-                       f"wgrad gather_a={gather_a} tma={tma} {cfg}")
+                       f"wgrad gather_a={ga} gather_b={gb} tma={tma} {cfg}")
 
 
 def others(cap):
@@ -129,6 +131,11 @@ def others(cap):
     full = {n: sig.get(n, "constexpr") for n in k80._combine_kernel.arg_names}
     compile_one(k80._combine_kernel, full, dict(TOPK=8, HAS_W=True, RNE=False, BLOCK_H=1024), cap, 4, 3,
                 "combine")
+    sig = {"src_ptr": "*bf16", "rows_ptr": "*i32", "row_expert_ptr": "*i32", "out_ptr": "*bf16", "P": I32,
+           "H": I32, "stride_s": I32, "stride_o": I32}
+    full = {n: sig.get(n, "constexpr") for n in k80._gather_rows_kernel.arg_names}
+    compile_one(k80._gather_rows_kernel, full, dict(stride_sh=1, TOPK=8, ALIGN=128, BLOCK_R=16, BLOCK_H=512),
+                cap, 4, 3, "gather_rows")
     sig = {"idx_ptr": "*i64", "rows_ptr": "*i32", "row_expert_ptr": "*i32", "start_ptr": "*i32",
            "count_ptr": "*i32", "pos_ptr": "*i32", "n": I32, "E": I32, "P": I32}
     full = {n: sig.get(n, "constexpr") for n in rt._align_small_kernel.arg_names}
@@ -153,6 +160,8 @@ def main() -> None:
                 failures += wgrad(cap, b["wgrad"], gather_a) is None
                 if tma:  # the optional TMA operand (wgrad stage key "TMA")
                     failures += wgrad(cap, b["wgrad"], gather_a, tma=True) is None
+            if b["wgrad"].get("ROWS"):
+                failures += wgrad(cap, b["wgrad"], False, tma=tma and b["wgrad"].get("TMA", False), rows=True) is None
         failures += gemm(cap, buckets[0]["gate_up"], 16, 1, False, False, dtype="fp32") is None
     print("failures:", failures)
     sys.exit(1 if failures else 0)

@@ -4,7 +4,7 @@ The forward tiles were tuned by `tune_moe.py`; this is the short list to check t
 (the dgrad epilogue and the weight gradients set the forward+backward time at large T).
 Usage (repo root, GPU): PYTHONPATH=src python kernels_repo/moe/benchmarks/sweep_backward.py
   env: POINTS=mixtral_8x7b:16384,deepseek_v3:16384  PARTS=dgrad,wgrad  NOGATHER=1 (also time the wgrad
-  GEMMs on operands already in row order, and the expand that would make them)
+  GEMMs on operands already in row order, as the wgrad key "ROWS" does, and the copy)
 """
 
 from __future__ import annotations
@@ -27,14 +27,13 @@ DGRAD = [
 # stages, so num_stages 3 and 4 keep two buffers (prefetch distance 1), 5-6 three, 7 four (TTGIR).
 WGRAD = [
     {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 5},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 7},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "TMA": True},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4, "TMA": True},
     {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 5, "TMA": True},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 7, "TMA": True},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 8, "num_stages": 6},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 8, "num_stages": 8},
-    {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 5, "TMA": True},
-    {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 7},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4, "TMA": True},
+    {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4, "TMA": True},
+    {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4, "TMA": True},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "num_warps": 4, "num_stages": 6, "TMA": True},
 ]
 
 
@@ -66,8 +65,8 @@ def sweep_point(name: str, T: int, variant: str) -> None:
     parts = os.environ.get("PARTS", "dgrad,wgrad").split(",")
     rows_h = torch.randn(P, H, device=DEV, dtype=x.dtype) if os.environ.get("NOGATHER") else None
     if rows_h is not None:
-        ms = timed(lambda: moe.expand_to_fused(x, r.token_topk_to_pos, r.row_expert))
-        print(f"expand {name} T={T} ms={ms:.3f} (what materializing the gathered operand costs)", flush=True)
+        ms = timed(lambda: ex._gather_rows(x, r, K))
+        print(f"gather_rows {name} T={T} ms={ms:.3f} (one row-ordered copy, the ROWS key)", flush=True)
     for c in DGRAD if "dgrad" in parts else ():
         print(f"dgrad {name} T={T} {c} ms={timed(lambda c=c: dgrad(c)):.3f}", flush=True)
     for c in WGRAD if "wgrad" in parts else ():

@@ -57,13 +57,16 @@ def gemm_space(full: bool, rows_per_expert: float):
 
 
 def wgrad_space(full: bool, tma: bool):
-    """With tma (sm90), each tile also with its non-gathered operand by TMA (wgrad key "TMA")."""
+    """With tma (sm90), each tile also with its non-gathered operand by TMA (wgrad key "TMA"); each
+    also with row-ordered copies of the gathered operand (key "ROWS", then both operands by TMA)."""
     for bm, bn, bk, gm, nw, ns in itertools.product([64, 128], [64, 128], [32, 64], [1, 8] if full else [8],
                                                     [4, 8], [3, 4] if full else [3]):
         cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "num_warps": nw, "num_stages": ns}
         yield cfg
+        yield {**cfg, "ROWS": True}
         if tma:
             yield {**cfg, "TMA": True}
+            yield {**cfg, "TMA": True, "ROWS": True}
 
 
 def timed(fn) -> float:
@@ -110,7 +113,11 @@ def tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, tma, full, training, 
                  aux=aux, scale=wf, dscale=dws, h=hw)
 
     def wgrad(c):
-        ex._wgrad(dy, hw, dwd, r, c, gather_a=True, gather_b=False, topk=K, use_tma=tma)
+        if c.get("ROWS"):  # as _backward does it: a row-ordered copy of dY, then no gather
+            ex._wgrad(ex._gather_rows(dy, r, K), hw, dwd, r, c, gather_a=False, gather_b=False, topk=K,
+                      use_tma=tma)
+        else:
+            ex._wgrad(dy, hw, dwd, r, c, gather_a=True, gather_b=False, topk=K, use_tma=tma)
 
     stages = {"gate_up": gate_up, "down": down}
     if training:

@@ -135,9 +135,10 @@ def test_pinned_tile_config_gives_the_same_result():
     torch.testing.assert_close(out.double(), loop_reference(x, gu, dn, idx, w), rtol=1e-4, atol=1e-5)
 
 
-def _with_wgrad_tma(cfg: dict, on: bool) -> dict:
+def _with_wgrad_tma(cfg: dict, on: bool, rows: bool = False) -> dict:
     pinned = copy.deepcopy(cfg)
     pinned["wgrad"]["TMA"] = on
+    pinned["wgrad"]["ROWS"] = rows
     return pinned
 
 
@@ -173,6 +174,53 @@ def test_weight_gradients_with_tma_operands_match_the_pointer_path(monkeypatch):
     for got, base, want, name in zip(tma, plain, ref, NAMES, strict=True):
         torch.testing.assert_close(got, base, rtol=0, atol=0)
         assert_close_rel(got, want, 1e-5, name)
+
+
+@pytest.mark.parametrize("tma", [False, True])
+def test_weight_gradients_from_row_ordered_copies_match_the_gathering_path(monkeypatch, tma):
+    """wgrad "ROWS": dY and x copied into the aligned row order first; same bits as gathering them."""
+    cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
+    ex = importlib.import_module(moe.__name__ + ".experts")
+    T, H = 11, 40
+    x, gu, dn, idx, w = make_inputs(T, H, 24, 5, 2, seed=45, drop=3)  # padded experts, -1 ids
+    wide = torch.randn(T, 2 * H)
+    wide[:, 1::2] = x
+    x_strided = wide[:, 1::2]  # the copy must follow x's strides
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(46))
+    gathered = []
+    real = ex._gather_rows
+    monkeypatch.setattr(ex, "_gather_rows", lambda *a: gathered.append(a[0].shape) or real(*a))
+    descriptors = _count_row_descriptors(monkeypatch)
+    _, base = run_with_grads(lambda *a: moe.fused_experts(
+        *a, variant="sm90", config=_with_wgrad_tma(cfgs.INTERPRETER_CONFIG, False)), x_strided, gu, dn, idx,
+        w, dy, torch.float32)
+    assert gathered == []
+    _, rows = run_with_grads(lambda *a: moe.fused_experts(
+        *a, variant="sm90", config=_with_wgrad_tma(cfgs.INTERPRETER_CONFIG, tma, rows=True)), x_strided, gu,
+        dn, idx, w, dy, torch.float32)
+    assert gathered == [(T, H), (T, H)]  # dY for dW_down, x for dW_gate_up
+    assert len(descriptors) == (4 if tma else 0)  # with TMA: both operands of both GEMMs
+    _, ref = run_with_grads(lambda *a: loop_reference(*a), x, gu, dn, idx, w, dy, torch.float64)
+    for got, want_bits, want, name in zip(rows, base, ref, NAMES, strict=True):
+        torch.testing.assert_close(got, want_bits, rtol=0, atol=0)
+        assert_close_rel(got, want, 1e-5, name)
+
+
+def test_gather_rows_copies_real_rows_and_zeroes_padding():
+    ex = importlib.import_module(moe.__name__ + ".experts")
+    routing = importlib.import_module(moe.__name__ + "._experts_routing")
+    T, K, E, H = 9, 2, 4, 40
+    _, _, _, idx, _ = make_inputs(T, 8, 8, E, K, seed=47, drop=2)
+    r = routing.align_rows(idx, E, 16)
+    src = torch.randn(T, H, dtype=torch.bfloat16)
+    out = ex._gather_rows(src, r, K)
+    assert out.shape == (r.num_rows, H) and out.dtype == src.dtype
+    starts = r.expert_start.tolist()
+    used_end = max(s + -(-c // 16) * 16 for s, c in zip(starts, r.expert_count.tolist(), strict=True))
+    for p in range(used_end):  # rows past the last expert's block are never read: not checked
+        flat = int(r.rows[p])
+        want = src[flat // K] if flat >= 0 else torch.zeros(H, dtype=src.dtype)
+        assert torch.equal(out[p], want), f"row {p} (pair {flat})"
 
 
 def test_wgrad_tma_is_skipped_when_a_box_could_leave_its_expert(monkeypatch):
@@ -611,7 +659,8 @@ def test_gpu_inference_is_cuda_graph_capturable(T):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape,T", [("mixtral_8x7b", 2048), ("qwen3_30b_a3b", 4096)])
 def test_gpu_wgrad_tma_matches_the_pointer_path(shape, T, monkeypatch):
-    """At real sizes, in bf16: weight gradients with TMA operands equal the pointer path's bits."""
+    """At real sizes, in bf16: weight gradients with TMA operands (gathered or from row-ordered copies,
+    "ROWS") equal the pointer path's bits."""
     if moe.select_variant(torch.device("cuda")) != "sm90":
         pytest.skip("TMA needs a capability 9.x GPU")
     ex = importlib.import_module(moe.__name__ + ".experts")
@@ -621,16 +670,18 @@ def test_gpu_wgrad_tma_matches_the_pointer_path(shape, T, monkeypatch):
     cfg = ex._config("sm90", s["E"], s["H"], s["I"], T * s["K"], None, x.device)
     calls = _count_row_descriptors(monkeypatch)
     results = []
-    for on in (False, True):
-        _, grads = run_with_grads(lambda *a, on=on: moe.fused_experts(
-            *a, variant="sm90", config=_with_wgrad_tma(cfg, on)), x, gu, dn, idx, w, dy, torch.bfloat16)
+    for on, rows in ((False, False), (True, False), (True, True)):
+        _, grads = run_with_grads(lambda *a, on=on, rows=rows: moe.fused_experts(
+            *a, variant="sm90", config=_with_wgrad_tma(cfg, on, rows)), x, gu, dn, idx, w, dy, torch.bfloat16)
         results.append(grads)
-    assert len(calls) == 2  # the TMA branch ran, for both weight gradients
-    for name, base, got in zip(NAMES, *results, strict=True):
-        if name == "topk_weights":  # summed by fp32 atomics: the order (and last bits) varies per run
-            assert_close_rel(got, base, 1e-5, name)
-        else:
-            assert torch.equal(base, got), name
+    assert len(calls) == 2 + 4  # the TMA branch ran: one operand of each GEMM, then (ROWS) both
+    base = results[0]
+    for got_all in results[1:]:
+        for name, want, got in zip(NAMES, base, got_all, strict=True):
+            if name == "topk_weights":  # summed by fp32 atomics: the order (and last bits) varies per run
+                assert_close_rel(got, want, 1e-5, name)
+            else:
+                assert torch.equal(want, got), name
 
 
 def _restore_kernelhub(interface, previous) -> None:

@@ -239,6 +239,26 @@ def _grouped_wgrad_kernel(
 
 
 @triton.jit
+def _gather_rows_kernel(src_ptr, rows_ptr, row_expert_ptr, out_ptr, P, H, stride_s, stride_sh, stride_o,
+                        TOPK: tl.constexpr, ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[p] = src[rows[p] // TOPK], zero on an expert's padding rows; blocks past the last expert
+    are left alone (no kernel reads them). Makes a wgrad operand that TMA can load (no gather)."""
+    r0 = tl.program_id(0) * BLOCK_R  # BLOCK_R divides ALIGN: one expert per program
+    if tl.load(row_expert_ptr + (r0 // ALIGN) * ALIGN) < 0:
+        return
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    flat = tl.load(rows_ptr + offs_r, mask=offs_r < P, other=-1)
+    valid = flat >= 0
+    src_rows = tl.where(valid, flat // TOPK, 0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h[None, :] < H
+    v = tl.load(src_ptr + src_rows[:, None] * stride_s + offs_h[None, :] * stride_sh, mask=valid[:, None] & h_mask,
+                other=0.0)
+    tl.store(out_ptr + offs_r.to(tl.int64)[:, None] * stride_o + offs_h[None, :], v,
+             mask=(offs_r[:, None] < P) & h_mask)
+
+
+@triton.jit
 def _combine_kernel(
     y_ptr, pos_ptr, w_ptr, out_ptr, H, stride_ym, stride_wt, stride_wk, stride_om,
     TOPK: tl.constexpr, HAS_W: tl.constexpr, RNE: tl.constexpr, BLOCK_H: tl.constexpr,
