@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: versions, GPU tests, the demo, then the benchmarks.
-# Usage (device tool): bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [tiles] [profile] [diag] [graphdiag] [sweep] [routing] [moe]
-# Env: GPU_TESTS (pytest selection for `tests`), MOE_TIMEOUT, SWEEP_TIMEOUT, and the benchmarks' own (SHAPES, TOKENS...)
+# Usage (device tool): bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [tiles] [profile] [diag] [graphdiag] [sweep] [tune] [routing] [moe]
+# Env: GPU_TESTS (pytest selection for `tests`), MOE_TIMEOUT, SWEEP_TIMEOUT, TUNE_TIMEOUT, TUNE_ARGS, and the benchmarks' own (SHAPES, TOKENS...)
 # Logs and JSON lines land in $OUT. The GPU image has torch/triton/transformers of its own; we
 # run from the source tree (PYTHONPATH=src) and bring Liger-Kernel as a wheel in .whl/.
 set -u
 OUT=${OUT:-/tmp/kernelhub-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} KERNELHUB_TEST_GPU=1 TRITON_INTERPRET=0
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 steps=${*:-tests demo swiglu routing moe}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -24,6 +24,7 @@ for step in $steps; do
     diag) timeout 200 python3 benchmarks/diag_host.py > "$OUT/diag.log" 2>&1; grep -E "^##|Error" "$OUT/diag.log" ;;
     graphdiag) timeout 200 python3 benchmarks/diag_swiglu_graph.py 2>&1 | tee "$OUT/diag_swiglu_graph.log" | tail -8 ;;
     sweep) timeout ${SWEEP_TIMEOUT:-240} python3 kernels_repo/moe/benchmarks/sweep_backward.py 2>&1 | tee "$OUT/sweep_backward.log" | grep -v "^ " ;;
+    tune) timeout ${TUNE_TIMEOUT:-400} python3 kernels_repo/moe/benchmarks/tune_moe.py ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune_moe.log" | grep -E "^==| block_m=|wrote" ;;
     routing) timeout 120 python3 benchmarks/bench_moe_routing.py 2>&1 | tee "$OUT/bench_routing.log" | tail -40 ;;
     moe) timeout ${MOE_TIMEOUT:-300} python3 kernels_repo/moe/benchmarks/bench_moe.py 2>&1 | tee "$OUT/bench_moe.log" | tail -40 ;;
   esac

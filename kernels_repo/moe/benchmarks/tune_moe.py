@@ -7,7 +7,7 @@ time. Buckets are written per shape ("shapes": {"E128_H2048_I768": [...]}) with
 max_rows_per_expert halfway (geometric) between the tuned loads; other shapes keep the defaults.
 
 Usage (repo root): PYTHONPATH=src python kernels_repo/moe/benchmarks/tune_moe.py [--out DIR]
-    [--full] [--forward-only]   env: SHAPES=qwen3_30b_a3b  TOKENS=1,512,16384
+    [--full] [--forward-only]   env: SHAPES=qwen3_30b_a3b  TOKENS=1,512,16384  BLOCK_MS=64,128
 Time: the default grid compiles about 16 configs per stage and BLOCK_M (2-3 BLOCK_M per point), so
 one (shape, T) point takes about 2-4 minutes; tune a few points per run (SHAPES=, TOKENS=).
 Then: KERNELHUB_MOE_CONFIG_DIR=DIR (or copy DIR/sm90.json over the package's configs/).
@@ -144,6 +144,8 @@ def tune_point(E, H, I, K, T, variant, full, training):
     tma = variant == "sm90"
     rpe = T * K / E
     block_ms = [16, 32, 64] if rpe <= 32 else [64, 128]
+    if os.environ.get("BLOCK_MS"):  # e.g. BLOCK_MS=64 to retune one bucket's tiles only
+        block_ms = [int(b) for b in os.environ["BLOCK_MS"].split(",")]
     best_total, best_bucket = math.inf, None
     # Decode: also try pointer loads on sm90 (no host descriptors; see experts._use_tma).
     tmas = [True, False] if tma and rpe <= 4 else [tma]
