@@ -7,7 +7,8 @@ Buffers (P = static bound on aligned rows, see `max_rows`):
   aux  [P, 2I] x.dtype   pre-activation [gate | up] per row (training only: the one saved activation)
   y    [P, H]  x.dtype   unweighted expert output per row (forward only)
 Backward: dgrad GEMM dY[tok] @ Wd -> d[gate|up] [P, 2I] with the SwiGLU bwd and dL/dw in its
-epilogue; dx = combine(d[gate|up] @ Wgu); dW_down, dW_gate_up by per-expert wgrad GEMMs.
+epilogue; dx = combine(d[gate|up] @ Wgu); dW_down, dW_gate_up by per-expert wgrad GEMMs, which
+gather dY / x rows in their K loop or (wgrad key "ROWS") read [P, H] row-ordered copies of them.
 The variant is chosen per call from the capability of x's device (sm90: TMA weight loads; sm80:
 pointer loads; CPU: the torch reference).
 """
