@@ -113,9 +113,8 @@ def tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, tma, full, training, 
                  aux=aux, scale=wf, dscale=dws, h=hw)
 
     def wgrad(c):
-        if c.get("ROWS"):  # as _backward does it: a row-ordered copy of dY, then no gather
-            ex._wgrad(ex._gather_rows(dy, r, K), hw, dwd, r, c, gather_a=False, gather_b=False, topk=K,
-                      use_tma=tma)
+        if c.get("ROWS"):  # as _backward does it: row-ordered copies of dY (column chunks), no gather
+            ex._wgrad_from_row_copies(dy, hw, dwd, r, c, src_is_a=True, topk=K, use_tma=tma)
         else:
             ex._wgrad(dy, hw, dwd, r, c, gather_a=True, gather_b=False, topk=K, use_tma=tma)
 

@@ -8,7 +8,7 @@ Buffers (P = static bound on aligned rows, see `max_rows`):
   y    [P, H]  x.dtype   unweighted expert output per row (forward only)
 Backward: dgrad GEMM dY[tok] @ Wd -> d[gate|up] [P, 2I] with the SwiGLU bwd and dL/dw in its
 epilogue; dx = combine(d[gate|up] @ Wgu); dW_down, dW_gate_up by per-expert wgrad GEMMs, which
-gather dY / x rows in their K loop or (wgrad key "ROWS") read [P, H] row-ordered copies of them.
+gather dY / x rows in their K loop or (wgrad key "ROWS") read row-ordered copies of them.
 The variant is chosen per call from the capability of x's device (sm90: TMA weight loads; sm80:
 pointer loads; CPU: the torch reference).
 """
@@ -196,10 +196,11 @@ def _wgrad(a, b, out, routing: ExpertRows, cfg: dict, *, gather_a: bool, gather_
     )
 
 
-def _gather_rows(src: torch.Tensor, routing: ExpertRows, topk: int) -> torch.Tensor:
+def _gather_rows(src: torch.Tensor, routing: ExpertRows, topk: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """[P, H] copy of src's rows in the expert-aligned order (zeros on padding rows)."""
     P, H = routing.num_rows, src.shape[1]
-    out = torch.empty(P, H, device=src.device, dtype=src.dtype)
+    if out is None:
+        out = torch.empty(P, H, device=src.device, dtype=src.dtype)
     block_r = min(16, routing.block_m)
     block_h = min(512, _next_pow2(H))
     _gather_launch(
@@ -208,6 +209,32 @@ def _gather_rows(src: torch.Tensor, routing: ExpertRows, topk: int) -> torch.Ten
         TOPK=topk, ALIGN=routing.block_m, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4,
     )
     return out
+
+
+def _column_chunks(n: int, tile: int, parts: int) -> list[tuple[int, int]]:
+    """[c0, c1) ranges splitting n columns into about `parts` chunks, each a multiple of `tile`."""
+    width = _cdiv(_cdiv(n, parts), tile) * tile
+    return [(c, min(c + width, n)) for c in range(0, n, width)]
+
+
+def _wgrad_from_row_copies(src, other, out, routing: ExpertRows, cfg: dict, *, src_is_a: bool, topk: int,
+                           use_tma: bool) -> None:
+    """The wgrad GEMM with its gathered operand `src` [T, H] replaced by row-ordered copies, made
+    `ROWS_PARTS` (default 4) column chunks of H at a time into one reused buffer: the copy adds
+    P*H/4 to the backward's peak memory instead of P*H (Qwen3-30B-A3B T=16384: 144 vs 575 MiB).
+    H is dW_down's M (src = dY is operand A) and dW_gate_up's N (src = x is operand B)."""
+    H = src.shape[1]
+    tile = cfg["BLOCK_M"] if src_is_a else cfg["BLOCK_N"]
+    chunks = _column_chunks(H, tile, int(cfg.get("ROWS_PARTS", 4)))
+    buf = torch.empty(routing.num_rows, chunks[0][1], device=src.device, dtype=src.dtype)
+    for c0, c1 in chunks:
+        rows = _gather_rows(src[:, c0:c1], routing, topk, out=buf[:, : c1 - c0])
+        if src_is_a:
+            _wgrad(rows, other, out[:, c0:c1, :], routing, cfg, gather_a=False, gather_b=False, topk=topk,
+                   use_tma=use_tma)
+        else:
+            _wgrad(other, rows, out[:, :, c0:c1], routing, cfg, gather_a=False, gather_b=False, topk=topk,
+                   use_tma=use_tma)
 
 
 def _combine(y, token_topk_to_pos, weights, out) -> None:
@@ -290,19 +317,17 @@ def _backward(dout, x, gate_up_proj, down_proj, topk_weights, routing: ExpertRow
     _gemm(dout, down_proj, dgu, routing, cfg["dgrad"], n=inter, k=H, epilogue=2, gather_a=True,
           b_ncontig=True, topk=K, use_tma=tma, aux=aux, scale=w_flat, dscale=dw_flat, h=hw)
     dx = d_gate_up = d_down = d_w = None
-    # "ROWS" (large buckets): the weight-gradient GEMMs read dY and x from row-ordered copies
-    # instead of gathering them in their K loop, where the index load ahead of each gathered load
-    # costs a pipeline stage (TTGIR: num_stages 3-4 keep one tile in flight); with TMA on both
-    # operands Mixtral T=16384 takes 20.7 instead of 27.5 ms for 0.24 ms of copies (H200).
+    # "ROWS" (large buckets): the weight-gradient GEMMs read dY and x from row-ordered copies (in
+    # column chunks, see _wgrad_from_row_copies) instead of gathering them in their K loop, where
+    # the index load ahead of each gathered load costs a pipeline stage (TTGIR: num_stages 3-4 keep
+    # one tile in flight); with TMA on both operands Mixtral T=16384 takes 20.7 instead of 27.5 ms
+    # for 0.24 ms of copies (H200).
     rows_mode = bool(cfg["wgrad"].get("ROWS", False))
     if needs[2]:
         # First, so that hw is freed before dx's [P, H] rows exist (peak memory).
         d_down = torch.empty(E, H, inter, device=dev, dtype=down_proj.dtype)
         if rows_mode:
-            dout_rows = _gather_rows(dout, routing, K)
-            _wgrad(dout_rows, hw, d_down, routing, cfg["wgrad"], gather_a=False, gather_b=False, topk=K,
-                   use_tma=tma)
-            del dout_rows
+            _wgrad_from_row_copies(dout, hw, d_down, routing, cfg["wgrad"], src_is_a=True, topk=K, use_tma=tma)
         else:
             _wgrad(dout, hw, d_down, routing, cfg["wgrad"], gather_a=True, gather_b=False, topk=K, use_tma=tma)
         del hw
@@ -316,8 +341,7 @@ def _backward(dout, x, gate_up_proj, down_proj, topk_weights, routing: ExpertRow
     if needs[1]:
         d_gate_up = torch.empty(E, two_i, H, device=dev, dtype=gate_up_proj.dtype)
         if rows_mode:
-            _wgrad(dgu, _gather_rows(x, routing, K), d_gate_up, routing, cfg["wgrad"], gather_a=False,
-                   gather_b=False, topk=K, use_tma=tma)
+            _wgrad_from_row_copies(x, dgu, d_gate_up, routing, cfg["wgrad"], src_is_a=False, topk=K, use_tma=tma)
         else:
             _wgrad(dgu, x, d_gate_up, routing, cfg["wgrad"], gather_a=False, gather_b=True, topk=K, use_tma=tma)
     if needs[3]:
