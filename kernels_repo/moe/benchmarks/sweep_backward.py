@@ -5,6 +5,7 @@ The forward tiles were tuned by `tune_moe.py`; this is the short list to check t
 Usage (repo root, GPU): PYTHONPATH=src python kernels_repo/moe/benchmarks/sweep_backward.py
   env: POINTS=mixtral_8x7b:16384,deepseek_v3:16384  PARTS=dgrad,wgrad  NOGATHER=1 (also time the wgrad
   GEMMs on operands already in row order, as the wgrad key "ROWS" does, and the copy)
+  PROBE=1 (the current wgrad tile against writing its output alone: zero_() and the kernel with no rows)
 """
 
 from __future__ import annotations
@@ -63,6 +64,20 @@ def sweep_point(name: str, T: int, variant: str) -> None:
                  use_tma=tma, aux=aux, scale=wf, dscale=dws, h=hw)
 
     parts = os.environ.get("PARTS", "dgrad,wgrad").split(",")
+    if os.environ.get("PROBE"):  # where a wgrad GEMM's time goes: writing its output alone
+        empty = r._replace(expert_count=torch.zeros_like(r.expert_count))  # no rows: K loop skipped
+        c = cfg["wgrad"]
+        for label, out, args in (("down", dwd, (dy, hw)), ("gate_up", dwgu, (dgu, x))):
+            down = label == "down"
+
+            def run(routing, out=out, args=args, down=down):
+                ex._wgrad(*args, out, routing, c, gather_a=down, gather_b=not down, topk=K, use_tma=tma)
+
+            fill = timed(lambda out=out: out.zero_())
+            store, full = timed(lambda run=run: run(empty)), timed(lambda run=run: run(r))
+            gb = out.numel() * out.element_size() / 1e9
+            print(f"probe {name} T={T} {label} GB={gb:.2f} fill_ms={fill:.3f} store_only_ms={store:.3f} "
+                  f"wgrad_ms={full:.3f} {c}", flush=True)
     rows_h = torch.randn(P, H, device=DEV, dtype=x.dtype) if os.environ.get("NOGATHER") else None
     if rows_h is not None:
         ms = timed(lambda: ex._gather_rows(x, r, K))
