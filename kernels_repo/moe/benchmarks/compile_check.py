@@ -120,6 +120,11 @@ def wgrad(cap, cfg, gather_a, tma=False, rows=False):
             sig[name] = f"tensordesc<bf16[{bk}, {cols}]>"
         else:
             const[name] = None
+    const["C_TMA"] = tma and bool(cfg.get("TMA_STORE", False))
+    if const["C_TMA"]:
+        sig["c_desc"] = f"tensordesc<bf16[1, {bm}, {bn}]>"
+    else:
+        const["c_desc"] = None
     full = {n: sig.get(n, "constexpr") for n in k80._grouped_wgrad_kernel.arg_names}
     return compile_one(k80._grouped_wgrad_kernel, full, const, cap, cfg["num_warps"], cfg["num_stages"],
                        f"wgrad gather_a={ga} gather_b={gb} tma={tma} {cfg}")

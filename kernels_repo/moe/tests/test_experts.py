@@ -210,6 +210,34 @@ def test_weight_gradients_from_row_ordered_copies_match_the_gathering_path(monke
         assert_close_rel(got, want, 1e-5, name)
 
 
+@pytest.mark.parametrize("rows", [False, True])
+def test_weight_gradients_stored_by_tma_match_the_pointer_stores(monkeypatch, rows):
+    """wgrad "TMA_STORE": each dW tile by one TMA store (clipped at M and N); same bits."""
+    cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
+    sm90 = importlib.import_module(moe.__name__ + "._experts_sm90")
+    E, H, I = 5, 40, 24  # neither a multiple of the tiles: the boxes overhang
+    x, gu, dn, idx, w = make_inputs(11, H, I, E, 2, seed=48, drop=3)
+    dy = torch.randn(11, H, generator=torch.Generator().manual_seed(49))
+    calls = []
+    real = sm90.weight_descriptor
+    monkeypatch.setattr(sm90, "weight_descriptor", lambda *a: calls.append(a[0].shape) or real(*a))
+    results = []
+    for store in (False, True):
+        cfg = _with_wgrad_tma(cfgs.INTERPRETER_CONFIG, True, rows)
+        cfg["wgrad"]["TMA_STORE"] = store
+        _, grads = run_with_grads(lambda *a, cfg=cfg: moe.fused_experts(*a, variant="sm90", config=cfg), x, gu, dn,
+                                  idx, w, dy, torch.float32)
+        results.append((len(calls), grads))
+        calls.clear()
+    (n_plain, base), (n_store, got) = results
+    # One more 3-D descriptor per wgrad launch: two launches, or one per column chunk under ROWS.
+    assert n_store - n_plain == 2 if not rows else n_store - n_plain > 2
+    _, ref = run_with_grads(lambda *a: loop_reference(*a), x, gu, dn, idx, w, dy, torch.float64)
+    for g, b, want, name in zip(got, base, ref, NAMES, strict=True):
+        torch.testing.assert_close(g, b, rtol=0, atol=0)
+        assert_close_rel(g, want, 1e-5, name)
+
+
 def test_gather_rows_copies_real_rows_and_zeroes_padding():
     ex = importlib.import_module(moe.__name__ + ".experts")
     routing = importlib.import_module(moe.__name__ + "._experts_routing")

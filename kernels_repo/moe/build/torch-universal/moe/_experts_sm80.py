@@ -174,11 +174,11 @@ def _swiglu_bwd_epilogue(acc, cols, w, flat, row_valid, offs_m, m_mask, N, aux_p
 
 @triton.jit
 def _grouped_wgrad_kernel(
-    a_ptr, b_ptr, a_desc, b_desc, c_ptr, rows_ptr, expert_start_ptr, expert_count_ptr,
+    a_ptr, b_ptr, a_desc, b_desc, c_ptr, c_desc, rows_ptr, expert_start_ptr, expert_count_ptr,
     M, N,
     stride_am, stride_ak, stride_bm, stride_bk, stride_ce, stride_cm, stride_cn,
     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, TOPK: tl.constexpr,
-    A_TMA: tl.constexpr, B_TMA: tl.constexpr,
+    A_TMA: tl.constexpr, B_TMA: tl.constexpr, C_TMA: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -188,6 +188,7 @@ def _grouped_wgrad_kernel(
     TMA from a 2-D descriptor over the [P, M|N] buffer. The box then also reads the expert's
     padding rows (finite: written by the dgrad kernel), which meet zeros in the gathered operand;
     the caller makes sure BLOCK_K divides the row alignment, so a box never leaves the expert.
+    C_TMA (sm90): the tile is written by one TMA store through a 3-D descriptor over dW [E, M, N].
     """
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -233,9 +234,13 @@ def _grouped_wgrad_kernel(
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
-    c_ptrs = c_ptr + e * stride_ce + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(c_ptrs, _to(acc, c_ptr.dtype.element_ty, UPCAST), mask=c_mask)
+    if C_TMA:  # one bulk async store per tile (the box is clipped at M and N)
+        c_desc.store([e.to(tl.int32), pid_m * BLOCK_M, pid_n * BLOCK_N],
+                     _to(acc, c_desc.dtype, UPCAST).reshape(1, BLOCK_M, BLOCK_N))
+    else:
+        c_ptrs = c_ptr + e * stride_ce + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        tl.store(c_ptrs, _to(acc, c_ptr.dtype.element_ty, UPCAST), mask=c_mask)
 
 
 @triton.jit

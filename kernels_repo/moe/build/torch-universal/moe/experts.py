@@ -177,19 +177,22 @@ def _wgrad(a, b, out, routing: ExpertRows, cfg: dict, *, gather_a: bool, gather_
 
     With use_tma (sm90) and the stage's "TMA" key, the operand that is not gathered is read by
     TMA; only when BLOCK_K divides the row alignment, so that a box stays inside its expert.
+    "TMA_STORE" (sm90): each output tile is written by one TMA store.
     """
     E, M, N = out.shape
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     tma = use_tma and bool(cfg.get("TMA", False)) and routing.block_m % bk == 0
     a_tma = tma and not gather_a and sm90.tma_ok(a)
     b_tma = tma and not gather_b and sm90.tma_ok(b)
+    c_tma = use_tma and bool(cfg.get("TMA_STORE", False)) and sm90.tma_ok(out)
     _wgrad_launch(
         (E * _cdiv(M, bm) * _cdiv(N, bn),), _index(a),
         a, b, sm90.rows_descriptor(a, bk, bm) if a_tma else None,
         sm90.rows_descriptor(b, bk, bn) if b_tma else None,
-        out, routing.rows, routing.expert_start, routing.expert_count, M, N,
+        out, sm90.weight_descriptor(out, bm, bn) if c_tma else None,
+        routing.rows, routing.expert_start, routing.expert_count, M, N,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
-        GATHER_A=gather_a, GATHER_B=gather_b, TOPK=topk, A_TMA=a_tma, B_TMA=b_tma,
+        GATHER_A=gather_a, GATHER_B=gather_b, TOPK=topk, A_TMA=a_tma, B_TMA=b_tma, C_TMA=c_tma,
         UPCAST=_interpreting(), PRECISION=_precision(a.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 1), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
