@@ -1,16 +1,18 @@
-"""Sweep the backward tiles (dgrad GEMM, both weight-gradient GEMMs) of the largest sm90 bucket.
+"""Sweep the backward tiles (dgrad GEMM, both weight-gradient GEMMs) of a (shape, T) point's bucket.
 
 The forward tiles were tuned by `tune_moe.py`; this is the short list to check the backward ones
 (the dgrad epilogue and the weight gradients set the forward+backward time at large T).
 Usage (repo root, GPU): PYTHONPATH=src python kernels_repo/moe/benchmarks/sweep_backward.py
   env: POINTS=mixtral_8x7b:16384,deepseek_v3:16384  PARTS=dgrad,wgrad  NOGATHER=1 (also time the wgrad
   GEMMs on operands already in row order, as the wgrad key "ROWS" does, and the copy)
+  PARTS=fwd (+ FWD_BLOCK_MS=64,128): the forward GEMMs' short list per block_m
   PROBE=1 (the current wgrad tile against writing its output alone: zero_() and the kernel with no rows)
 """
 
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import torch
 from tune_moe import DEV, SHAPES, ex, moe, rt, timed  # same directory
@@ -35,6 +37,46 @@ WGRAD = [
     {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4, "TMA": True},
     {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4, "TMA": True, "TMA_STORE": True},
 ]
+
+
+# Forward short list per block_m (PARTS=fwd): the bucket's current tiles come first.
+FWD = {
+    64: {"gate_up": [{"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
+                     {"BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
+                     {"BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}],
+         "down": [{"BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+                  {"BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},
+                  {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 5}]},
+    128: {"gate_up": [{"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
+                      {"BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 5},
+                      {"BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}],
+          "down": [{"BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+                   {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
+                   {"BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}]},
+}
+
+
+def sweep_forward(name: str, T: int, variant: str, x, gu, dn, idx) -> None:
+    """The inference GEMMs (gate_up with its SwiGLU epilogue, down) per block_m (FWD_BLOCK_MS=64,128)."""
+    E, two_i, H = gu.shape
+    I, K = two_i // 2, idx.shape[1]
+    cur = ex._config(variant, E, H, I, T * K, None, DEV, 2)
+    for bm in [int(b) for b in os.environ.get("FWD_BLOCK_MS", "64,128").split(",")]:
+        r = rt.align_rows(idx, E, bm)
+        h = torch.empty(r.num_rows, I, device=DEV, dtype=x.dtype)
+        y = torch.empty(r.num_rows, H, device=DEV, dtype=x.dtype)
+        tma = ex._use_tma(variant, cur, gu, dn)
+        for stage in ("gate_up", "down"):
+            cands = FWD[bm][stage] + ([cur[stage]] if bm == cur["block_m"] and cur[stage] not in FWD[bm][stage]
+                                      else [])
+            for c in cands:
+                if stage == "gate_up":
+                    run = partial(ex._gemm, x, gu, h, r, c, n=I, k=H, epilogue=1, gather_a=True)
+                else:
+                    run = partial(ex._gemm, h, dn, y, r, c, n=H, k=I, epilogue=0, gather_a=False)
+                ms = timed(partial(run, b_ncontig=False, topk=K, use_tma=tma))
+                mark = " (current)" if bm == cur["block_m"] and c == cur[stage] else ""
+                print(f"fwd {name} T={T} block_m={bm} {stage} {c} ms={ms:.3f}{mark}", flush=True)
 
 
 def sweep_point(name: str, T: int, variant: str) -> None:
@@ -63,6 +105,8 @@ def sweep_point(name: str, T: int, variant: str) -> None:
                  use_tma=tma, aux=aux, scale=wf, dscale=dws, h=hw)
 
     parts = os.environ.get("PARTS", "dgrad,wgrad").split(",")
+    if "fwd" in parts:
+        sweep_forward(name, T, variant, x, gu, dn, idx)
     if os.environ.get("PROBE"):  # where a wgrad GEMM's time goes: writing its output alone
         empty = r._replace(expert_count=torch.zeros_like(r.expert_count))  # no rows: K loop skipped
         c = cfg["wgrad"]
