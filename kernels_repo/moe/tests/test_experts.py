@@ -156,6 +156,14 @@ def _count_row_descriptors(monkeypatch) -> list:
     return calls
 
 
+def _assert_same_bits_and_close_to_reference(got, base, x, gu, dn, idx, w, dy) -> None:
+    """Gradients `got` equal `base` bit for bit and the float64 loop within 1e-5."""
+    _, ref = run_with_grads(lambda *a: loop_reference(*a), x, gu, dn, idx, w, dy, torch.float64)
+    for g, b, want, name in zip(got, base, ref, NAMES, strict=True):
+        torch.testing.assert_close(g, b, rtol=0, atol=0)
+        assert_close_rel(g, want, 1e-5, name)
+
+
 def test_weight_gradients_with_tma_operands_match_the_pointer_path(monkeypatch):
     """wgrad "TMA": the non-gathered operand by 2-D descriptor, padding rows included in the box."""
     cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
@@ -170,10 +178,7 @@ def test_weight_gradients_with_tma_operands_match_the_pointer_path(monkeypatch):
         *a, variant="sm90", config=_with_wgrad_tma(cfgs.INTERPRETER_CONFIG, True)), x, gu, dn, idx, w, dy,
         torch.float32)
     assert len(calls) == 2  # dW_down's h * w rows and dW_gate_up's d[gate|up] rows
-    _, ref = run_with_grads(lambda *a: loop_reference(*a), x, gu, dn, idx, w, dy, torch.float64)
-    for got, base, want, name in zip(tma, plain, ref, NAMES, strict=True):
-        torch.testing.assert_close(got, base, rtol=0, atol=0)
-        assert_close_rel(got, want, 1e-5, name)
+    _assert_same_bits_and_close_to_reference(tma, plain, x, gu, dn, idx, w, dy)
 
 
 @pytest.mark.parametrize("tma", [False, True])
@@ -204,10 +209,7 @@ def test_weight_gradients_from_row_ordered_copies_match_the_gathering_path(monke
     split = next(i for i in range(1, len(widths) + 1) if sum(widths[:i]) == H)
     assert sum(widths[split:]) == H and len(set(widths)) > 1
     assert len(descriptors) == (2 * len(widths) if tma else 0)  # with TMA: both operands of every launch
-    _, ref = run_with_grads(lambda *a: loop_reference(*a), x, gu, dn, idx, w, dy, torch.float64)
-    for got, want_bits, want, name in zip(rows, base, ref, NAMES, strict=True):
-        torch.testing.assert_close(got, want_bits, rtol=0, atol=0)
-        assert_close_rel(got, want, 1e-5, name)
+    _assert_same_bits_and_close_to_reference(rows, base, x, gu, dn, idx, w, dy)
 
 
 @pytest.mark.parametrize("rows", [False, True])
@@ -232,10 +234,7 @@ def test_weight_gradients_stored_by_tma_match_the_pointer_stores(monkeypatch, ro
     (n_plain, base), (n_store, got) = results
     # One more 3-D descriptor per wgrad launch: two launches, or one per column chunk under ROWS.
     assert n_store - n_plain == 2 if not rows else n_store - n_plain > 2
-    _, ref = run_with_grads(lambda *a: loop_reference(*a), x, gu, dn, idx, w, dy, torch.float64)
-    for g, b, want, name in zip(got, base, ref, NAMES, strict=True):
-        torch.testing.assert_close(g, b, rtol=0, atol=0)
-        assert_close_rel(g, want, 1e-5, name)
+    _assert_same_bits_and_close_to_reference(got, base, x, gu, dn, idx, w, dy)
 
 
 def test_gather_rows_copies_real_rows_and_zeroes_padding():
