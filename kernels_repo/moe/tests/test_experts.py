@@ -448,8 +448,52 @@ def test_stages_fit_the_shared_memory_of_each_device_index(fake_gpus):
         per_stage = (small["block_m"] + (2 if stage == "gate_up" else 1) * c["BLOCK_N"]) * c["BLOCK_K"] * 2
         assert c["num_stages"] == 2 or c["num_stages"] * per_stage <= 100 * 1024 - 1024
     assert small["gate_up"]["num_stages"] < big["gate_up"]["num_stages"]
-    pinned = {"block_m": 16}
+    pinned = copy.deepcopy(cfgs.INTERPRETER_CONFIG)
     assert ex._config("sm80", 8, 4096, 14336, 1024, pinned, torch.device("cuda", 0)) is pinned
+
+
+@pytest.mark.parametrize("edit,error,words", [
+    (lambda c: c.pop("wgrad"), ValueError, "missing key 'wgrad'"),
+    (lambda c: c.update(colour=1), ValueError, "unknown keys ['colour']"),
+    (lambda c: c.update(block_m=24), ValueError, "['block_m'] must be a power of two"),
+    (lambda c: c["gate_up"].update(BLOCK_K=8), ValueError, "['gate_up']['BLOCK_K'] must be a power of two >= 16"),
+    (lambda c: c["down"].update(num_warps=3), ValueError, "['down']['num_warps'] must be 1, 2, 4, 8 or 16"),
+    (lambda c: c["dgrad"].pop("GROUP_M"), ValueError, "['dgrad']: missing key 'GROUP_M'"),
+    (lambda c: c["wgrad"].update(ROWS="yes"), TypeError, "['wgrad']['ROWS'] must be true or false"),
+    (lambda c: c["wgrad"].update(ROWS_PARTS=0), ValueError, "['wgrad']['ROWS_PARTS'] must be an int >= 1"),
+    (lambda c: c["wgrad"].update(TMA_LOAD=True), ValueError, "['wgrad']: unknown keys ['TMA_LOAD']"),
+    (lambda c: c.update(tma=1), TypeError, "['tma'] must be true or false"),
+])
+def test_a_bad_pinned_config_is_a_clear_error(edit, error, words):
+    cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
+    cfg = copy.deepcopy(cfgs.INTERPRETER_CONFIG)
+    edit(cfg)
+    x, gu, dn, idx, w = make_inputs(3, 32, 16, 4, 2)
+    with pytest.raises(error) as info:
+        moe.fused_experts(x, gu, dn, idx, w, variant="sm80", config=cfg)
+    assert "fused_experts: `config`" in str(info.value) and words in str(info.value), str(info.value)
+
+
+def test_a_bad_config_file_names_the_file_and_the_bucket(tmp_path, monkeypatch):
+    cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
+    data = json.loads((Path(cfgs._DIR) / "sm80.json").read_text())
+    data["buckets"][1]["wgrad"]["BLOCK_M"] = 100
+    (tmp_path / "sm80.json").write_text(json.dumps(data))
+    monkeypatch.setenv("KERNELHUB_MOE_CONFIG_DIR", str(tmp_path))
+    cfgs.clear_config_cache()
+    try:
+        with pytest.raises(ValueError, match=r"sm80.json: buckets\[1\]\['wgrad'\]\['BLOCK_M'\] must be a power of two"):
+            cfgs.pick_config(80, 8, 64, 64, 16)
+    finally:
+        cfgs.clear_config_cache()
+
+
+def test_the_shipped_configs_are_valid():
+    cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
+    for name in ("sm80.json", "sm90.json"):
+        data = json.loads((Path(cfgs._DIR) / name).read_text())
+        for i, bucket in enumerate(data["buckets"]):
+            cfgs.check_bucket(bucket, f"{name}: buckets[{i}]")
 
 
 def test_variant_follows_the_capability_of_each_device_index(fake_gpus):

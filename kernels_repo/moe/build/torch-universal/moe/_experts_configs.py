@@ -31,6 +31,63 @@ INTERPRETER_CONFIG = {
 }
 
 
+_GEMM_STAGES = ("gate_up", "down", "dgrad")
+_GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+_WGRAD_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+_WGRAD_OPTIONAL = {"GROUP_M": int, "ROWS_PARTS": int, "ROWS": bool, "TMA": bool, "TMA_STORE": bool}
+_BUCKET_OPTIONAL = {"max_rows_per_expert", "tma"}
+
+
+def _pow2(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1 and v & (v - 1) == 0
+
+
+def _check_stage(where: str, stage: object, required: tuple, optional: dict) -> None:
+    if not isinstance(stage, dict):
+        raise TypeError(f"{where} must be a dict, got {type(stage).__name__}")
+    unknown = sorted(set(stage) - set(required) - set(optional))
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; allowed: {sorted(set(required) | set(optional))}")
+    for key in required:
+        if key not in stage:
+            raise ValueError(f"{where}: missing key {key!r}")
+    for key, value in stage.items():
+        kind = optional.get(key, int)
+        if kind is bool:
+            if not isinstance(value, bool):
+                raise TypeError(f"{where}[{key!r}] must be true or false, got {value!r}")
+        elif key.startswith("BLOCK_"):
+            if not _pow2(value) or value < 16:
+                raise ValueError(f"{where}[{key!r}] must be a power of two >= 16, got {value!r}")
+        elif key == "num_warps":
+            if value not in (1, 2, 4, 8, 16) or isinstance(value, bool):
+                raise ValueError(f"{where}[{key!r}] must be 1, 2, 4, 8 or 16, got {value!r}")
+        elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{where}[{key!r}] must be an int >= 1, got {value!r}")
+
+
+def check_bucket(bucket: object, where: str) -> None:
+    """A tile bucket as `fused_experts` reads it; a clear error instead of a KeyError or a Triton
+    compile error deep in a launch (pinned `config=`, or a file under KERNELHUB_MOE_CONFIG_DIR)."""
+    if not isinstance(bucket, dict):
+        raise TypeError(f"{where} must be a dict (a bucket of configs/sm*.json), got {type(bucket).__name__}")
+    stages = (*_GEMM_STAGES, "wgrad")
+    unknown = sorted(set(bucket) - {"block_m", *stages, *_BUCKET_OPTIONAL})
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; allowed: "
+                         f"{sorted({'block_m', *stages, *_BUCKET_OPTIONAL})}")
+    for key in ("block_m", *stages):
+        if key not in bucket:
+            raise ValueError(f"{where}: missing key {key!r}")
+    if not _pow2(bucket["block_m"]) or bucket["block_m"] < 16:
+        raise ValueError(f"{where}['block_m'] must be a power of two >= 16, got {bucket['block_m']!r}")
+    if "tma" in bucket and not isinstance(bucket["tma"], bool):
+        raise TypeError(f"{where}['tma'] must be true or false, got {bucket['tma']!r}")
+    for stage in _GEMM_STAGES:
+        _check_stage(f"{where}[{stage!r}]", bucket[stage], _GEMM_KEYS, {})
+    _check_stage(f"{where}['wgrad']", bucket["wgrad"], _WGRAD_KEYS, _WGRAD_OPTIONAL)
+
+
 def _load(capability: int) -> dict:
     key = (os.environ.get("KERNELHUB_MOE_CONFIG_DIR"), capability)
     cfg = _resolved.get(key)
@@ -53,6 +110,11 @@ def _read(capability: int) -> dict:
         cfg = _cache.get(path)
         if cfg is None:
             cfg = json.loads(path.read_text())
+            for i, bucket in enumerate(cfg["buckets"]):
+                check_bucket(bucket, f"{path}: buckets[{i}]")
+            for key, buckets in cfg.get("shapes", {}).items():
+                for i, bucket in enumerate(buckets):
+                    check_bucket(bucket, f"{path}: shapes[{key!r}][{i}]")
             _cache[path] = cfg
     return cfg
 

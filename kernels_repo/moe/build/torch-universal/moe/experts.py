@@ -23,7 +23,7 @@ from kernelhub.device import device_capability, device_guard, device_properties
 from kernelhub.triton_launch import CachedLaunch
 
 from . import _experts_sm90 as sm90
-from ._experts_configs import INTERPRETER_CONFIG, fitted_config, pick_config
+from ._experts_configs import INTERPRETER_CONFIG, check_bucket, fitted_config, pick_config
 from ._experts_routing import ExpertRows, align_rows
 from ._experts_sm80 import _combine_kernel, _gather_rows_kernel, _grouped_gemm_kernel, _grouped_wgrad_kernel
 from .reference_experts import fused_experts_reference
@@ -257,6 +257,7 @@ def _config(variant: str, E: int, H: int, inter: int, pairs: int, config: dict |
     """The tile bucket: a pinned `config` as given; else from configs/, with num_stages trimmed to
     the shared memory of *this* device index (device_properties is cached per index)."""
     if config is not None:
+        check_bucket(config, f"{_FN}: `config`")
         return config
     if device is not None and device.type == "cuda":
         bucket = pick_config(90 if variant == "sm90" else 80, E, H, inter, pairs)
