@@ -8,8 +8,9 @@ max_rows_per_expert halfway (geometric) between the tuned loads; other shapes ke
 
 Usage (repo root): PYTHONPATH=src python kernels_repo/moe/benchmarks/tune_moe.py [--out DIR]
     [--full] [--forward-only]   env: SHAPES=qwen3_30b_a3b  TOKENS=1,512,16384  BLOCK_MS=64,128
-Time: the default grid compiles about 16 configs per stage and BLOCK_M (2-3 BLOCK_M per point), so
-one (shape, T) point takes about 2-4 minutes; tune a few points per run (SHAPES=, TOKENS=).
+Time: the default grid compiles about 16-24 configs per stage and BLOCK_M (2-3 BLOCK_M per point;
+the wgrad stage 24 on sm90), so one (shape, T) point takes about 3-5 minutes; tune a few points per
+run (SHAPES=, TOKENS=, BLOCK_MS=).
 Then: KERNELHUB_MOE_CONFIG_DIR=DIR (or copy DIR/sm90.json over the package's configs/).
 Each line printed is one measurement: stage, block_m, config, ms.
 """
@@ -56,17 +57,24 @@ def gemm_space(full: bool, rows_per_expert: float):
         yield {"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "num_warps": nw, "num_stages": ns}
 
 
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the short list the H200 sweeps kept
+# (sweep_backward.py): 128x128x64 for short K loops (<= 256 rows per expert), 256x128x64 for long.
+WGRAD_TILES = [(128, 128, 64, 8, 3), (256, 128, 64, 8, 4), (128, 128, 32, 8, 4), (128, 64, 32, 4, 3),
+               (64, 128, 64, 4, 3), (64, 64, 32, 4, 3)]
+
+
 def wgrad_space(full: bool, tma: bool):
-    """With tma (sm90), each tile also with its non-gathered operand by TMA (wgrad key "TMA"); each
-    also with row-ordered copies of the gathered operand (key "ROWS", then both operands by TMA)."""
-    for bm, bn, bk, gm, nw, ns in itertools.product([64, 128], [64, 128], [32, 64], [1, 8] if full else [8],
-                                                    [4, 8], [3, 4] if full else [3]):
-        cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "num_warps": nw, "num_stages": ns}
-        yield cfg
-        yield {**cfg, "ROWS": True}
-        if tma:
-            yield {**cfg, "TMA": True}
-            yield {**cfg, "TMA": True, "ROWS": True}
+    """Each tile with its operands gathered in the K loop and from row-ordered copies ("ROWS");
+    on sm90 (tma) with TMA loads ("TMA") and, on copies, TMA stores ("TMA_STORE")."""
+    variants = ([{"TMA": True}, {"TMA": True, "ROWS": True}, {"TMA": True, "ROWS": True, "TMA_STORE": True}, {}]
+                if tma else [{}, {"ROWS": True}])
+    for bm, bn, bk, nw, ns in WGRAD_TILES:
+        for stages in ([ns - 1, ns, ns + 1] if full else [ns]):
+            for gm in ([1, 8] if full else [8]):
+                cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "num_warps": nw,
+                       "num_stages": stages}
+                for extra in variants:
+                    yield {**cfg, **extra}
 
 
 def timed(fn) -> float:
