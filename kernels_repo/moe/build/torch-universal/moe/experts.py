@@ -227,6 +227,8 @@ def _wgrad_from_row_copies(src, other, out, routing: ExpertRows, cfg: dict, *, s
     P*H/4 to the backward's peak memory instead of P*H (Qwen3-30B-A3B T=16384: 144 vs 575 MiB).
     H is dW_down's M (src = dY is operand A) and dW_gate_up's N (src = x is operand B)."""
     H = src.shape[1]
+    if H == 0:  # dW has no elements
+        return
     tile = cfg["BLOCK_M"] if src_is_a else cfg["BLOCK_N"]
     chunks = _column_chunks(H, tile, int(cfg.get("ROWS_PARTS", 4)))
     buf = torch.empty(routing.num_rows, chunks[0][1], device=src.device, dtype=src.dtype)
