@@ -29,13 +29,16 @@ DGRAD = [
 # The wgrad K loop loads its row indices, then the rows: that chain costs the software pipeline
 # stages, so num_stages 3 and 4 keep two buffers (prefetch distance 1), 5-6 three, 7 four (TTGIR).
 WGRAD = [
-    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "TMA_STORE": True},
     {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "TMA": True, "TMA_STORE": True},
-    {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, "TMA": True, "TMA_STORE": True},
-    {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "TMA": True, "TMA_STORE": True},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "TMA": True, "TMA_STORE": True,
+     "PERSISTENT": 1},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2, "TMA": True, "TMA_STORE": True,
+     "PERSISTENT": 2},
+    {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2, "TMA": True, "TMA_STORE": True,
+     "PERSISTENT": 1},
     {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4, "TMA": True},
-    {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4, "TMA": True, "TMA_STORE": True},
+    {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "TMA": True, "TMA_STORE": True,
+     "PERSISTENT": 1},
 ]
 
 

@@ -237,6 +237,31 @@ def test_weight_gradients_stored_by_tma_match_the_pointer_stores(monkeypatch, ro
     _assert_same_bits_and_close_to_reference(got, base, x, gu, dn, idx, w, dy)
 
 
+@pytest.mark.parametrize("extra", [{}, {"ROWS": True}, {"TMA": True, "ROWS": True, "TMA_STORE": True}])
+def test_persistent_weight_gradients_match_one_program_per_tile(monkeypatch, extra):
+    """wgrad "PERSISTENT": fewer programs than tiles, each looping over tiles; same bits."""
+    cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
+    ex = importlib.import_module(moe.__name__ + ".experts")
+    x, gu, dn, idx, w = make_inputs(11, 40, 24, 5, 2, seed=50, drop=3)
+    dy = torch.randn(11, 40, generator=torch.Generator().manual_seed(51))
+    grids = []
+    real = ex._wgrad_launch
+    monkeypatch.setattr(ex, "_wgrad_launch", lambda grid, *a, **kw: grids.append(grid[0]) or real(grid, *a, **kw))
+    results = []
+    for per_sm in (0, 1):
+        cfg = copy.deepcopy(cfgs.INTERPRETER_CONFIG)
+        cfg["wgrad"].update(extra, PERSISTENT=per_sm)
+        _, grads = run_with_grads(lambda *a, cfg=cfg: moe.fused_experts(*a, variant="sm90", config=cfg), x, gu, dn,
+                                  idx, w, dy, torch.float32)
+        results.append((list(grids), grads))
+        grids.clear()
+    (tiles, base), (programs, got) = results
+    assert len(tiles) == len(programs) >= 2
+    assert all(p == min(t, 3) for p, t in zip(programs, tiles, strict=True))  # 3 "SMs" in the interpreter
+    assert any(t > p for p, t in zip(programs, tiles, strict=True))  # some programs looped over tiles
+    _assert_same_bits_and_close_to_reference(got, base, x, gu, dn, idx, w, dy)
+
+
 def test_gather_rows_copies_real_rows_and_zeroes_padding():
     ex = importlib.import_module(moe.__name__ + ".experts")
     routing = importlib.import_module(moe.__name__ + "._experts_routing")
@@ -463,6 +488,7 @@ def test_stages_fit_the_shared_memory_of_each_device_index(fake_gpus):
     (lambda c: c["wgrad"].update(ROWS_PARTS=0), ValueError, "['wgrad']['ROWS_PARTS'] must be an int >= 1"),
     (lambda c: c["wgrad"].update(TMA_LOAD=True), ValueError, "['wgrad']: unknown keys ['TMA_LOAD']"),
     (lambda c: c.update(tma=1), TypeError, "['tma'] must be true or false"),
+    (lambda c: c["wgrad"].update(PERSISTENT=-1), ValueError, "['wgrad']['PERSISTENT'] must be an int >= 0"),
 ])
 def test_a_bad_pinned_config_is_a_clear_error(edit, error, words):
     cfgs = importlib.import_module(moe.__name__ + "._experts_configs")

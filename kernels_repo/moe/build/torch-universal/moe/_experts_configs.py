@@ -34,7 +34,8 @@ INTERPRETER_CONFIG = {
 _GEMM_STAGES = ("gate_up", "down", "dgrad")
 _GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 _WGRAD_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
-_WGRAD_OPTIONAL = {"GROUP_M": int, "ROWS_PARTS": int, "ROWS": bool, "TMA": bool, "TMA_STORE": bool}
+_WGRAD_OPTIONAL = {"GROUP_M": int, "ROWS_PARTS": int, "ROWS": bool, "TMA": bool, "TMA_STORE": bool,
+                   "PERSISTENT": int}
 _BUCKET_OPTIONAL = {"max_rows_per_expert", "tma"}
 
 
@@ -62,8 +63,10 @@ def _check_stage(where: str, stage: object, required: tuple, optional: dict) -> 
         elif key == "num_warps":
             if value not in (1, 2, 4, 8, 16) or isinstance(value, bool):
                 raise ValueError(f"{where}[{key!r}] must be 1, 2, 4, 8 or 16, got {value!r}")
-        elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{where}[{key!r}] must be an int >= 1, got {value!r}")
+        else:
+            low = 0 if key == "PERSISTENT" else 1  # PERSISTENT: programs per SM, 0 = one per tile
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{where}[{key!r}] must be an int >= {low}, got {value!r}")
 
 
 def check_bucket(bucket: object, where: str) -> None:
@@ -154,11 +157,14 @@ def fit_shared_memory(bucket: dict, smem_per_block: int, element_size: int) -> d
     out = dict(bucket)
     for stage, n_b in (("gate_up", 2), ("down", 1), ("dgrad", 1), ("wgrad", None)):
         c = dict(bucket[stage])
+        fixed = 0
         if n_b is None:
             per_stage = (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * element_size
+            if c.get("TMA_STORE"):  # the tile staged for its TMA store (its own buffer when persistent)
+                fixed = c["BLOCK_M"] * c["BLOCK_N"] * element_size
         else:
             per_stage = (bm + n_b * c["BLOCK_N"]) * c["BLOCK_K"] * element_size
-        while c["num_stages"] > 2 and c["num_stages"] * per_stage > smem_per_block:
+        while c["num_stages"] > 2 and c["num_stages"] * per_stage + fixed > smem_per_block:
             c["num_stages"] -= 1
         out[stage] = c
     return out

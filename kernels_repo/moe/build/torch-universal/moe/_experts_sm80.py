@@ -175,10 +175,10 @@ def _swiglu_bwd_epilogue(acc, cols, w, flat, row_valid, offs_m, m_mask, N, aux_p
 @triton.jit
 def _grouped_wgrad_kernel(
     a_ptr, b_ptr, a_desc, b_desc, c_ptr, c_desc, rows_ptr, expert_start_ptr, expert_count_ptr,
-    M, N,
+    E, M, N,
     stride_am, stride_ak, stride_bm, stride_bk, stride_ce, stride_cm, stride_cn,
     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, TOPK: tl.constexpr,
-    A_TMA: tl.constexpr, B_TMA: tl.constexpr, C_TMA: tl.constexpr,
+    A_TMA: tl.constexpr, B_TMA: tl.constexpr, C_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -189,14 +189,39 @@ def _grouped_wgrad_kernel(
     padding rows (finite: written by the dgrad kernel), which meet zeros in the gathered operand;
     the caller makes sure BLOCK_K divides the row alignment, so a box never leaves the expert.
     C_TMA (sm90): the tile is written by one TMA store through a 3-D descriptor over dW [E, M, N].
+    PERSISTENT: a grid smaller than the tile count, each program looping over tiles, so that with
+    C_TMA a tile's store drains while the program loads the next tile (short K loops are
+    store-bound: writing DeepSeek-V3's dW_gate_up alone takes 4.3 of its 9.9 ms, H200).
     """
-    pid = tl.program_id(0)
+    if PERSISTENT:
+        num_tiles = E * tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+            _wgrad_tile(tile, a_ptr, b_ptr, a_desc, b_desc, c_ptr, c_desc, rows_ptr, expert_start_ptr,
+                        expert_count_ptr, M, N, stride_am, stride_ak, stride_bm, stride_bk, stride_ce, stride_cm,
+                        stride_cn, GATHER_A, GATHER_B, TOPK, A_TMA, B_TMA, C_TMA, UPCAST, PRECISION,
+                        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+    else:
+        _wgrad_tile(tl.program_id(0), a_ptr, b_ptr, a_desc, b_desc, c_ptr, c_desc, rows_ptr, expert_start_ptr,
+                    expert_count_ptr, M, N, stride_am, stride_ak, stride_bm, stride_bk, stride_ce, stride_cm,
+                    stride_cn, GATHER_A, GATHER_B, TOPK, A_TMA, B_TMA, C_TMA, UPCAST, PRECISION,
+                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+
+
+@triton.jit
+def _wgrad_tile(
+    tile, a_ptr, b_ptr, a_desc, b_desc, c_ptr, c_desc, rows_ptr, expert_start_ptr, expert_count_ptr, M, N,
+    stride_am, stride_ak, stride_bm, stride_bk, stride_ce, stride_cm, stride_cn,
+    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, TOPK: tl.constexpr,
+    A_TMA: tl.constexpr, B_TMA: tl.constexpr, C_TMA: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile of `_grouped_wgrad_kernel` (tile = expert-major tile index)."""
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     # int64: e * stride_ce passes 2**31 for DeepSeek-V3's dW_gate_up ([256, 4096, 7168]); in int32
     # it wrapped and wrote out of bounds (illegal address on the H200, 2026-12-02).
-    e = (pid // (num_m * num_n)).to(tl.int64)
-    rest = pid % (num_m * num_n)
+    e = (tile // (num_m * num_n)).to(tl.int64)
+    rest = tile % (num_m * num_n)
     # Within an expert, GROUP_M M-strips sweep the N tiles together (1: row by row), so that the
     # CTAs in flight share their operand strips in L2 (an expert's gathered rows can pass 30 MB).
     per_group = GROUP_M * num_n

@@ -177,7 +177,8 @@ def _wgrad(a, b, out, routing: ExpertRows, cfg: dict, *, gather_a: bool, gather_
 
     With use_tma (sm90) and the stage's "TMA" key, the operand that is not gathered is read by
     TMA; only when BLOCK_K divides the row alignment, so that a box stays inside its expert.
-    "TMA_STORE" (sm90): each output tile is written by one TMA store.
+    "TMA_STORE" (sm90): each output tile is written by one TMA store. "PERSISTENT": n launches n
+    programs per SM that loop over the tiles (with TMA_STORE, a store overlaps the next tile).
     """
     E, M, N = out.shape
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -185,18 +186,27 @@ def _wgrad(a, b, out, routing: ExpertRows, cfg: dict, *, gather_a: bool, gather_
     a_tma = tma and not gather_a and sm90.tma_ok(a)
     b_tma = tma and not gather_b and sm90.tma_ok(b)
     c_tma = use_tma and bool(cfg.get("TMA_STORE", False)) and sm90.tma_ok(out)
+    tiles = E * _cdiv(M, bm) * _cdiv(N, bn)
+    per_sm = int(cfg.get("PERSISTENT", 0))  # programs per SM; 0: one program per tile
+    programs = min(tiles, per_sm * _sm_count(out.device)) if per_sm else tiles
     _wgrad_launch(
-        (E * _cdiv(M, bm) * _cdiv(N, bn),), _index(a),
+        (max(programs, 1),), _index(a),
         a, b, sm90.rows_descriptor(a, bk, bm) if a_tma else None,
         sm90.rows_descriptor(b, bk, bn) if b_tma else None,
         out, sm90.weight_descriptor(out, bm, bn) if c_tma else None,
-        routing.rows, routing.expert_start, routing.expert_count, M, N,
+        routing.rows, routing.expert_start, routing.expert_count, E, M, N,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
         GATHER_A=gather_a, GATHER_B=gather_b, TOPK=topk, A_TMA=a_tma, B_TMA=b_tma, C_TMA=c_tma,
+        PERSISTENT=bool(per_sm),
         UPCAST=_interpreting(), PRECISION=_precision(a.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 1), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
+
+
+def _sm_count(device: torch.device) -> int:
+    # The interpreter (CPU) has no SMs: 3 programs, so that each loops over several tiles.
+    return device_properties(device).sm_count if device.type == "cuda" else 3
 
 
 def _gather_rows(src: torch.Tensor, routing: ExpertRows, topk: int, out: torch.Tensor | None = None) -> torch.Tensor:
