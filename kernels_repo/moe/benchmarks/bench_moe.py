@@ -156,8 +156,8 @@ def stage_breakdown(base, x, idx, w, dy, sname, T, variant) -> None:
     out = torch.empty_like(x)
     wf = w.reshape(-1).contiguous()
     dws = torch.zeros(wf.shape[0], device=DEV, dtype=torch.float32)
-    hw = torch.empty(P, inter, device=DEV, dtype=x.dtype)
-    dgu = torch.empty(P, two_i, device=DEV, dtype=x.dtype)
+    hw = torch.zeros(P, inter, device=DEV, dtype=x.dtype)  # TMA boxes also read padding rows
+    dgu = torch.zeros(P, two_i, device=DEV, dtype=x.dtype)
     dwd = torch.empty_like(dn)
     dwgu = torch.empty_like(gu)
     stages = {
@@ -171,10 +171,18 @@ def stage_breakdown(base, x, idx, w, dy, sname, T, variant) -> None:
                                   b_ncontig=True, topk=K, use_tma=tma, aux=aux, scale=wf, dscale=dws, h=hw),
         "dx": lambda: ex._gemm(dgu, gu, y, r, cfg["down"], n=H, k=two_i, epilogue=0, gather_a=False,
                                b_ncontig=True, topk=K, use_tma=tma),
-        "wgrad_down": lambda: ex._wgrad(dy, hw, dwd, r, cfg["wgrad"], gather_a=True, gather_b=False, topk=K),
-        "wgrad_gate_up": lambda: ex._wgrad(dgu, x, dwgu, r, cfg["wgrad"], gather_a=False, gather_b=True,
-                                           topk=K),
     }
+    wc = cfg["wgrad"]
+    if wc.get("ROWS"):  # as _backward runs them: from row-ordered copies (the copies' time included)
+        stages["wgrad_down"] = lambda: ex._wgrad_from_row_copies(dy, hw, dwd, r, wc, src_is_a=True, topk=K,
+                                                                 use_tma=tma)
+        stages["wgrad_gate_up"] = lambda: ex._wgrad_from_row_copies(x, dgu, dwgu, r, wc, src_is_a=False, topk=K,
+                                                                    use_tma=tma)
+    else:
+        stages["wgrad_down"] = lambda: ex._wgrad(dy, hw, dwd, r, wc, gather_a=True, gather_b=False, topk=K,
+                                                 use_tma=tma)
+        stages["wgrad_gate_up"] = lambda: ex._wgrad(dgu, x, dwgu, r, wc, gather_a=False, gather_b=True, topk=K,
+                                                    use_tma=tma)
     times = {k: bench(v) for k, v in stages.items()}
     emit(kind="moe_stages", shape=sname, T=T, P=P, block_m=cfg["block_m"], tma=tma,
          **{f"{k}_ms": v for k, v in times.items()})
