@@ -172,17 +172,10 @@ def stage_breakdown(base, x, idx, w, dy, sname, T, variant) -> None:
         "dx": lambda: ex._gemm(dgu, gu, y, r, cfg["down"], n=H, k=two_i, epilogue=0, gather_a=False,
                                b_ncontig=True, topk=K, use_tma=tma),
     }
-    wc = cfg["wgrad"]
-    if wc.get("ROWS"):  # as _backward runs them: from row-ordered copies (the copies' time included)
-        stages["wgrad_down"] = lambda: ex._wgrad_from_row_copies(dy, hw, dwd, r, wc, src_is_a=True, topk=K,
-                                                                 use_tma=tma)
-        stages["wgrad_gate_up"] = lambda: ex._wgrad_from_row_copies(x, dgu, dwgu, r, wc, src_is_a=False, topk=K,
-                                                                    use_tma=tma)
-    else:
-        stages["wgrad_down"] = lambda: ex._wgrad(dy, hw, dwd, r, wc, gather_a=True, gather_b=False, topk=K,
-                                                 use_tma=tma)
-        stages["wgrad_gate_up"] = lambda: ex._wgrad(dgu, x, dwgu, r, wc, gather_a=False, gather_b=True, topk=K,
-                                                    use_tma=tma)
+    wc = cfg["wgrad"]  # as _backward runs them (ROWS copies included when the bucket sets it)
+    stages["wgrad_down"] = lambda: ex._wgrad_token_operand(dy, hw, dwd, r, wc, src_is_a=True, topk=K, use_tma=tma)
+    stages["wgrad_gate_up"] = lambda: ex._wgrad_token_operand(x, dgu, dwgu, r, wc, src_is_a=False, topk=K,
+                                                              use_tma=tma)
     times = {k: bench(v) for k, v in stages.items()}
     emit(kind="moe_stages", shape=sname, T=T, P=P, block_m=cfg["block_m"], tma=tma,
          **{f"{k}_ms": v for k, v in times.items()})

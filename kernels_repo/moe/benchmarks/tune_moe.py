@@ -121,10 +121,7 @@ def tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, tma, full, training, 
                  aux=aux, scale=wf, dscale=dws, h=hw)
 
     def wgrad(c):
-        if c.get("ROWS"):  # as _backward does it: row-ordered copies of dY (column chunks), no gather
-            ex._wgrad_from_row_copies(dy, hw, dwd, r, c, src_is_a=True, topk=K, use_tma=tma)
-        else:
-            ex._wgrad(dy, hw, dwd, r, c, gather_a=True, gather_b=False, topk=K, use_tma=tma)
+        ex._wgrad_token_operand(dy, hw, dwd, r, c, src_is_a=True, topk=K, use_tma=tma)  # as _backward
 
     stages = {"gate_up": gate_up, "down": down}
     if training:

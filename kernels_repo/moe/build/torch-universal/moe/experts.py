@@ -230,12 +230,19 @@ def _column_chunks(n: int, tile: int, parts: int) -> list[tuple[int, int]]:
     return [(c, min(c + width, n)) for c in range(0, n, width)]
 
 
-def _wgrad_from_row_copies(src, other, out, routing: ExpertRows, cfg: dict, *, src_is_a: bool, topk: int,
-                           use_tma: bool) -> None:
-    """The wgrad GEMM with its gathered operand `src` [T, H] replaced by row-ordered copies, made
-    `ROWS_PARTS` (default 4) column chunks of H at a time into one reused buffer: the copy adds
-    P*H/4 to the backward's peak memory instead of P*H (Qwen3-30B-A3B T=16384: 144 vs 575 MiB).
-    H is dW_down's M (src = dY is operand A) and dW_gate_up's N (src = x is operand B)."""
+def _wgrad_token_operand(src, other, out, routing: ExpertRows, cfg: dict, *, src_is_a: bool, topk: int,
+                         use_tma: bool) -> None:
+    """A weight gradient whose operand `src` [T, H] is per token (dY for dW_down, where it is A;
+    x for dW_gate_up, where it is B) and `other` is per aligned row.
+
+    Without the stage's "ROWS" key the GEMM gathers src's rows in its K loop. With it, src is
+    replaced by row-ordered copies made `ROWS_PARTS` (default 4) column chunks of H at a time into
+    one reused buffer: the copy adds P*H/4 to the backward's peak memory instead of P*H
+    (Qwen3-30B-A3B T=16384: 144 vs 575 MiB). H is dW_down's M and dW_gate_up's N."""
+    if not cfg.get("ROWS", False):
+        a, b = (src, other) if src_is_a else (other, src)
+        _wgrad(a, b, out, routing, cfg, gather_a=src_is_a, gather_b=not src_is_a, topk=topk, use_tma=use_tma)
+        return
     H = src.shape[1]
     if H == 0:  # dW has no elements
         return
@@ -333,19 +340,15 @@ def _backward(dout, x, gate_up_proj, down_proj, topk_weights, routing: ExpertRow
     _gemm(dout, down_proj, dgu, routing, cfg["dgrad"], n=inter, k=H, epilogue=2, gather_a=True,
           b_ncontig=True, topk=K, use_tma=tma, aux=aux, scale=w_flat, dscale=dw_flat, h=hw)
     dx = d_gate_up = d_down = d_w = None
-    # "ROWS" (large buckets): the weight-gradient GEMMs read dY and x from row-ordered copies (in
-    # column chunks, see _wgrad_from_row_copies) instead of gathering them in their K loop, where
-    # the index load ahead of each gathered load costs a pipeline stage (TTGIR: num_stages 3-4 keep
-    # one tile in flight); with TMA on both operands Mixtral T=16384 takes 20.7 instead of 27.5 ms
-    # for 0.24 ms of copies (H200).
-    rows_mode = bool(cfg["wgrad"].get("ROWS", False))
+    # wgrad "ROWS" (sm90 buckets from 64 rows per expert): the weight-gradient GEMMs read dY and x
+    # from row-ordered copies instead of gathering them in their K loop, where the index load
+    # ahead of each gathered load costs a pipeline stage (TTGIR: num_stages 3-4 keep one tile in
+    # flight); with TMA on both operands Mixtral T=16384 takes 20.7 instead of 27.5 ms for 0.24 ms
+    # of copies (H200). See _wgrad_token_operand.
     if needs[2]:
         # First, so that hw is freed before dx's [P, H] rows exist (peak memory).
         d_down = torch.empty(E, H, inter, device=dev, dtype=down_proj.dtype)
-        if rows_mode:
-            _wgrad_from_row_copies(dout, hw, d_down, routing, cfg["wgrad"], src_is_a=True, topk=K, use_tma=tma)
-        else:
-            _wgrad(dout, hw, d_down, routing, cfg["wgrad"], gather_a=True, gather_b=False, topk=K, use_tma=tma)
+        _wgrad_token_operand(dout, hw, d_down, routing, cfg["wgrad"], src_is_a=True, topk=K, use_tma=tma)
         del hw
     if needs[0]:
         dx_rows = torch.empty(P, H, device=dev, dtype=x.dtype)
@@ -356,10 +359,7 @@ def _backward(dout, x, gate_up_proj, down_proj, topk_weights, routing: ExpertRow
         del dx_rows
     if needs[1]:
         d_gate_up = torch.empty(E, two_i, H, device=dev, dtype=gate_up_proj.dtype)
-        if rows_mode:
-            _wgrad_from_row_copies(x, dgu, d_gate_up, routing, cfg["wgrad"], src_is_a=False, topk=K, use_tma=tma)
-        else:
-            _wgrad(dgu, x, d_gate_up, routing, cfg["wgrad"], gather_a=False, gather_b=True, topk=K, use_tma=tma)
+        _wgrad_token_operand(x, dgu, d_gate_up, routing, cfg["wgrad"], src_is_a=False, topk=K, use_tma=tma)
     if needs[3]:
         d_w = dw_flat.view(topk_weights.shape).to(topk_weights.dtype)
     return dx, d_gate_up, d_down, d_w
