@@ -5,7 +5,7 @@ SwiGLU forward+backward at 4096x6144, the MoE alignment at Qwen3-30B-A3B T=512/4
 fused_experts forward at T=1/512. Prints, per case, the ms per eager call (CUDA events around
 N calls), the host ms per call (perf_counter before the sync) and the profiler's top rows.
 
-    PYTHONPATH=src python benchmarks/diag_host.py [swiglu] [align] [experts]
+    PYTHONPATH=src python benchmarks/diag_host.py [swiglu] [swhost] [align] [experts]
 """
 
 from __future__ import annotations
@@ -106,6 +106,57 @@ def swiglu_cases() -> None:
     timed("swiglu torch fwd+bwd 1x128", lambda: torch.autograd.grad(F.silu(gs) * us, (gs, us), dys))
 
 
+def swiglu_host_ab() -> None:
+    """Host us per eager forward+backward, A/B interleaved (the host's speed drifts between
+    calls): ours, ours with the backward launch not prepared at forward time, torch, and a
+    trivial autograd.Function (a*b; two muls back)."""
+    import torch.nn.functional as F
+
+    k = load_kernel_from_dir(ROOT / "kernels_repo" / "swiglu")
+    ops = sys.modules[k.__name__ + ".ops"]
+    prepare = ops._prepare_backward
+
+    class Trivial(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            return a * b
+
+        @staticmethod
+        def backward(ctx, d):
+            return d * 2, d * 3
+
+    def no_plan(fn):
+        def call():
+            ops._prepare_backward = lambda *a: None
+            try:
+                return fn()
+            finally:
+                ops._prepare_backward = prepare
+        return call
+
+    def cases(g, u, dy) -> dict:
+        def ours():
+            return torch.autograd.grad(k.swiglu(g, u), (g, u), dy)
+
+        return {
+            "ours": ours,
+            "ours_no_plan": no_plan(ours),
+            "torch": lambda: torch.autograd.grad(F.silu(g) * u, (g, u), dy),
+            "trivial": lambda: torch.autograd.grad(Trivial.apply(g, u), (g, u), dy),
+        }
+
+    for T, I in ((1, 128), (64, 14336), (4096, 6144)):
+        g, u, dy = (torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=i < 2) for i in range(3))
+        fns = cases(g, u, dy)
+        res: dict[str, list[float]] = {n: [] for n in fns}
+        for _ in range(5):
+            for name, fn in fns.items():
+                ms, _host = time_eager(fn, 300)
+                res[name].append(ms * 1e3)
+        line = ", ".join(f"{n} {sorted(v)[2]:.1f}" for n, v in res.items())
+        print(f"## swiglu fwd+bwd {T}x{I} us per eager call (median of 5): {line}", flush=True)
+
+
 def moe_inputs(T: int, E: int = 128, H: int = 2048, I: int = 768, K: int = 8):
     logits = torch.randn(T, E, device=DEV)
     w, idx = torch.topk(torch.softmax(logits, -1), K, dim=-1)
@@ -180,6 +231,8 @@ def main() -> None:
     moe = load_kernel_from_dir(ROOT / "kernels_repo" / "moe")
     if "swiglu" in which:
         swiglu_cases()
+    if "swhost" in which:
+        swiglu_host_ab()
     if "align" in which:
         align_cases(moe)
     if "experts" in which:

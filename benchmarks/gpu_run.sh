@@ -21,7 +21,7 @@ for step in $steps; do
     swiglu) timeout 200 python3 kernels_repo/swiglu/benchmarks/bench_swiglu.py 2>&1 | tee "$OUT/bench_swiglu.log" | tail -3 ;;
     tiles) timeout 150 python3 kernels_repo/swiglu/benchmarks/sweep_tiles.py 2>&1 | tee "$OUT/sweep_tiles.log" | grep "^sweep" ;;
     profile) timeout 60 python3 benchmarks/profile_swiglu_host.py 2>&1 | tee "$OUT/profile_swiglu.log" | head -45 ;;
-    diag) timeout 200 python3 benchmarks/diag_host.py > "$OUT/diag.log" 2>&1; grep -E "^##|Error" "$OUT/diag.log" ;;
+    diag) timeout 200 python3 benchmarks/diag_host.py ${DIAG:-} > "$OUT/diag.log" 2>&1; grep -E "^##|Error" "$OUT/diag.log" ;;
     graphdiag) timeout 200 python3 benchmarks/diag_swiglu_graph.py 2>&1 | tee "$OUT/diag_swiglu_graph.log" | tail -8 ;;
     sweep) timeout ${SWEEP_TIMEOUT:-240} python3 kernels_repo/moe/benchmarks/sweep_backward.py 2>&1 | tee "$OUT/sweep_backward.log" | grep -v "^ " ;;
     tune) timeout ${TUNE_TIMEOUT:-400} python3 kernels_repo/moe/benchmarks/tune_moe.py ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune_moe.log" | grep -E "^==| block_m=|wrote" ;;

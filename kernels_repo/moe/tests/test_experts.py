@@ -761,7 +761,7 @@ def test_gpu_inference_is_cuda_graph_capturable(T):
 @pytest.mark.parametrize("shape,T", [("mixtral_8x7b", 2048), ("qwen3_30b_a3b", 4096)])
 def test_gpu_wgrad_tma_matches_the_pointer_path(shape, T, monkeypatch):
     """At real sizes, in bf16: weight gradients with TMA operands (gathered or from row-ordered copies,
-    "ROWS") equal the pointer path's bits."""
+    "ROWS"; dW by TMA store from persistent programs) equal the pointer path's bits."""
     if moe.select_variant(torch.device("cuda")) != "sm90":
         pytest.skip("TMA needs a capability 9.x GPU")
     ex = importlib.import_module(moe.__name__ + ".experts")
@@ -771,9 +771,12 @@ def test_gpu_wgrad_tma_matches_the_pointer_path(shape, T, monkeypatch):
     cfg = ex._config("sm90", s["E"], s["H"], s["I"], T * s["K"], None, x.device)
     calls = _count_row_descriptors(monkeypatch)
     results = []
-    for on, rows in ((False, False), (True, False), (True, True)):
-        _, grads = run_with_grads(lambda *a, on=on, rows=rows: moe.fused_experts(
-            *a, variant="sm90", config=_with_wgrad_tma(cfg, on, rows)), x, gu, dn, idx, w, dy, torch.bfloat16)
+    store_loop = {"TMA_STORE": True, "PERSISTENT": 1, "num_stages": 2}  # dW by TMA store, tiles looped
+    for on, rows, extra in ((False, False, {}), (True, False, {}), (True, True, {}), (True, True, store_loop)):
+        pinned = _with_wgrad_tma(cfg, on, rows)
+        pinned["wgrad"].update(extra)
+        _, grads = run_with_grads(lambda *a, pinned=pinned: moe.fused_experts(*a, variant="sm90", config=pinned),
+                                  x, gu, dn, idx, w, dy, torch.bfloat16)
         results.append(grads)
     # The TMA branch ran: one operand of each GEMM, then (ROWS) both operands of every chunk's launch.
     assert len(calls) > 2 + 4 and len(calls) % 2 == 0
