@@ -107,14 +107,15 @@ def swiglu_cases() -> None:
 
 
 def swiglu_host_ab() -> None:
-    """Host us per eager forward+backward, A/B interleaved (the host's speed drifts between
-    calls): ours, ours with the backward launch not prepared at forward time, torch, and a
-    trivial autograd.Function (a*b; two muls back)."""
+    """Host us per eager call, interleaved over 5 rounds (the host's speed drifts between calls):
+    our forward+backward against a trivial autograd.Function (a*b forward, two muls back), torch's
+    two ops, and the two halves swapped (our forward with the trivial backward and vice versa), plus
+    each forward alone on inputs that require grad (graph built, then dropped)."""
     import torch.nn.functional as F
 
     k = load_kernel_from_dir(ROOT / "kernels_repo" / "swiglu")
     ops = sys.modules[k.__name__ + ".ops"]
-    prepare = ops._prepare_backward
+    dispatch = sys.modules[k.__name__ + "._dispatch"]
 
     class Trivial(torch.autograd.Function):
         @staticmethod
@@ -125,24 +126,38 @@ def swiglu_host_ab() -> None:
         def backward(ctx, d):
             return d * 2, d * 3
 
-    def no_plan(fn):
-        def call():
-            ops._prepare_backward = lambda *a: None
-            try:
-                return fn()
-            finally:
-                ops._prepare_backward = prepare
-        return call
+    class OursFwdTrivialBwd(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            return k.swiglu(a, b)  # grad mode is off inside forward: the plain launch
+
+        @staticmethod
+        def backward(ctx, d):
+            return d * 2, d * 3
+
+    class TrivialFwdOursBwd(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a, b)
+            ctx.target = dispatch._resolve("swiglu", a, None)
+            return a * b
+
+        @staticmethod
+        def backward(ctx, d):
+            return ops._SwiGLUFunction.backward(ctx, d)[:2]
 
     def cases(g, u, dy) -> dict:
-        def ours():
-            return torch.autograd.grad(k.swiglu(g, u), (g, u), dy)
+        def grad_of(fn):
+            return lambda: torch.autograd.grad(fn(g, u), (g, u), dy)
 
         return {
-            "ours": ours,
-            "ours_no_plan": no_plan(ours),
-            "torch": lambda: torch.autograd.grad(F.silu(g) * u, (g, u), dy),
-            "trivial": lambda: torch.autograd.grad(Trivial.apply(g, u), (g, u), dy),
+            "ours": grad_of(k.swiglu),
+            "torch": grad_of(lambda a, b: F.silu(a) * b),
+            "trivial": grad_of(Trivial.apply),
+            "ours_fwd+trivial_bwd": grad_of(OursFwdTrivialBwd.apply),
+            "trivial_fwd+ours_bwd": grad_of(TrivialFwdOursBwd.apply),
+            "ours_fwd_only": lambda: k.swiglu(g, u),
+            "trivial_fwd_only": lambda: Trivial.apply(g, u),
         }
 
     for T, I in ((1, 128), (64, 14336), (4096, 6144)):
@@ -154,7 +169,7 @@ def swiglu_host_ab() -> None:
                 ms, _host = time_eager(fn, 300)
                 res[name].append(ms * 1e3)
         line = ", ".join(f"{n} {sorted(v)[2]:.1f}" for n, v in res.items())
-        print(f"## swiglu fwd+bwd {T}x{I} us per eager call (median of 5): {line}", flush=True)
+        print(f"## swiglu {T}x{I} us per eager call (median of 5): {line}", flush=True)
 
 
 def moe_inputs(T: int, E: int = 128, H: int = 2048, I: int = 768, K: int = 8):

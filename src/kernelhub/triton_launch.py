@@ -38,7 +38,7 @@ try:
 except ImportError:  # triton < 3.4: always take Triton's own path
     _knobs = None
 
-__all__ = ["CachedLaunch", "PreparedLaunch"]
+__all__ = ["CachedLaunch"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _MAX_KEYS = 4096  # exact keys; a sweep over many sequence lengths must not grow forever
@@ -175,32 +175,6 @@ class CachedLaunch:
                 return
         self._run(hit, grid, device_index, ptrs + ints + constexprs)
 
-    def prepare(self, grid: tuple, device_index: int, tensors: tuple, ints: tuple, constexprs: tuple,
-                num_warps: int = 4, num_stages: int | None = None) -> PreparedLaunch | None:
-        """The `split` launch of these arguments resolved now, to be made later with other tensors.
-
-        For an autograd backward whose launch is known at forward time: the Python of the key and
-        lookup runs once on the caller's thread, and the backward (on autograd's device thread,
-        where the same Python measured ~3x slower) only passes its pointers. `tensors` stand in for
-        the later ones: same dtypes, 16-byte-aligned addresses, strides as in `ints`. None when
-        this specialization is not compiled yet or the launch must take Triton's own path; the
-        caller then launches with `split` as usual (which compiles).
-        """
-        if not self.fast or len(tensors) + len(ints) + len(constexprs) != len(self.names) or (
-                self.kernel.pre_run_hooks or _hooks_registered()):
-            return None
-        for t in tensors:
-            if t.data_ptr() % 16:
-                return None
-        rt = _knobs.runtime
-        head = (device_index, num_warps, num_stages, rt.debug,
-                getattr(_knobs.compilation, "instrumentation_mode", None),
-                tuple([t.dtype for t in tensors]), constexprs)
-        hit = self.exact.get(("split", head, ints))
-        if hit is None:
-            return None
-        return PreparedLaunch(hit, grid, device_index, ints + constexprs)
-
     def _lookup_or_compile(self, key: tuple, spec_key: tuple, grid: tuple, args: tuple, num_warps: int,
                            num_stages: int | None) -> tuple | None:
         """The compiled handle for Triton's specialization of this call; on a miss Triton compiles
@@ -239,20 +213,3 @@ class CachedLaunch:
         if len(self.exact) >= _MAX_KEYS:
             self.exact.clear()
         self.exact[key] = hit
-
-
-class PreparedLaunch:
-    """A compiled launch with everything but the tensor addresses fixed (`CachedLaunch.prepare`).
-
-    Calling it launches on `device_index`'s current stream; that device must be current, and the
-    addresses must be 16-byte aligned and point at tensors of the prepared dtypes and strides (the
-    caller checks: nothing here can).
-    """
-
-    __slots__ = ("hit", "grid", "device_index", "tail")
-
-    def __init__(self, hit: tuple, grid: tuple, device_index: int, tail: tuple) -> None:
-        self.hit, self.grid, self.device_index, self.tail = hit, grid, device_index, tail
-
-    def __call__(self, ptrs: tuple) -> None:
-        CachedLaunch._run(self.hit, self.grid, self.device_index, ptrs + self.tail)

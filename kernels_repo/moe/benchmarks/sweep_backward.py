@@ -4,7 +4,8 @@ The forward tiles were tuned by `tune_moe.py`; this is the short list to check t
 (the dgrad epilogue and the weight gradients set the forward+backward time at large T).
 Usage (repo root, GPU): PYTHONPATH=src python kernels_repo/moe/benchmarks/sweep_backward.py
   env: POINTS=mixtral_8x7b:16384,deepseek_v3:16384  PARTS=dgrad,wgrad  NOGATHER=1 (also time the wgrad
-  GEMMs on operands already in row order, as the wgrad key "ROWS" does, and the copy)
+  GEMMs on operands already in row order, as the wgrad key "ROWS" does, and the copy; NOGATHER=only:
+  those alone)
   PARTS=fwd (+ FWD_BLOCK_MS=64,128): the forward GEMMs' short list per block_m
   PROBE=1 (the current wgrad tile against writing its output alone: zero_() and the kernel with no rows)
 """
@@ -28,17 +29,16 @@ DGRAD = [
 ]
 # The wgrad K loop loads its row indices, then the rows: that chain costs the software pipeline
 # stages, so num_stages 3 and 4 keep two buffers (prefetch distance 1), 5-6 three, 7 four (TTGIR).
+_TS = {"TMA": True, "TMA_STORE": True}
 WGRAD = [
-    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "TMA": True, "TMA_STORE": True},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "TMA": True, "TMA_STORE": True,
-     "PERSISTENT": 1},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2, "TMA": True, "TMA_STORE": True,
-     "PERSISTENT": 2},
-    {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2, "TMA": True, "TMA_STORE": True,
-     "PERSISTENT": 1},
-    {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4, "TMA": True},
-    {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "TMA": True, "TMA_STORE": True,
-     "PERSISTENT": 1},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, **_TS},  # <= 256 rows
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2, **_TS},  # 2 CTAs / SM
+    {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, **_TS},
+    {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, **_TS},
+    {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4, "TMA": True},  # > 256 rows
+    {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, **_TS},
+    {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, **_TS},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4, **_TS},
 ]
 
 
@@ -51,6 +51,7 @@ FWD = {
                   {"BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},
                   {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 5}]},
     128: {"gate_up": [{"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
+                      {"BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
                       {"BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 5},
                       {"BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}],
           "down": [{"BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
@@ -130,16 +131,19 @@ def sweep_point(name: str, T: int, variant: str) -> None:
         print(f"gather_rows {name} T={T} ms={ms:.3f} (one row-ordered copy, the ROWS key)", flush=True)
     for c in DGRAD if "dgrad" in parts else ():
         print(f"dgrad {name} T={T} {c} ms={timed(lambda c=c: dgrad(c)):.3f}", flush=True)
+
+    def time_rows(c):  # both operands already in row order (no gather): what the "ROWS" key runs
+        ms1 = timed(lambda: ex._wgrad(rows_h, hw, dwd, r, c, gather_a=False, gather_b=False, topk=K, use_tma=tma))
+        ms2 = timed(lambda: ex._wgrad(dgu, rows_h, dwgu, r, c, gather_a=False, gather_b=False, topk=K, use_tma=tma))
+        print(f"rows  {name} T={T} {c} down_ms={ms1:.3f} gate_up_ms={ms2:.3f} sum={ms1 + ms2:.3f}", flush=True)
+
     for c in WGRAD if "wgrad" in parts else ():
-        ms1 = timed(lambda c=c: ex._wgrad(dy, hw, dwd, r, c, gather_a=True, gather_b=False, topk=K, use_tma=tma))
-        ms2 = timed(lambda c=c: ex._wgrad(dgu, x, dwgu, r, c, gather_a=False, gather_b=True, topk=K, use_tma=tma))
-        print(f"wgrad {name} T={T} {c} down_ms={ms1:.3f} gate_up_ms={ms2:.3f} sum={ms1 + ms2:.3f}", flush=True)
-        if os.environ.get("NOGATHER"):  # upper bound: both operands already in row order (no gather)
-            ms1 = timed(lambda c=c: ex._wgrad(rows_h, hw, dwd, r, c, gather_a=False, gather_b=False, topk=K,
-                                              use_tma=tma))
-            ms2 = timed(lambda c=c: ex._wgrad(dgu, rows_h, dwgu, r, c, gather_a=False, gather_b=False, topk=K,
-                                              use_tma=tma))
-            print(f"rows  {name} T={T} {c} down_ms={ms1:.3f} gate_up_ms={ms2:.3f} sum={ms1 + ms2:.3f}", flush=True)
+        if os.environ.get("NOGATHER") != "only":
+            ms1 = timed(lambda c=c: ex._wgrad(dy, hw, dwd, r, c, gather_a=True, gather_b=False, topk=K, use_tma=tma))
+            ms2 = timed(lambda c=c: ex._wgrad(dgu, x, dwgu, r, c, gather_a=False, gather_b=True, topk=K, use_tma=tma))
+            print(f"wgrad {name} T={T} {c} down_ms={ms1:.3f} gate_up_ms={ms2:.3f} sum={ms1 + ms2:.3f}", flush=True)
+        if rows_h is not None:
+            time_rows(c)
 
 
 def main() -> None:

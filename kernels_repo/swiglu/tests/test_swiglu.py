@@ -231,14 +231,12 @@ def test_launch_runs_on_the_input_device_and_restores_current(fake_gpus, monkeyp
         y = ops.swiglu_packed(x)
         assert y.device == torch.device("cuda", 1) and y.shape == (4, 32)
         # backward: the same guard, and the gradient allocated on x's device
-        ctx = types.SimpleNamespace(saved_tensors=(x,), target=(dispatch._VARIANTS["sm90"], 1, 132),
-                                    plan=None)
+        ctx = types.SimpleNamespace(saved_tensors=(x,), target=(dispatch._VARIANTS["sm90"], 1, 132))
         dx, _ = ops._SwiGLUPackedFunction.backward(ctx, torch.empty((4, 32), dtype=torch.bfloat16,
                                                                     device=x.device))
         assert dx.device == x.device and dx.shape == x.shape
         g1, u1 = fake_cuda_tensor((4, 32), 1), fake_cuda_tensor((4, 32), 1)
-        ctx = types.SimpleNamespace(saved_tensors=(g1, u1), target=(dispatch._VARIANTS["sm90"], 1, 132),
-                                    plan=None)
+        ctx = types.SimpleNamespace(saved_tensors=(g1, u1), target=(dispatch._VARIANTS["sm90"], 1, 132))
         dg, du, _ = ops._SwiGLUFunction.backward(ctx, torch.empty((4, 32), device=x.device))
         assert dg.device == du.device == x.device
         g0 = fake_cuda_tensor((4, 32), 0, torch.float16)
@@ -474,47 +472,3 @@ def test_gpu_work_lands_on_the_current_stream(impl):
     graph.replay()
     torch.cuda.synchronize(dev)
     _close(out, _reference(gate, up), torch.bfloat16)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("packed", [False, True])
-def test_gpu_prepared_backward_is_used_and_bit_exact(impl, packed, monkeypatch):
-    """The backward launch resolved at forward time (dy contiguous) gives the same bits as the
-    general path, which a non-contiguous dy or a forward with no plan still takes."""
-    from kernelhub.triton_launch import PreparedLaunch
-
-    dev = torch.device("cuda", torch.cuda.current_device())
-    calls = []
-    real_call = PreparedLaunch.__call__
-    monkeypatch.setattr(PreparedLaunch, "__call__", lambda self, p: (calls.append(1), real_call(self, p)))
-    x = _rand((300, 2 * 1000), torch.bfloat16, dev)
-    dy = _rand((300, 1000), torch.bfloat16, dev)
-
-    prepare = ops._prepare_backward
-
-    def grads(dy, plan_off=False):
-        monkeypatch.setattr(ops, "_prepare_backward", (lambda *a: None) if plan_off else prepare)
-        if packed:
-            xx = x.clone().requires_grad_()
-            return torch.autograd.grad(ops.swiglu_packed(xx, impl=impl), xx, dy)
-        g, u = (t.contiguous().requires_grad_() for t in x.chunk(2, -1))
-        return torch.autograd.grad(ops.swiglu(g, u, impl=impl), (g, u), dy)
-
-    grads(dy)  # first call compiles through Triton: no plan yet
-    calls.clear()
-    planned = grads(dy)
-    assert calls, "the second backward should take the prepared launch"
-    calls.clear()
-    general = grads(dy, plan_off=True)
-    assert not calls
-    dy_t = dy.t().contiguous().t()  # same values, column-major: the general path
-    strided = grads(dy_t)
-    assert not calls
-    for a, b, c in zip(planned, general, strided, strict=True):
-        assert torch.equal(a, b) and torch.equal(a, c)
-    g, u = x.chunk(2, -1)
-    _, rdg, rdu = _reference(g, u, dy)
-    ref = (torch.cat([rdg, rdu], -1),) if packed else (rdg, rdu)
-    for a, r in zip(planned, ref, strict=True):
-        _close(a, r, torch.bfloat16)

@@ -12,7 +12,7 @@ import os
 import torch
 
 from kernelhub.device import device_guard, device_properties
-from kernelhub.triton_launch import CachedLaunch, PreparedLaunch
+from kernelhub.triton_launch import CachedLaunch
 
 from . import _sm80, _sm90
 
@@ -103,10 +103,9 @@ def _rows(shape: torch.Size, strides: tuple[int, ...]) -> tuple[int, int] | None
     return M, stride_m
 
 
-def _launch_args(target: tuple[_Variant, int, int], backward: bool, packed: bool, N: int,
-                 tensors: tuple[torch.Tensor, ...]) -> tuple | None:
-    """(launcher, grid, ints, constexprs, num_warps) of one launch over [..., N] tensors (inputs
-    then outputs) viewed as [M, N] rows; None when the leading dims have no single row stride.
+def _launch(target: tuple[_Variant, int, int], backward: bool, packed: bool, N: int,
+            tensors: tuple[torch.Tensor, ...]) -> None:
+    """Launch over [..., N] tensors (inputs then outputs) viewed as rows; loop where no view exists.
 
     Packed: the up (and d up) tensor is the packed [..., 2N] one, offset N columns in the kernel.
     """
@@ -119,7 +118,10 @@ def _launch_args(target: tuple[_Variant, int, int], backward: bool, packed: bool
     else:
         rows = [_rows(shape, st) for st in strides]
         if None in rows:
-            return None
+            # leading dims that no single row stride spans (rare): one launch per outer index
+            for i in range(shape[0]):
+                _launch(target, backward, packed, N, tuple(t[i] for t in tensors))
+            return
         M = rows[0][0]
         rs = [r[1] for r in rows]
     block_m, block_n, num_warps, grid = variant.config(
@@ -131,40 +133,8 @@ def _launch_args(target: tuple[_Variant, int, int], backward: bool, packed: bool
     else:
         ints = (M, N, rs[0], strides[0][-1], rs[1], strides[1][-1], rs[2])
         launcher = variant.fwd
-    return launcher, (grid,), ints, (block_m, block_n, N % block_n == 0, packed), num_warps
-
-
-def _launch(target: tuple[_Variant, int, int], backward: bool, packed: bool, N: int,
-            tensors: tuple[torch.Tensor, ...]) -> None:
-    args = _launch_args(target, backward, packed, N, tensors)
-    if args is None:
-        # leading dims that no single row stride spans (rare): one launch per outer index
-        for i in range(tensors[-1].shape[0]):
-            _launch(target, backward, packed, N, tuple(t[i] for t in tensors))
-        return
-    launcher, grid, ints, constexprs, num_warps = args
-    launcher.split(grid, target[1], tensors, ints, constexprs, num_warps=num_warps)
-
-
-def _prepare_backward(target: tuple[_Variant, int, int], packed: bool, N: int, out: torch.Tensor,
-                      gate: torch.Tensor, up: torch.Tensor) -> PreparedLaunch | None:
-    """The backward launch for a contiguous dy like `out`, resolved on the forward's thread.
-
-    `out` (contiguous, gate's dtype) stands in for dy and for the contiguous gradients the
-    backward allocates; `_backward_ptrs` says when a real dy matches what was prepared.
-    """
-    if target[1] < 0 or out.numel() == 0:
-        return None
-    grad_like = (out, gate, up, gate if packed else out, up if packed else out)
-    args = _launch_args(target, True, packed, N, grad_like)
-    if args is None:
-        return None
-    launcher, grid, ints, constexprs, num_warps = args
-    if packed:  # the packed gradient is one contiguous [..., 2N] tensor: row stride 2N
-        ints = ints[:-2] + (2 * N, 2 * N)
-    else:
-        ints = ints[:-2] + (N, N)
-    return launcher.prepare(grid, target[1], grad_like, ints, constexprs, num_warps=num_warps)
+    launcher.split((grid,), device_index, tensors, ints, (block_m, block_n, N % block_n == 0, packed),
+                   num_warps=num_warps)
 
 
 def _run(target: tuple[_Variant, int, int], backward: bool, packed: bool, N: int,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ._custom_ops import _swiglu_op, _swiglu_packed_op
-from ._dispatch import IMPLS, _forward, _forward_packed, _grad_output, _prepare_backward, _resolve, _run
+from ._dispatch import IMPLS, _empty, _forward, _forward_packed, _grad_output, _resolve, _run
 from .reference import swiglu_packed_reference, swiglu_reference
 
 __all__ = ["swiglu", "swiglu_packed", "IMPLS"]
@@ -54,20 +54,14 @@ class _SwiGLUFunction(torch.autograd.Function):
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor, target) -> torch.Tensor:
         ctx.save_for_backward(gate, up)
         ctx.target = target
-        out = _forward(target, gate, up)
-        ctx.plan = _prepare_backward(target, False, gate.shape[-1], out, gate, up)
-        return out
+        return _forward(target, gate, up)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         gate, up = ctx.saved_tensors
-        dg = torch.empty_like(gate, memory_format=torch.contiguous_format)
-        du = torch.empty_like(up, memory_format=torch.contiguous_format)
-        plan = ctx.plan
-        if plan is not None and _matches_plan(dy, gate, plan):
-            plan((dy.data_ptr(), gate.data_ptr(), up.data_ptr(), dg.data_ptr(), du.data_ptr()))
-        else:
-            _run(ctx.target, True, False, gate.shape[-1], (_grad_output(dy, gate), gate, up, dg, du))
+        dy = _grad_output(dy, gate)
+        dg, du = _empty(gate), _empty(up)
+        _run(ctx.target, True, False, gate.shape[-1], (dy, gate, up, dg, du))
         return dg, du, None
 
 
@@ -76,29 +70,16 @@ class _SwiGLUPackedFunction(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, target) -> torch.Tensor:
         ctx.save_for_backward(x)
         ctx.target = target
-        out = _forward_packed(target, x)
-        ctx.plan = _prepare_backward(target, True, x.shape[-1] // 2, out, x, x)
-        return out
+        return _forward_packed(target, x)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         (x,) = ctx.saved_tensors
+        dy = _grad_output(dy, x)
         # one [..., 2I] gradient; the kernel writes both halves
-        dx = torch.empty_like(x, memory_format=torch.contiguous_format)
-        plan = ctx.plan
-        if plan is not None and _matches_plan(dy, x, plan):
-            xp, dxp = x.data_ptr(), dx.data_ptr()
-            plan((dy.data_ptr(), xp, xp, dxp, dxp))
-        else:
-            _run(ctx.target, True, True, x.shape[-1] // 2, (_grad_output(dy, x), x, x, dx, dx))
+        dx = _empty(x)
+        _run(ctx.target, True, True, x.shape[-1] // 2, (dy, x, x, dx, dx))
         return dx, None
-
-
-def _matches_plan(dy: torch.Tensor, like: torch.Tensor, plan) -> bool:
-    """Whether dy is what the prepared backward assumed: contiguous, like's dtype, 16-byte
-    aligned, on the plan's device, which is current (autograd's device thread makes it so)."""
-    return (dy.dtype == like.dtype and dy.is_contiguous() and dy.data_ptr() % 16 == 0
-            and dy.get_device() == plan.device_index == torch._C._cuda_getDevice())
 
 
 def _impl_arg(fn: str, impl: str | None) -> str:
