@@ -727,7 +727,7 @@ def test_gpu_bf16_matches_reference(shape, T, variant):
                                 torch.bfloat16)
     ref, ref_grads = run_with_grads(moe.fused_experts_reference, x, gu, dn, idx, w, dy, torch.float32)
     assert_close_rel(out, ref, 1e-2, "output")
-    for name, got, want in zip(NAMES, grads, ref_grads[:3], strict=True):
+    for name, got, want in zip(NAMES[:3], grads[:3], ref_grads[:3], strict=True):
         assert_close_rel(got, want, 1e-2, name)
     _assert_topk_weight_grad_close(grads[3], ref_grads[3], x, gu, dn, idx, dy)
 
