@@ -801,8 +801,10 @@ def test_gpu_wgrad_tma_matches_the_pointer_path(shape, T, monkeypatch):
     base = results[0]
     for got_all in results[1:]:
         for name, want, got in zip(NAMES, base, got_all, strict=True):
-            if name == "topk_weights":  # summed by fp32 atomics: the order (and last bits) varies per run
-                assert_close_rel(got, want, 1e-5, name)
+            if name == "topk_weights":
+                # fp32 atomics over ~16 column blocks per (token, slot) in a varying order; with dots
+                # that cancel, runs differ by up to ~2e-5 relative (1.8e-5 seen at Qwen3 T=4096)
+                assert_close_rel(got, want, 1e-4, name)
             else:
                 assert torch.equal(want, got), name
 
