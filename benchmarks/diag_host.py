@@ -27,6 +27,18 @@ from kernelhub._loader import load_kernel_from_dir  # noqa: E402
 DEV = torch.device("cuda", 0)
 
 
+class Trivial(torch.autograd.Function):
+    """The cheapest Python autograd.Function of the same arity: a*b forward, two muls back."""
+
+    @staticmethod
+    def forward(ctx, a, b):
+        return a * b
+
+    @staticmethod
+    def backward(ctx, d):
+        return d * 2, d * 3
+
+
 def timed(name: str, fn, n: int = 50) -> None:
     ms, host_us = time_eager(fn, n)
     print(f"## {name}: {ms:.4f} ms per eager call, host {host_us / 1e3:.4f} ms", flush=True)
@@ -87,15 +99,6 @@ def swiglu_cases() -> None:
     print(f"## inside our backward: median {inner[len(inner) // 2] * 1e6:.1f} us, threads {threads}", flush=True)
     pstats.Stats(prof).sort_stats("tottime").print_stats(14)
 
-    class Trivial(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, a, b):
-            return a * b
-
-        @staticmethod
-        def backward(ctx, d):
-            return d * 2, d * 3
-
     timed("trivial autograd.Function fwd+bwd 4096x6144", lambda: torch.autograd.grad(Trivial.apply(g, u), (g, u), dy))
     y = k.swiglu(g, u)
     timed("swiglu ours backward only (retain_graph)", lambda: torch.autograd.grad(y, (g, u), dy, retain_graph=True))
@@ -116,15 +119,6 @@ def swiglu_host_ab() -> None:
     k = load_kernel_from_dir(ROOT / "kernels_repo" / "swiglu")
     ops = sys.modules[k.__name__ + ".ops"]
     dispatch = sys.modules[k.__name__ + "._dispatch"]
-
-    class Trivial(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, a, b):
-            return a * b
-
-        @staticmethod
-        def backward(ctx, d):
-            return d * 2, d * 3
 
     class OursFwdTrivialBwd(torch.autograd.Function):
         @staticmethod
