@@ -11,8 +11,9 @@ Usage (repo root): PYTHONPATH=src python kernels_repo/moe/benchmarks/bench_moe.p
   env: SHAPES=qwen3_30b_a3b,mixtral_8x7b,deepseek_v3  TOKENS=1,32,512,4096,16384
        IMPLS=kernelhub,hf_grouped_mm,...  MODES=fwd,fwdbwd  STAGES=1 (per-stage kernelhub times; 0: off)
        OUT=/tmp (appends $OUT/bench_moe.jsonl)
-  Liger-Kernel autotunes its MoE kernels on first use of a shape: at Mixtral sizes that outlasted a
-  10-minute device call (2026-12-03), so a full run there wants IMPLS without liger, or a longer slot.
+  Liger-Kernel autotunes its MoE kernels on first use of a shape: at Mixtral sizes that outlasted
+  the 2-4 minutes two device calls had left for it (2026-12-03), so a full run there wants IMPLS
+  without liger, or a longer slot.
 """
 
 from __future__ import annotations
