@@ -4,6 +4,7 @@ Catches GPU-only compile errors (layouts, TMA, shared memory) on a machine with 
 each kernel with the constexprs `experts.py` uses for every bucket of `configs/sm*.json` and runs
 the whole pipeline up to ptxas. Usage (repo root, TRITON_INTERPRET unset):
     PYTHONPATH=src python kernels_repo/moe/benchmarks/compile_check.py
+    PAIR=1 ...: also the block_m=128 buckets' GEMM tiles as block_m=64 with "pair_m" (128-row tiles)
 """
 
 from __future__ import annotations
@@ -74,12 +75,12 @@ def compile_one(fn, signature, constexprs, cap, num_warps, num_stages, label):
         return None
 
 
-def gemm(cap, cfg, bm, epilogue, tma, ncontig, dtype="bf16"):
+def gemm(cap, cfg, bm, epilogue, tma, ncontig, dtype="bf16", pair=False):
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     sig = {
         "a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "c_ptr": f"*{dtype}", "aux_ptr": f"*{dtype}",
         "rows_ptr": "*i32", "row_expert_ptr": "*i32", "scale_ptr": f"*{dtype}", "dscale_ptr": "*fp32",
-        "h_ptr": f"*{dtype}",
+        "h_ptr": f"*{dtype}", "expert_start_ptr": "*i32", "expert_count_ptr": "*i32",
     }
     for name in ("P", "N", "K", "B_N_TOTAL", "stride_am", "stride_ak", "stride_be", "stride_bn", "stride_bk",
                  "stride_cm", "stride_cn", "stride_xm", "stride_hm"):
@@ -93,13 +94,13 @@ def gemm(cap, cfg, bm, epilogue, tma, ncontig, dtype="bf16"):
     const.update(
         EPILOGUE=epilogue, SAVE_AUX=epilogue == 1, SAVE_H=epilogue == 2,
         GATHER_A=epilogue != 0, TOPK=8, B_TMA=tma,
-        B_NCONTIG=ncontig, UPCAST=False, PRECISION="ieee" if dtype == "fp32" else None, BLOCK_M=bm,
+        B_NCONTIG=ncontig, UPCAST=False, PRECISION="ieee" if dtype == "fp32" else None, PAIR=pair, BLOCK_M=bm,
         BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
     )
     # ASTSource wants every argument in the signature; constexprs are marked "constexpr".
     order = k80._grouped_gemm_kernel.arg_names
     full = {n: sig.get(n, "constexpr") for n in order}
-    label = f"gemm epi={epilogue} tma={tma} ncontig={ncontig} bm={bm} {cfg} {dtype}"
+    label = f"gemm epi={epilogue} tma={tma} ncontig={ncontig} bm={bm}{' pair' if pair else ''} {cfg} {dtype}"
     return compile_one(k80._grouped_gemm_kernel, full, const, cap, cfg["num_warps"], cfg["num_stages"], label)
 
 
@@ -149,6 +150,9 @@ def others(cap):
                                                    BLOCK_P=256), cap, 8, 3, "align_small")
 
 
+PAIR_TOO = os.environ.get("PAIR") == "1"  # also compile the block_m=128 buckets' tiles as pair_m at 64
+
+
 def main() -> None:
     failures = 0
     for cap in (90, 80):
@@ -161,7 +165,9 @@ def main() -> None:
             tma = cap == 90 and b.get("tma", True)
             for stage, epi, ncontig in (("gate_up", 1, False), ("down", 0, False), ("dgrad", 2, True),
                                         ("down", 0, True)):
-                failures += gemm(cap, b[stage], b["block_m"], epi, tma, ncontig) is None
+                failures += gemm(cap, b[stage], b["block_m"], epi, tma, ncontig, pair=b.get("pair_m", False)) is None
+                if PAIR_TOO and b["block_m"] == 128:  # the same tiles as 64-row blocks paired (pair_m)
+                    failures += gemm(cap, b[stage], 64, epi, tma, ncontig, pair=True) is None
             for gather_a in (True, False):
                 failures += wgrad(cap, b["wgrad"], gather_a) is None
                 if tma:  # the optional TMA operand (wgrad stage key "TMA")

@@ -6,7 +6,8 @@ Usage (repo root, GPU): PYTHONPATH=src python kernels_repo/moe/benchmarks/sweep_
   env: POINTS=mixtral_8x7b:16384,deepseek_v3:16384  PARTS=dgrad,wgrad  NOGATHER=1 (also time the wgrad
   GEMMs on operands already in row order, as the wgrad key "ROWS" does, and the copy; NOGATHER=only:
   those alone)
-  PARTS=fwd (+ FWD_BLOCK_MS=64,128): the forward GEMMs' short list per block_m
+  PARTS=fwd (+ FWD_BLOCK_MS=64,128, PAIR=1): the forward GEMMs' short list per block_m (PAIR=1: also
+  rows padded to 64 with paired 128-row tiles, the bucket key "pair_m")
   PROBE=1 (the current wgrad tile against writing its output alone: zero_() and the kernel with no rows)
 """
 
@@ -51,7 +52,6 @@ FWD = {
                   {"BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},
                   {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 5}]},
     128: {"gate_up": [{"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
-                      {"BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 2},
                       {"BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 5},
                       {"BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}],
           "down": [{"BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
@@ -61,26 +61,32 @@ FWD = {
 
 
 def sweep_forward(name: str, T: int, variant: str, x, gu, dn, idx) -> None:
-    """The inference GEMMs (gate_up with its SwiGLU epilogue, down) per block_m (FWD_BLOCK_MS=64,128)."""
+    """The inference GEMMs (gate_up with its SwiGLU epilogue, down) per block_m (FWD_BLOCK_MS=64,128);
+    PAIR=1 adds rows padded to 64 with the 128-row tiles run as paired blocks (bucket key "pair_m")."""
     E, two_i, H = gu.shape
     I, K = two_i // 2, idx.shape[1]
     cur = ex._config(variant, E, H, I, T * K, None, DEV, 2)
-    for bm in [int(b) for b in os.environ.get("FWD_BLOCK_MS", "64,128").split(",")]:
+    runs = [(int(b), False) for b in os.environ.get("FWD_BLOCK_MS", "64,128").split(",")]
+    if os.environ.get("PAIR") == "1":
+        runs.append((64, True))
+    for bm, pair in runs:
         r = rt.align_rows(idx, E, bm)
         h = torch.empty(r.num_rows, I, device=DEV, dtype=x.dtype)
         y = torch.empty(r.num_rows, H, device=DEV, dtype=x.dtype)
         tma = ex._use_tma(variant, cur, gu, dn)
+        tiles = FWD[2 * bm if pair else bm]
         for stage in ("gate_up", "down"):
-            cands = FWD[bm][stage] + ([cur[stage]] if bm == cur["block_m"] and cur[stage] not in FWD[bm][stage]
-                                      else [])
+            cands = tiles[stage] + ([cur[stage]] if bm == cur["block_m"] and cur[stage] not in tiles[stage]
+                                    else [])
             for c in cands:
                 if stage == "gate_up":
                     run = partial(ex._gemm, x, gu, h, r, c, n=I, k=H, epilogue=1, gather_a=True)
                 else:
                     run = partial(ex._gemm, h, dn, y, r, c, n=H, k=I, epilogue=0, gather_a=False)
-                ms = timed(partial(run, b_ncontig=False, topk=K, use_tma=tma))
-                mark = " (current)" if bm == cur["block_m"] and c == cur[stage] else ""
-                print(f"fwd {name} T={T} block_m={bm} {stage} {c} ms={ms:.3f}{mark}", flush=True)
+                ms = timed(partial(run, b_ncontig=False, topk=K, use_tma=tma, pair=pair))
+                mark = " (current)" if bm == cur["block_m"] and c == cur[stage] and not pair else ""
+                label = f"block_m={bm}{' pair' if pair else ''}"
+                print(f"fwd {name} T={T} {label} {stage} {c} ms={ms:.3f}{mark}", flush=True)
 
 
 def sweep_point(name: str, T: int, variant: str) -> None:

@@ -124,6 +124,45 @@ def test_16bit_and_strided_inputs(variant, dtype):
     assert_close_rel(out, loop_reference(x, gu, dn, idx, w), 6e-3, f"{dtype} output")
 
 
+def _routing_with_block_counts(E_counts: list[int], K: int, drop: int = 0) -> torch.Tensor:
+    """topk_idx [T, K] in which expert e gets E_counts[e] pairs (minus `drop` set to -1), no token
+    naming an expert twice: the pairs sorted by expert, token t taking entries t, t + T, ..."""
+    seq = [e for e, c in enumerate(E_counts) for _ in range(c)]
+    T = len(seq) // K
+    assert T * K == len(seq)
+    idx = torch.tensor([[seq[t + j * T] for j in range(K)] for t in range(T)])
+    assert all(len(set(row.tolist())) == K for row in idx)
+    for j in range(drop):
+        idx[j, K - 1] = -1
+    return idx
+
+
+@pytest.mark.parametrize("variant", TRITON_VARIANTS)
+def test_paired_row_blocks_match_the_float64_loop(variant, monkeypatch):
+    """Bucket key "pair_m": blocks 0+1, 2+3, ... of an expert run as one tile twice block_m tall and
+    an odd last block alone. Experts of 0 to 4 blocks (block_m=16 here), a dropped pair, every
+    gradient against the float64 loop; both tile heights must have run."""
+    cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
+    k80 = importlib.import_module(moe.__name__ + "._experts_sm80")
+    heights = []
+    real = k80._gemm_tile
+    monkeypatch.setattr(k80, "_gemm_tile", lambda *a: heights.append(int(a[-3])) or real(*a))
+    cfg = copy.deepcopy(cfgs.INTERPRETER_CONFIG)
+    assert cfg["block_m"] == 16
+    cfg["pair_m"] = True
+    idx = _routing_with_block_counts([0, 10, 20, 40, 64], K=2, drop=1)  # 0, 1, 2, 3, 4 blocks
+    T, K, E, H, I = idx.shape[0], 2, 5, 24, 20
+    x, gu, dn, _, w = make_inputs(T, H, I, E, K, seed=61)
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(62))
+    out, grads = run_with_grads(lambda *a: moe.fused_experts(*a, variant=variant, config=cfg), x, gu, dn, idx, w,
+                                dy, torch.float32)
+    assert set(heights) == {16, 32}, heights
+    ref, ref_grads = run_with_grads(loop_reference, x, gu, dn, idx, w, dy, torch.float64)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+    for name, got, want in zip(NAMES, grads, ref_grads, strict=True):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_pinned_tile_config_gives_the_same_result():
     cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
     pinned = {k: (dict(v) if isinstance(v, dict) else v) for k, v in cfgs.INTERPRETER_CONFIG.items()}
@@ -457,6 +496,19 @@ def test_every_launch_forward_and_backward_runs_inside_the_input_device_guard(mo
     assert all(stack == [x.device] for stack in launches), launches
 
 
+def test_paired_tiles_count_twice_block_m_when_stages_are_fitted():
+    cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
+    bucket = copy.deepcopy(cfgs.pick_config(90, 128, 2048, 768, 8 * 4096))
+    bucket["block_m"] = 64
+    tile = {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
+    bucket["down"] = dict(tile)
+    smem = 4 * (128 + 128) * 64 * 2  # four stages of a 128-row tile (one byte short below)
+    single = cfgs.fit_shared_memory(bucket, smem - 1, 2)["down"]["num_stages"]  # 64-row tiles fit 4
+    bucket["pair_m"] = True
+    paired = cfgs.fit_shared_memory(bucket, smem - 1, 2)["down"]["num_stages"]  # 128-row tiles: 3
+    assert (single, paired) == (4, 3)
+
+
 def test_stages_fit_the_shared_memory_of_each_device_index(fake_gpus):
     ex = importlib.import_module(moe.__name__ + ".experts")
     cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
@@ -488,6 +540,7 @@ def test_stages_fit_the_shared_memory_of_each_device_index(fake_gpus):
     (lambda c: c["wgrad"].update(ROWS_PARTS=0), ValueError, "['wgrad']['ROWS_PARTS'] must be an int >= 1"),
     (lambda c: c["wgrad"].update(TMA_LOAD=True), ValueError, "['wgrad']: unknown keys ['TMA_LOAD']"),
     (lambda c: c.update(tma=1), TypeError, "['tma'] must be true or false"),
+    (lambda c: c.update(pair_m="on"), TypeError, "['pair_m'] must be true or false"),
     (lambda c: c["wgrad"].update(PERSISTENT=-1), ValueError, "['wgrad']['PERSISTENT'] must be an int >= 0"),
 ])
 def test_a_bad_pinned_config_is_a_clear_error(edit, error, words):
@@ -809,6 +862,29 @@ def test_gpu_wgrad_tma_matches_the_pointer_path(shape, T, monkeypatch):
                 assert_close_rel(got, want, 1e-4, name)
             else:
                 assert torch.equal(want, got), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", TRITON_VARIANTS)
+def test_gpu_paired_row_blocks_match_the_reference(variant):
+    """Bucket key "pair_m" at Qwen3-30B-A3B T=4096 (256 rows per expert: pairs and lone blocks),
+    rows padded to 64 and 128-row tiles, forward and every gradient in bf16 against fp32."""
+    if variant == "sm90" and moe.select_variant(torch.device("cuda")) != "sm90":
+        pytest.skip("sm90 path needs a capability 9.x GPU")
+    ex = importlib.import_module(moe.__name__ + ".experts")
+    s = SHAPES["qwen3_30b_a3b"]
+    x, gu, dn, idx, w = gpu_inputs(s["E"], s["H"], s["I"], s["K"], 4096)
+    dy = torch.randn_like(x)
+    cfg = copy.deepcopy(ex._config(variant, s["E"], s["H"], s["I"], 4096 * s["K"], None, x.device))
+    assert cfg["block_m"] == 128
+    cfg.update(block_m=64, pair_m=True)
+    out, grads = run_with_grads(lambda *a: moe.fused_experts(*a, variant=variant, config=cfg), x, gu, dn, idx, w,
+                                dy, torch.bfloat16)
+    ref, ref_grads = run_with_grads(moe.fused_experts_reference, x, gu, dn, idx, w, dy, torch.float32)
+    assert_close_rel(out, ref, 1e-2, "output")
+    for name, got, want in zip(NAMES[:3], grads[:3], ref_grads[:3], strict=True):
+        assert_close_rel(got, want, 1e-2, name)
+    _assert_topk_weight_grad_close(grads[3], ref_grads[3], x, gu, dn, idx, dy)
 
 
 def _restore_kernelhub(interface, previous) -> None:

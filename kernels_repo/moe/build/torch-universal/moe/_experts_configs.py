@@ -36,7 +36,7 @@ _GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 _WGRAD_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 _WGRAD_OPTIONAL = {"GROUP_M": int, "ROWS_PARTS": int, "ROWS": bool, "TMA": bool, "TMA_STORE": bool,
                    "PERSISTENT": int}
-_BUCKET_OPTIONAL = {"max_rows_per_expert", "tma"}
+_BUCKET_OPTIONAL = {"max_rows_per_expert", "tma", "pair_m"}
 
 
 def _pow2(v: object) -> bool:
@@ -84,8 +84,9 @@ def check_bucket(bucket: object, where: str) -> None:
             raise ValueError(f"{where}: missing key {key!r}")
     if not _pow2(bucket["block_m"]) or bucket["block_m"] < 16:
         raise ValueError(f"{where}['block_m'] must be a power of two >= 16, got {bucket['block_m']!r}")
-    if "tma" in bucket and not isinstance(bucket["tma"], bool):
-        raise TypeError(f"{where}['tma'] must be true or false, got {bucket['tma']!r}")
+    for flag in ("tma", "pair_m"):
+        if flag in bucket and not isinstance(bucket[flag], bool):
+            raise TypeError(f"{where}[{flag!r}] must be true or false, got {bucket[flag]!r}")
     for stage in _GEMM_STAGES:
         _check_stage(f"{where}[{stage!r}]", bucket[stage], _GEMM_KEYS, {})
     _check_stage(f"{where}['wgrad']", bucket["wgrad"], _WGRAD_KEYS, _WGRAD_OPTIONAL)
@@ -153,7 +154,7 @@ def fit_shared_memory(bucket: dict, smem_per_block: int, element_size: int) -> d
     The estimate is conservative: every stage buffered (true with TMA; Triton buffers one fewer
     with cp.async).
     """
-    bm = bucket["block_m"]
+    bm = bucket["block_m"] * (2 if bucket.get("pair_m") else 1)  # pair_m: tiles twice block_m tall
     out = dict(bucket)
     for stage, n_b in (("gate_up", 2), ("down", 1), ("dgrad", 1), ("wgrad", None)):
         c = dict(bucket[stage])
