@@ -137,13 +137,17 @@ def _routing_with_block_counts(E_counts: list[int], K: int, drop: int = 0) -> to
     return idx
 
 
+@pytest.mark.parametrize("one_program_alignment", [True, False])
 @pytest.mark.parametrize("variant", TRITON_VARIANTS)
-def test_paired_row_blocks_match_the_float64_loop(variant, monkeypatch):
+def test_paired_row_blocks_match_the_float64_loop(variant, one_program_alignment, monkeypatch):
     """Bucket key "pair_m": blocks 0+1, 2+3, ... of an expert run as one tile twice block_m tall and
     an odd last block alone. Experts of 0 to 4 blocks (block_m=16 here), a dropped pair, every
-    gradient against the float64 loop; both tile heights must have run."""
+    gradient against the float64 loop; both tile heights must have run. Both alignment paths (the
+    one-program kernel of small batches and the mapping kernels) give the expert starts it reads."""
     cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
     k80 = importlib.import_module(moe.__name__ + "._experts_sm80")
+    if not one_program_alignment:
+        monkeypatch.setattr(importlib.import_module(moe.__name__ + "._experts_routing"), "SMALL_PAIRS", 0)
     heights = []
     real = k80._gemm_tile
     monkeypatch.setattr(k80, "_gemm_tile", lambda *a: heights.append(int(a[-3])) or real(*a))
