@@ -5,6 +5,7 @@ each kernel with the constexprs `experts.py` uses for every bucket of `configs/s
 the whole pipeline up to ptxas. Usage (repo root, TRITON_INTERPRET unset):
     PYTHONPATH=src python kernels_repo/moe/benchmarks/compile_check.py
     PAIR=1 ...: also the block_m=128 buckets' GEMM tiles as block_m=64 with "pair_m" (128-row tiles)
+    PTX_DIR=DIR ...: also write each kernel's PTX there
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ def compile_one(fn, signature, constexprs, cap, num_warps, num_stages, label):
     try:
         k = triton.compile(src, target=GPUTarget("cuda", cap, 32), options=opts)
         smem = k.metadata.shared
+        if os.environ.get("PTX_DIR"):  # to diff the code of two trees (e.g. a refactor that should not change it)
+            name = re.sub(r"[^A-Za-z0-9_.=-]+", "_", f"sm{cap}_{label}")[:200]
+            Path(os.environ["PTX_DIR"], name + ".ptx").write_text(k.asm["ptx"])
         print(f"ok   sm{cap} {label} smem={smem} {ptxas_report(k.asm['ptx'], cap)}", flush=True)
         return smem
     except Exception as e:  # noqa: BLE001
