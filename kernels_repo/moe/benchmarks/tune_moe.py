@@ -98,7 +98,7 @@ def best_of(label, run, space):
     return best
 
 
-def tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, tma, full, training, rpe):
+def tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, tma, full, training, rpe, pair=False):
     r = rt.align_rows(idx, E, bm)
     P = r.num_rows
     h = torch.empty(P, I, device=DEV, dtype=x.dtype)
@@ -112,14 +112,15 @@ def tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, tma, full, training, 
 
     def gate_up(c):
         ex._gemm(x, gu, h, r, c, n=I, k=H, epilogue=1, gather_a=True, b_ncontig=False, topk=K, use_tma=tma,
-                 aux=aux, save_aux=training)
+                 aux=aux, save_aux=training, pair=pair)
 
     def down(c):
-        ex._gemm(h, dn, y, r, c, n=H, k=I, epilogue=0, gather_a=False, b_ncontig=False, topk=K, use_tma=tma)
+        ex._gemm(h, dn, y, r, c, n=H, k=I, epilogue=0, gather_a=False, b_ncontig=False, topk=K, use_tma=tma,
+                 pair=pair)
 
     def dgrad(c):
         ex._gemm(dy, dn, dgu, r, c, n=I, k=H, epilogue=2, gather_a=True, b_ncontig=True, topk=K, use_tma=tma,
-                 aux=aux, scale=wf, dscale=dws, h=hw)
+                 aux=aux, scale=wf, dscale=dws, h=hw, pair=pair)
 
     def wgrad(c):
         ex._wgrad_token_operand(dy, hw, dwd, r, c, src_is_a=True, topk=K, use_tma=tma)  # as _backward
@@ -127,14 +128,15 @@ def tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, tma, full, training, 
     stages = {"gate_up": gate_up, "down": down}
     if training:
         stages["dgrad"] = dgrad
-    bucket = {"block_m": bm}
+    bucket = {"block_m": bm, **({"pair_m": True} if pair else {})}
     total = 0.0
+    label = f"block_m={bm}{' pair_m' if pair else ''}"
     for stage, run in stages.items():
-        ms, c = best_of(f"{stage} T={T} block_m={bm}", run, gemm_space(full, rpe))
+        ms, c = best_of(f"{stage} T={T} {label}", run, gemm_space(full, rpe))
         bucket[stage] = c
         total += ms
     if training:
-        ms, c = best_of(f"wgrad T={T} block_m={bm}", wgrad, wgrad_space(full, tma))
+        ms, c = best_of(f"wgrad T={T} {label}", wgrad, wgrad_space(full, tma))
         bucket["wgrad"] = c
         total += 2 * ms  # two weight gradients of about this size
     return bucket, total
@@ -151,13 +153,15 @@ def tune_point(E, H, I, K, T, variant, full, training):
     block_ms = [16, 32, 64] if rpe <= 32 else [64, 128]
     if os.environ.get("BLOCK_MS"):  # e.g. BLOCK_MS=64 to retune one bucket's tiles only
         block_ms = [int(b) for b in os.environ["BLOCK_MS"].split(",")]
+    # (block_m, pair_m): 64-row padding with paired 128-row tiles too, from 64 rows per expert up
+    choices = [(bm, False) for bm in block_ms] + ([(64, True)] if rpe > 32 and 64 in block_ms else [])
     best_total, best_bucket = math.inf, None
     # Decode: also try pointer loads on sm90 (no host descriptors; see experts._use_tma).
     tmas = [True, False] if tma and rpe <= 4 else [tma]
-    for bm, use_tma in itertools.product(block_ms, tmas):
-        bucket, total = tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, use_tma, full, training, rpe)
+    for (bm, pair), use_tma in itertools.product(choices, tmas):
+        bucket, total = tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, use_tma, full, training, rpe, pair)
         bucket["tma"] = use_tma
-        print(f" block_m={bm} tma={use_tma} total={total:.4f} ms", flush=True)
+        print(f" block_m={bm}{' pair_m' if pair else ''} tma={use_tma} total={total:.4f} ms", flush=True)
         if total < best_total:
             best_total, best_bucket = total, bucket
     return best_bucket
