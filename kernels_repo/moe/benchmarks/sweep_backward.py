@@ -19,14 +19,20 @@ from functools import partial
 import torch
 from tune_moe import DEV, SHAPES, ex, moe, rt, timed  # same directory
 
+
+def _tile(bn: int, bk: int, warps: int, stages: int) -> dict:
+    """A gate_up/down/dgrad tile of the short lists (GROUP_M 8 throughout)."""
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "num_warps": warps, "num_stages": stages}
+
+
 DGRAD = [
-    {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
-    {"BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
-    {"BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
-    {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
-    {"BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
-    {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
-    {"BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
+    _tile(128, 64, 8, 4),
+    _tile(256, 64, 8, 3),
+    _tile(128, 128, 8, 3),
+    _tile(128, 64, 4, 4),
+    _tile(64, 128, 4, 4),
+    _tile(128, 64, 8, 3),
+    _tile(128, 128, 8, 4),
 ]
 # The wgrad K loop loads its row indices, then the rows: that chain costs the software pipeline
 # stages, so num_stages 3 and 4 keep two buffers (prefetch distance 1), 5-6 three, 7 four (TTGIR).
@@ -45,18 +51,10 @@ WGRAD = [
 
 # Forward short list per block_m (PARTS=fwd): the bucket's current tiles come first.
 FWD = {
-    64: {"gate_up": [{"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
-                     {"BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
-                     {"BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}],
-         "down": [{"BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
-                  {"BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},
-                  {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 5}]},
-    128: {"gate_up": [{"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
-                      {"BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 5},
-                      {"BLOCK_N": 64, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}],
-          "down": [{"BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
-                   {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4},
-                   {"BLOCK_N": 128, "BLOCK_K": 128, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}]},
+    64: {"gate_up": [_tile(128, 64, 8, 4), _tile(64, 128, 4, 4), _tile(128, 128, 8, 3)],
+         "down": [_tile(256, 64, 8, 3), _tile(128, 128, 4, 3), _tile(128, 64, 8, 5)]},
+    128: {"gate_up": [_tile(128, 64, 8, 4), _tile(64, 64, 4, 5), _tile(64, 128, 8, 3)],
+          "down": [_tile(256, 64, 8, 3), _tile(128, 64, 8, 4), _tile(128, 128, 8, 3)]},
 }
 
 
