@@ -228,8 +228,9 @@ def _grouped_wgrad_kernel(
     the caller makes sure BLOCK_K divides the row alignment, so a box never leaves the expert.
     C_TMA (sm90): the tile is written by one TMA store through a 3-D descriptor over dW [E, M, N].
     PERSISTENT: a grid smaller than the tile count, each program looping over tiles, so that with
-    C_TMA a tile's store drains while the program loads the next tile (short K loops are
-    store-bound: writing DeepSeek-V3's dW_gate_up alone takes 4.3 of its 9.9 ms, H200).
+    C_TMA a tile's store could drain while the program loads the next tile (short K loops are
+    store-bound: writing DeepSeek-V3's dW_gate_up alone takes 4.3 of its 9.9 ms, H200). Timed on
+    an H200 it was slower at every point (docs/performance.md), so no shipped bucket sets it.
     """
     if PERSISTENT:
         num_tiles = E * tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)

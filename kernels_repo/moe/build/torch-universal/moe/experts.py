@@ -182,7 +182,8 @@ def _wgrad(a, b, out, routing: ExpertRows, cfg: dict, *, gather_a: bool, gather_
     With use_tma (sm90) and the stage's "TMA" key, the operand that is not gathered is read by
     TMA; only when BLOCK_K divides the row alignment, so that a box stays inside its expert.
     "TMA_STORE" (sm90): each output tile is written by one TMA store. "PERSISTENT": n launches n
-    programs per SM that loop over the tiles (with TMA_STORE, a store overlaps the next tile).
+    programs per SM that loop over the tiles (meant to overlap a store with the next tile; slower
+    on an H200 at every point timed, so no shipped bucket sets it).
     """
     E, M, N = out.shape
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
