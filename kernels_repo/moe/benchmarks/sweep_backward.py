@@ -8,6 +8,8 @@ Usage (repo root, GPU): PYTHONPATH=src python kernels_repo/moe/benchmarks/sweep_
   those alone)
   PARTS=fwd (+ FWD_BLOCK_MS=64,128, PAIR=1): the forward GEMMs' short list per block_m (PAIR=1: also
   rows padded to 64 with paired 128-row tiles, the bucket key "pair_m")
+  PARTS=dx: the dL/dx GEMM with the forward "down" short list (the stage it runs with)
+  PARTS=dgrad also times the GEMM with a plain store (dgrad_plain) and tiles under a register cap
   PROBE=1 (the current wgrad tile against writing its output alone: zero_() and the kernel with no rows)
 """
 
@@ -34,6 +36,16 @@ DGRAD = [
     _tile(128, 64, 8, 3),
     _tile(128, 128, 8, 4),
 ]
+# Under a register cap ("maxnreg") two 8-warp CTAs share an SM (3 stages of 128x64x64 fit twice in
+# shared memory), so that one CTA's epilogue runs while the other's MMAs do.
+DGRAD_REGS = [
+    {**_tile(128, 64, 8, 3), "maxnreg": 128},
+    {**_tile(128, 64, 8, 2), "maxnreg": 128},
+    {**_tile(128, 128, 8, 2), "maxnreg": 128},
+    {**_tile(64, 64, 8, 3), "maxnreg": 128},
+    {**_tile(128, 64, 8, 3), "maxnreg": 120},
+    {**_tile(128, 64, 8, 3), "maxnreg": 112},
+]
 # The wgrad K loop loads its row indices, then the rows: that chain costs the software pipeline
 # stages, so num_stages 3 and 4 keep two buffers (prefetch distance 1), 5-6 three, 7 four (TTGIR).
 _TS = {"TMA": True, "TMA_STORE": True}
@@ -46,6 +58,7 @@ WGRAD = [
     {"BLOCK_M": 256, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, **_TS},
     {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, **_TS},
     {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4, **_TS},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2, **_TS, "maxnreg": 128},
 ]
 
 
@@ -53,8 +66,10 @@ WGRAD = [
 FWD = {
     64: {"gate_up": [_tile(128, 64, 8, 4), _tile(64, 128, 4, 4), _tile(128, 128, 8, 3)],
          "down": [_tile(256, 64, 8, 3), _tile(128, 128, 4, 3), _tile(128, 64, 8, 5)]},
-    128: {"gate_up": [_tile(128, 64, 8, 4), _tile(64, 64, 4, 5), _tile(64, 128, 8, 3)],
-          "down": [_tile(256, 64, 8, 3), _tile(128, 64, 8, 4), _tile(128, 128, 8, 3)]},
+    128: {"gate_up": [_tile(128, 64, 8, 4), _tile(64, 64, 4, 5), _tile(64, 128, 8, 3),
+                      {**_tile(64, 64, 8, 3), "maxnreg": 128}],
+          "down": [_tile(256, 64, 8, 3), _tile(128, 64, 8, 4), _tile(128, 128, 8, 3),
+                   {**_tile(128, 64, 8, 3), "maxnreg": 128}, {**_tile(128, 128, 8, 2), "maxnreg": 128}]},
 }
 
 
@@ -133,7 +148,17 @@ def sweep_point(name: str, T: int, variant: str) -> None:
     if rows_h is not None:
         ms = timed(lambda: ex._gather_rows(x, r, K))
         print(f"gather_rows {name} T={T} ms={ms:.3f} (one row-ordered copy, the ROWS key)", flush=True)
-    for c in DGRAD if "dgrad" in parts else ():
+    if "dgrad" in parts:  # the same GEMM with a plain store: what the SwiGLU-backward epilogue costs
+        c, plain = cfg["dgrad"], torch.empty(P, I, device=DEV, dtype=x.dtype)
+        ms = timed(lambda: ex._gemm(dy, dn, plain, r, c, n=I, k=H, epilogue=0, gather_a=True, b_ncontig=True,
+                                    topk=K, use_tma=tma))
+        print(f"dgrad_plain {name} T={T} {c} ms={ms:.3f}", flush=True)
+    dx_rows = torch.empty(P, H, device=DEV, dtype=x.dtype) if "dx" in parts else None
+    for c in FWD[bm]["down"] if "dx" in parts else ():  # dL/dx rows: d[gate|up] @ W_gate_up ("down" tiles)
+        ms = timed(lambda c=c: ex._gemm(dgu, gu, dx_rows, r, c, n=H, k=2 * I, epilogue=0, gather_a=False,
+                                        b_ncontig=True, topk=K, use_tma=tma))
+        print(f"dx {name} T={T} {c} ms={ms:.3f}{' (current)' if c == cfg['down'] else ''}", flush=True)
+    for c in DGRAD + DGRAD_REGS if "dgrad" in parts else ():
         print(f"dgrad {name} T={T} {c} ms={timed(lambda c=c: dgrad(c)):.3f}", flush=True)
 
     def time_rows(c):  # both operands already in row order (no gather): what the "ROWS" key runs

@@ -168,6 +168,16 @@ def test_paired_row_blocks_match_the_float64_loop(variant, one_program_alignment
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_a_register_cap_gets_its_own_cached_launcher():
+    """Stage key "maxnreg": one launcher per (kernel, cap), built once; no key, the shared one."""
+    ex = importlib.import_module(moe.__name__ + ".experts")
+    capped = ex._launcher(ex._gemm_launch, {"maxnreg": 128})
+    assert capped is not ex._gemm_launch and capped.kernel is ex._gemm_launch.kernel
+    assert ex._launcher(ex._gemm_launch, {"maxnreg": 128}) is capped
+    assert ex._launcher(ex._wgrad_launch, {"maxnreg": 128}) not in (capped, ex._wgrad_launch)
+    assert ex._launcher(ex._gemm_launch, {"BLOCK_N": 64}) is ex._gemm_launch
+
+
 def test_pinned_tile_config_gives_the_same_result():
     cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
     pinned = {k: (dict(v) if isinstance(v, dict) else v) for k, v in cfgs.INTERPRETER_CONFIG.items()}
@@ -546,6 +556,8 @@ def test_stages_fit_the_shared_memory_of_each_device_index(fake_gpus):
     (lambda c: c["wgrad"].update(TMA_LOAD=True), ValueError, "['wgrad']: unknown keys ['TMA_LOAD']"),
     (lambda c: c.update(tma=1), TypeError, "['tma'] must be true or false"),
     (lambda c: c.update(pair_m="on"), TypeError, "['pair_m'] must be true or false"),
+    (lambda c: c["dgrad"].update(maxnreg=300), ValueError, "['dgrad']['maxnreg'] must be an int in [24, 255]"),
+    (lambda c: c["wgrad"].update(maxnreg=True), ValueError, "['wgrad']['maxnreg'] must be an int in [24, 255]"),
     (lambda c: c["wgrad"].update(PERSISTENT=-1), ValueError, "['wgrad']['PERSISTENT'] must be an int >= 0"),
 ])
 def test_a_bad_pinned_config_is_a_clear_error(edit, error, words):
@@ -891,6 +903,50 @@ def test_gpu_paired_row_blocks_match_the_reference(variant):
     for name, got, want in zip(NAMES[:3], grads[:3], ref_grads[:3], strict=True):
         assert_close_rel(got, want, 1e-2, name)
     _assert_topk_weight_grad_close(grads[3], ref_grads[3], x, gu, dn, idx, dy)
+
+
+def _compiled_register_caps(kernel) -> list[tuple[int, int]]:
+    """(maxnreg, registers used) of every compiled variant of a JIT kernel that has run."""
+    found = []
+    for cache in getattr(kernel, "device_caches", {}).values():
+        for compiled in cache[0].values():
+            cap = getattr(compiled.metadata, "maxnreg", None)
+            if cap is not None:
+                found.append((cap, compiled.n_regs))
+    return found
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", TRITON_VARIANTS)
+def test_gpu_register_capped_stages_give_the_same_bits(variant):
+    """Stage key "maxnreg" at Qwen3-30B-A3B T=4096 in bf16: a cap on every GEMM stage changes the
+    registers ptxas may use (checked on the compiled kernels), never the result (topk_weights: fp32
+    atomics in varying order)."""
+    if variant == "sm90" and moe.select_variant(torch.device("cuda")) != "sm90":
+        pytest.skip("sm90 path needs a capability 9.x GPU")
+    ex = importlib.import_module(moe.__name__ + ".experts")
+    s = SHAPES["qwen3_30b_a3b"]
+    x, gu, dn, idx, w = gpu_inputs(s["E"], s["H"], s["I"], s["K"], 4096)
+    dy = torch.randn_like(x)
+    results = []
+    for cap in (None, 128):
+        cfg = copy.deepcopy(ex._config(variant, s["E"], s["H"], s["I"], 4096 * s["K"], None, x.device))
+        for stage in ("dgrad", "wgrad"):
+            cfg[stage].pop("maxnreg", None)
+            if cap is not None:
+                cfg[stage]["maxnreg"] = cap
+        results.append(run_with_grads(lambda *a, c=cfg: moe.fused_experts(*a, variant=variant, config=c), x, gu,
+                                      dn, idx, w, dy, torch.bfloat16))
+    (out0, grads0), (out1, grads1) = results
+    assert torch.equal(out0, out1)
+    for name, a, b in zip(NAMES, grads0, grads1, strict=True):
+        if name == "topk_weights":
+            assert_close_rel(b, a, 1e-4, name)
+        else:
+            assert torch.equal(a, b), name
+    for kernel in (ex._grouped_gemm_kernel, ex._grouped_wgrad_kernel):
+        caps = [(c, n) for c, n in _compiled_register_caps(kernel) if c == 128]
+        assert caps and all(n <= 128 for _, n in caps), (kernel.__name__, caps)
 
 
 def _restore_kernelhub(interface, previous) -> None:

@@ -34,8 +34,10 @@ INTERPRETER_CONFIG = {
 _GEMM_STAGES = ("gate_up", "down", "dgrad")
 _GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 _WGRAD_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+# "maxnreg" (any stage): ptx .maxnreg, a register cap per thread so that more CTAs share an SM.
+_GEMM_OPTIONAL = {"maxnreg": int}
 _WGRAD_OPTIONAL = {"GROUP_M": int, "ROWS_PARTS": int, "ROWS": bool, "TMA": bool, "TMA_STORE": bool,
-                   "PERSISTENT": int}
+                   "PERSISTENT": int, **_GEMM_OPTIONAL}
 _BUCKET_OPTIONAL = {"max_rows_per_expert", "tma", "pair_m"}
 
 
@@ -60,6 +62,9 @@ def _check_stage(where: str, stage: object, required: tuple, optional: dict) -> 
         elif key.startswith("BLOCK_"):
             if not _pow2(value) or value < 16:
                 raise ValueError(f"{where}[{key!r}] must be a power of two >= 16, got {value!r}")
+        elif key == "maxnreg":
+            if not isinstance(value, int) or isinstance(value, bool) or not 24 <= value <= 255:
+                raise ValueError(f"{where}[{key!r}] must be an int in [24, 255] (registers per thread), got {value!r}")
         elif key == "num_warps":
             if value not in (1, 2, 4, 8, 16) or isinstance(value, bool):
                 raise ValueError(f"{where}[{key!r}] must be 1, 2, 4, 8 or 16, got {value!r}")
@@ -88,7 +93,7 @@ def check_bucket(bucket: object, where: str) -> None:
         if flag in bucket and not isinstance(bucket[flag], bool):
             raise TypeError(f"{where}[{flag!r}] must be true or false, got {bucket[flag]!r}")
     for stage in _GEMM_STAGES:
-        _check_stage(f"{where}[{stage!r}]", bucket[stage], _GEMM_KEYS, {})
+        _check_stage(f"{where}[{stage!r}]", bucket[stage], _GEMM_KEYS, _GEMM_OPTIONAL)
     _check_stage(f"{where}['wgrad']", bucket["wgrad"], _WGRAD_KEYS, _WGRAD_OPTIONAL)
 
 

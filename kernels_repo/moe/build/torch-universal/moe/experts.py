@@ -126,6 +126,21 @@ def _capturing(x: torch.Tensor) -> bool:
 # most of an eager decode step (about ten launches per forward).
 _gemm_launch = CachedLaunch(_grouped_gemm_kernel)
 _wgrad_launch = CachedLaunch(_grouped_wgrad_kernel)
+# (launcher, register cap) -> launcher compiled with ptx .maxnreg: a stage's "maxnreg" key. Why:
+# ptxas gives the 8-warp dgrad tile ~180 registers, one CTA per SM, so its SwiGLU-backward epilogue
+# runs with no MMA beside it; at 128 two CTAs fit and one's epilogue overlaps the other's K loop.
+_capped: dict[tuple[int, int], CachedLaunch] = {}
+
+
+def _launcher(base: CachedLaunch, cfg: dict) -> CachedLaunch:
+    regs = cfg.get("maxnreg")
+    if regs is None:
+        return base
+    key = (id(base), regs)
+    launch = _capped.get(key)
+    if launch is None:
+        launch = _capped.setdefault(key, CachedLaunch(base.kernel, maxnreg=regs))
+    return launch
 _combine_launch = CachedLaunch(_combine_kernel)
 _gather_launch = CachedLaunch(_gather_rows_kernel)
 
@@ -158,7 +173,7 @@ def _gemm(a, weight, out, routing: ExpertRows, cfg: dict, *, n: int, k: int, epi
         desc = sm90.weight_descriptor(weight, bk, bn) if b_ncontig else sm90.weight_descriptor(weight, bn, bk)
     aux_t = aux if aux is not None else out
     h_t = h if h is not None else out
-    _gemm_launch(
+    _launcher(_gemm_launch, cfg)(
         (_cdiv(P, bm) * _cdiv(n, bn),), _index(a),
         a, weight, desc, out, aux_t, routing.rows, routing.row_expert,
         scale if scale is not None else out, dscale if dscale is not None else out, h_t,
@@ -194,7 +209,7 @@ def _wgrad(a, b, out, routing: ExpertRows, cfg: dict, *, gather_a: bool, gather_
     tiles = E * _cdiv(M, bm) * _cdiv(N, bn)
     per_sm = int(cfg.get("PERSISTENT", 0))  # programs per SM; 0: one program per tile
     programs = min(tiles, per_sm * _sm_count(out.device)) if per_sm else tiles
-    _wgrad_launch(
+    _launcher(_wgrad_launch, cfg)(
         (max(programs, 1),), _index(a),
         a, b, sm90.rows_descriptor(a, bk, bm) if a_tma else None,
         sm90.rows_descriptor(b, bk, bn) if b_tma else None,
