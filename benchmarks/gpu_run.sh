@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: versions, GPU tests, the demo, then the benchmarks.
-# Usage (device tool): bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [tiles] [profile] [diag] [graphdiag] [sweep] [tune] [routing] [moe] [pairab]
-# Env: GPU_TESTS (pytest paths for `tests`), GPU_K (its -k expression), MOE_TIMEOUT, SWEEP_TIMEOUT, TUNE_TIMEOUT, TUNE_ARGS, and the benchmarks' own (SHAPES, TOKENS...)
+# Usage (device tool): bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [tiles] [profile] [diag] [graphdiag] [sweep] [tune] [routing] [moe] [pairab] [cfgab]
+# Env: CFG_A (cfgab), GPU_TESTS (pytest paths for `tests`), GPU_K (its -k expression), MOE_TIMEOUT, SWEEP_TIMEOUT, TUNE_TIMEOUT, TUNE_ARGS, and the benchmarks' own (SHAPES, TOKENS...)
 # Logs and JSON lines land in $OUT. The GPU image has torch/triton/transformers of its own; we
 # run from the source tree (PYTHONPATH=src) and bring Liger-Kernel as a wheel in .whl/.
 set -u
@@ -32,6 +32,15 @@ for step in $steps; do
       for run in shipped pair_m; do
         mkdir -p "$OUT/$run"
         dir=$([ $run = pair_m ] && echo /tmp/pair_m_configs || true)
+        env ${dir:+KERNELHUB_MOE_CONFIG_DIR=$dir} OUT="$OUT/$run" IMPLS=${IMPLS:-kernelhub} SHAPES=${SHAPES:-qwen3_30b_a3b,deepseek_v3} \
+          TOKENS=${TOKENS:-4096,16384} timeout ${MOE_TIMEOUT:-150} python3 kernels_repo/moe/benchmarks/bench_moe.py \
+          2>&1 | tee "$OUT/$run/bench_moe.log" | grep -E "^kind=moe_(fwd|fwdbwd)"
+      done ;;
+    cfgab) # fused_experts with the config file $CFG_A (as sm90.json) against the shipped configs (same call)
+      mkdir -p /tmp/cfg_a && cp "${CFG_A:?set CFG_A to an sm90.json to compare}" /tmp/cfg_a/sm90.json
+      for run in cfg_a shipped; do
+        mkdir -p "$OUT/$run"
+        dir=$([ $run = cfg_a ] && echo /tmp/cfg_a || true)
         env ${dir:+KERNELHUB_MOE_CONFIG_DIR=$dir} OUT="$OUT/$run" IMPLS=${IMPLS:-kernelhub} SHAPES=${SHAPES:-qwen3_30b_a3b,deepseek_v3} \
           TOKENS=${TOKENS:-4096,16384} timeout ${MOE_TIMEOUT:-150} python3 kernels_repo/moe/benchmarks/bench_moe.py \
           2>&1 | tee "$OUT/$run/bench_moe.log" | grep -E "^kind=moe_(fwd|fwdbwd)"
