@@ -266,6 +266,28 @@ def test_weight_gradients_from_row_ordered_copies_match_the_gathering_path(monke
     _assert_same_bits_and_close_to_reference(rows, base, x, gu, dn, idx, w, dy)
 
 
+def test_one_rows_part_copies_each_operand_once(monkeypatch):
+    """wgrad "ROWS_PARTS": 1 (the shipped <= 256-rows buckets): one whole-width copy per operand and
+    one launch per weight gradient; same bits as the gathering path."""
+    cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
+    ex = importlib.import_module(moe.__name__ + ".experts")
+    T, H = 11, 40
+    x, gu, dn, idx, w = make_inputs(T, H, 24, 5, 2, seed=47, drop=3)
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(52))
+    gathered = []
+    real = ex._gather_rows
+    monkeypatch.setattr(ex, "_gather_rows", lambda *a, **kw: gathered.append(a[0].shape) or real(*a, **kw))
+    _, base = run_with_grads(lambda *a: moe.fused_experts(
+        *a, variant="sm90", config=_with_wgrad_tma(cfgs.INTERPRETER_CONFIG, False)), x, gu, dn, idx, w, dy,
+        torch.float32)
+    cfg = _with_wgrad_tma(cfgs.INTERPRETER_CONFIG, True, rows=True)
+    cfg["wgrad"]["ROWS_PARTS"] = 1
+    _, one = run_with_grads(lambda *a: moe.fused_experts(*a, variant="sm90", config=cfg), x, gu, dn, idx, w, dy,
+                            torch.float32)
+    assert gathered == [torch.Size([T, H]), torch.Size([T, H])]  # dY, then x: whole width, once each
+    _assert_same_bits_and_close_to_reference(one, base, x, gu, dn, idx, w, dy)
+
+
 @pytest.mark.parametrize("rows", [False, True])
 def test_weight_gradients_stored_by_tma_match_the_pointer_stores(monkeypatch, rows):
     """wgrad "TMA_STORE": each dW tile by one TMA store (clipped at M and N); same bits."""
