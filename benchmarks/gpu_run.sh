@@ -13,6 +13,15 @@ fi
 steps=${*:-tests demo swiglu routing moe}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+bench_ab() { # bench_moe.py once per NAME=CONFIG_DIR argument (empty dir: shipped), logs in $OUT/NAME
+  for arg in "$@"; do
+    local run=${arg%%=*} dir=${arg#*=}
+    mkdir -p "$OUT/$run"
+    env ${dir:+KERNELHUB_MOE_CONFIG_DIR=$dir} OUT="$OUT/$run" IMPLS=${IMPLS:-kernelhub} SHAPES=${SHAPES:-qwen3_30b_a3b,deepseek_v3} \
+      TOKENS=${TOKENS:-4096,16384} timeout ${MOE_TIMEOUT:-150} python3 kernels_repo/moe/benchmarks/bench_moe.py \
+      2>&1 | tee "$OUT/$run/bench_moe.log" | grep -E "^kind=moe_(fwd|fwdbwd)"
+  done
+}
 for step in $steps; do
   echo "=== $step ($(date -u +%T))"
   case $step in
@@ -29,22 +38,10 @@ for step in $steps; do
     moe) timeout ${MOE_TIMEOUT:-300} python3 kernels_repo/moe/benchmarks/bench_moe.py 2>&1 | tee "$OUT/bench_moe.log" | tail -40 ;;
     pairab) # fused_experts as shipped, then with the 128-row buckets as block_m=64 + pair_m (same call)
       python3 kernels_repo/moe/benchmarks/pair_m_configs.py /tmp/pair_m_configs
-      for run in shipped pair_m; do
-        mkdir -p "$OUT/$run"
-        dir=$([ $run = pair_m ] && echo /tmp/pair_m_configs || true)
-        env ${dir:+KERNELHUB_MOE_CONFIG_DIR=$dir} OUT="$OUT/$run" IMPLS=${IMPLS:-kernelhub} SHAPES=${SHAPES:-qwen3_30b_a3b,deepseek_v3} \
-          TOKENS=${TOKENS:-4096,16384} timeout ${MOE_TIMEOUT:-150} python3 kernels_repo/moe/benchmarks/bench_moe.py \
-          2>&1 | tee "$OUT/$run/bench_moe.log" | grep -E "^kind=moe_(fwd|fwdbwd)"
-      done ;;
+      bench_ab shipped= pair_m=/tmp/pair_m_configs ;;
     cfgab) # fused_experts with the config file $CFG_A (as sm90.json) against the shipped configs (same call)
       mkdir -p /tmp/cfg_a && cp "${CFG_A:?set CFG_A to an sm90.json to compare}" /tmp/cfg_a/sm90.json
-      for run in cfg_a shipped; do
-        mkdir -p "$OUT/$run"
-        dir=$([ $run = cfg_a ] && echo /tmp/cfg_a || true)
-        env ${dir:+KERNELHUB_MOE_CONFIG_DIR=$dir} OUT="$OUT/$run" IMPLS=${IMPLS:-kernelhub} SHAPES=${SHAPES:-qwen3_30b_a3b,deepseek_v3} \
-          TOKENS=${TOKENS:-4096,16384} timeout ${MOE_TIMEOUT:-150} python3 kernels_repo/moe/benchmarks/bench_moe.py \
-          2>&1 | tee "$OUT/$run/bench_moe.log" | grep -E "^kind=moe_(fwd|fwdbwd)"
-      done ;;
+      bench_ab cfg_a=/tmp/cfg_a shipped= ;;
   esac
 done
 echo "=== done ($(date -u +%T))"
