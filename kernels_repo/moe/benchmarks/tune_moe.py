@@ -1,16 +1,20 @@
 """Tune fused_experts' tile configs on this GPU and write them as `configs/sm<cap>.json`.
 
 For each shape and T it tries every BLOCK_M in a small candidate set (it fixes the routing
-alignment), and for each stage (gate_up, down, dgrad, wgrad) a small grid of BLOCK_N, BLOCK_K,
-GROUP_M, num_warps, num_stages; it keeps the best per stage and the BLOCK_M with the least total
-time. Buckets are written per shape ("shapes": {"E128_H2048_I768": [...]}) with
-max_rows_per_expert halfway (geometric) between the tuned loads; other shapes keep the defaults.
+alignment; from 64 rows per expert up also block_m=64 with "pair_m"), and for each stage (gate_up,
+down, dgrad, wgrad) a small grid of BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages (plus a
+register-capped 8-warp tile, "maxnreg"); it keeps the best per stage and the BLOCK_M with the least
+total time. In training mode the down tile is timed together with the dL/dx GEMM that also runs
+with it, and the wgrad tile with both weight gradients (ROWS copies included). Buckets are written per shape
+("shapes": {"E128_H2048_I768": [...]}) with max_rows_per_expert halfway (geometric) between the
+tuned loads; other shapes keep the defaults.
 
 Usage (repo root): PYTHONPATH=src python kernels_repo/moe/benchmarks/tune_moe.py [--out DIR]
     [--full] [--forward-only]   env: SHAPES=qwen3_30b_a3b  TOKENS=1,512,16384  BLOCK_MS=64,128
-Time: the default grid compiles about 16-24 configs per stage and BLOCK_M (2-3 BLOCK_M per point;
-the wgrad stage 24 on sm90), so one (shape, T) point takes about 3-5 minutes; tune a few points per
-run (SHAPES=, TOKENS=, BLOCK_MS=).
+Time: the default grid compiles about 16-25 configs per stage and BLOCK_M (2-3 BLOCK_M per point;
+the wgrad stage 42 on sm90, 28 on sm80, each timing both weight gradients), so one (shape, T) point
+took about 3-5 minutes before the wgrad grid grew to this (not re-timed since: expect more); tune a
+few points per run (SHAPES=, TOKENS=, BLOCK_MS=).
 Then: KERNELHUB_MOE_CONFIG_DIR=DIR (or copy DIR/sm90.json over the package's configs/).
 Each line printed is one measurement: stage, block_m, config, ms.
 """
@@ -55,6 +59,10 @@ def gemm_space(full: bool, rows_per_expert: float):
         if bn * bk > 128 * 128:
             continue
         yield {"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "num_warps": nw, "num_stages": ns}
+    if rows_per_expert > 32:
+        # 8 warps capped at 128 registers: two CTAs per SM (the H200's best dgrad tile at block_m=128)
+        for cap in ([128, 168] if full else [128]):
+            yield {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3, "maxnreg": cap}
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the short list the H200 sweeps kept
@@ -66,9 +74,12 @@ WGRAD_TILES = [(128, 128, 64, 8, 3), (256, 128, 64, 8, 3), (256, 128, 64, 8, 4),
 
 def wgrad_space(full: bool, tma: bool):
     """Each tile with its operands gathered in the K loop and from row-ordered copies ("ROWS");
-    on sm90 (tma) with TMA loads ("TMA") and, on copies, TMA stores ("TMA_STORE")."""
-    variants = ([{"TMA": True}, {"TMA": True, "ROWS": True}, {"TMA": True, "ROWS": True, "TMA_STORE": True}, {}]
-                if tma else [{}, {"ROWS": True}])
+    on sm90 (tma) with TMA loads ("TMA") and, on copies, TMA stores ("TMA_STORE"). Copies are made
+    whole, in 2 or in 4 column chunks ("ROWS_PARTS": fewer launches against less peak memory)."""
+    parts = [{"ROWS_PARTS": n} for n in (1, 2, 4)]
+    variants = ([{"TMA": True}, {"TMA": True, "ROWS": True}, {}]
+                + [{"TMA": True, "ROWS": True, "TMA_STORE": True, **p} for p in parts]
+                if tma else [{}] + [{"ROWS": True, **p} for p in parts])
     for bm, bn, bk, nw, ns in WGRAD_TILES:
         for stages in ([ns - 1, ns, ns + 1] if full else [ns]):
             for gm in ([1, 8] if full else [8]):
@@ -109,6 +120,8 @@ def tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, tma, full, training, 
     dws = torch.zeros(wf.shape[0], device=DEV, dtype=torch.float32)
     hw = torch.empty(P, I, device=DEV, dtype=x.dtype)
     dwd = torch.empty_like(dn)
+    dwgu = torch.empty_like(gu)
+    dx_rows = torch.empty(P, H, device=DEV, dtype=x.dtype)
 
     def gate_up(c):
         ex._gemm(x, gu, h, r, c, n=I, k=H, epilogue=1, gather_a=True, b_ncontig=False, topk=K, use_tma=tma,
@@ -117,13 +130,17 @@ def tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, tma, full, training, 
     def down(c):
         ex._gemm(h, dn, y, r, c, n=H, k=I, epilogue=0, gather_a=False, b_ncontig=False, topk=K, use_tma=tma,
                  pair=pair)
+        if training:  # the backward's dL/dx GEMM runs with the down tile: tune them together
+            ex._gemm(dgu, gu, dx_rows, r, c, n=H, k=2 * I, epilogue=0, gather_a=False, b_ncontig=True, topk=K,
+                     use_tma=tma, pair=pair)
 
     def dgrad(c):
         ex._gemm(dy, dn, dgu, r, c, n=I, k=H, epilogue=2, gather_a=True, b_ncontig=True, topk=K, use_tma=tma,
                  aux=aux, scale=wf, dscale=dws, h=hw, pair=pair)
 
-    def wgrad(c):
-        ex._wgrad_token_operand(dy, hw, dwd, r, c, src_is_a=True, topk=K, use_tma=tma)  # as _backward
+    def wgrad(c):  # both weight gradients, as _backward runs them
+        ex._wgrad_token_operand(dy, hw, dwd, r, c, src_is_a=True, topk=K, use_tma=tma)
+        ex._wgrad_token_operand(x, dgu, dwgu, r, c, src_is_a=False, topk=K, use_tma=tma)
 
     stages = {"gate_up": gate_up, "down": down}
     if training:
@@ -138,7 +155,7 @@ def tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, tma, full, training, 
     if training:
         ms, c = best_of(f"wgrad T={T} {label}", wgrad, wgrad_space(full, tma))
         bucket["wgrad"] = c
-        total += 2 * ms  # two weight gradients of about this size
+        total += ms
     return bucket, total
 
 
