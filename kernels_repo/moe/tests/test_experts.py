@@ -537,6 +537,7 @@ def test_paired_tiles_count_twice_block_m_when_stages_are_fitted():
     cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
     bucket = copy.deepcopy(cfgs.pick_config(90, 128, 2048, 768, 8 * 4096))
     bucket["block_m"] = 64
+    bucket.pop("pair_m", None)  # the shipped Qwen3-30B-A3B entry pairs this bucket already
     tile = {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
     bucket["down"] = dict(tile)
     smem = 4 * (128 + 128) * 64 * 2  # four stages of a 128-row tile (one byte short below)
