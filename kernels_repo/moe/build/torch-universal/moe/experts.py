@@ -126,6 +126,8 @@ def _capturing(x: torch.Tensor) -> bool:
 # most of an eager decode step (about ten launches per forward).
 _gemm_launch = CachedLaunch(_grouped_gemm_kernel)
 _wgrad_launch = CachedLaunch(_grouped_wgrad_kernel)
+_combine_launch = CachedLaunch(_combine_kernel)
+_gather_launch = CachedLaunch(_gather_rows_kernel)
 # (launcher, register cap) -> launcher compiled with ptx .maxnreg: a stage's "maxnreg" key. Why:
 # ptxas gives the 8-warp dgrad tile ~180 registers, one CTA per SM, so its SwiGLU-backward epilogue
 # runs with no MMA beside it; at 128 two CTAs fit and one's epilogue overlaps the other's K loop.
@@ -141,8 +143,6 @@ def _launcher(base: CachedLaunch, cfg: dict) -> CachedLaunch:
     if launch is None:
         launch = _capped.setdefault(key, CachedLaunch(base.kernel, maxnreg=regs))
     return launch
-_combine_launch = CachedLaunch(_combine_kernel)
-_gather_launch = CachedLaunch(_gather_rows_kernel)
 
 
 def _index(t: torch.Tensor) -> int:
