@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: versions, GPU tests, the demo, then the benchmarks.
-# Usage (device tool): bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [tiles] [profile] [diag] [graphdiag] [sweep] [tune] [routing] [moe] [pairab] [cfgab]
+# Usage (device tool): bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [tiles] [profile] [diag] [graphdiag] [sweep] [tune] [routing] [moe] [moeprof] [pairab] [cfgab]
 # Env: CFG_A (cfgab), GPU_TESTS (pytest paths for `tests`), GPU_K (its -k expression), MOE_TIMEOUT, SWEEP_TIMEOUT, TUNE_TIMEOUT, TUNE_ARGS, and the benchmarks' own (SHAPES, TOKENS...)
 # Logs and JSON lines land in $OUT. The GPU image has torch/triton/transformers of its own; we
 # run from the source tree (PYTHONPATH=src) and bring Liger-Kernel as a wheel in .whl/.
@@ -36,6 +36,7 @@ for step in $steps; do
     tune) timeout ${TUNE_TIMEOUT:-400} python3 kernels_repo/moe/benchmarks/tune_moe.py ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune_moe.log" | grep -E "^==| block_m=|wrote" ;;
     routing) timeout 120 python3 benchmarks/bench_moe_routing.py 2>&1 | tee "$OUT/bench_routing.log" | tail -40 ;;
     moe) timeout ${MOE_TIMEOUT:-300} python3 kernels_repo/moe/benchmarks/bench_moe.py 2>&1 | tee "$OUT/bench_moe.log" | tail -40 ;;
+    moeprof) timeout ${PROF_TIMEOUT:-150} python3 kernels_repo/moe/benchmarks/profile_moe.py 2>&1 | tee "$OUT/profile_moe.log" | grep -E "^==|^  " | head -${PROF_LINES:-80} ;;
     pairab) # fused_experts as shipped, then with the 128-row buckets as block_m=64 + pair_m (same call)
       python3 kernels_repo/moe/benchmarks/pair_m_configs.py /tmp/pair_m_configs
       bench_ab shipped= pair_m=/tmp/pair_m_configs ;;

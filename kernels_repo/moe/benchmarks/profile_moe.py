@@ -1,0 +1,77 @@
+"""Per-kernel GPU time of one fused_experts forward / forward+backward (torch.profiler, CUDA activity).
+
+The stage times of `bench_moe.py` time each GEMM alone, host overhead and launch tail included;
+this shows what the GPU spends on each kernel inside the real call, so that the gap to the floor
+can be split between GEMMs, copies, routing and combine.
+
+Usage (repo root, GPU): PYTHONPATH=src python kernels_repo/moe/benchmarks/profile_moe.py
+  env: POINTS=qwen3_30b_a3b:4096,deepseek_v3:4096  MODES=fwd,fwdbwd  REPS=10
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+
+import torch
+from bench_moe import DEV, SHAPES, moe, routing  # same directory
+from torch.profiler import ProfilerActivity, profile
+
+
+def _kernel_times(fn, reps: int) -> tuple[dict[str, tuple[float, int]], float]:
+    """{kernel name: (us per call, launches per call)} and the summed GPU us per call."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = ev.name.split("(")[0][:70]
+        totals[name][0] += ev.device_time_total
+        totals[name][1] += 1
+    out = {n: (t / reps, c // reps) for n, (t, c) in totals.items()}
+    return out, sum(t for t, _ in out.values())
+
+
+def profile_point(name: str, T: int, modes: list[str], reps: int) -> None:
+    s = SHAPES[name]
+    E, H, I, K = s["E"], s["H"], s["I"], s["K"]
+    gu = (torch.randn(E, 2 * I, H, device=DEV, dtype=torch.bfloat16) * 0.02).requires_grad_()
+    dn = (torch.randn(E, H, I, device=DEV, dtype=torch.bfloat16) * 0.02).requires_grad_()
+    x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    idx, w = routing(T, E, K)
+    w.requires_grad_()
+    dy = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
+
+    def fwd():
+        with torch.no_grad():
+            moe.fused_experts(x, gu, dn, idx, w, check_indices=False)
+
+    def fwdbwd():
+        out = moe.fused_experts(x, gu, dn, idx, w, check_indices=False)
+        torch.autograd.grad(out, (x, gu, dn, w), dy)
+
+    for mode in modes:
+        table, total = _kernel_times(fwd if mode == "fwd" else fwdbwd, reps)
+        print(f"== profile {name} T={T} {mode}: GPU kernels {total / 1e3:.3f} ms per call", flush=True)
+        for kname, (us, n) in sorted(table.items(), key=lambda kv: -kv[1][0]):
+            print(f"  {us / 1e3:8.3f} ms {100 * us / total:5.1f}%  x{n:<3d} {kname}", flush=True)
+
+
+def main() -> None:
+    points = os.environ.get("POINTS", "qwen3_30b_a3b:4096,deepseek_v3:4096")
+    modes = os.environ.get("MODES", "fwd,fwdbwd").split(",")
+    reps = int(os.environ.get("REPS", "10"))
+    for point in points.split(","):
+        name, T = point.split(":")
+        profile_point(name, int(T), modes, reps)
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
