@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: versions, GPU tests, the demo, then the benchmarks.
-# Usage (device tool): bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [tiles] [profile] [diag] [graphdiag] [sweep] [tune] [routing] [moe] [moeprof] [pairab] [cfgab]
+# Usage (device tool): bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [tiles] [profile] [diag] [graphdiag] [sweep] [tune] [routing] [moe] [moeprof] [ncu] [pairab] [splitab] [cfgab]
 # Env: CFG_A (cfgab), GPU_TESTS (pytest paths for `tests`), GPU_K (its -k expression), MOE_TIMEOUT, SWEEP_TIMEOUT, TUNE_TIMEOUT, TUNE_ARGS, and the benchmarks' own (SHAPES, TOKENS...)
 # Logs and JSON lines land in $OUT. The GPU image has torch/triton/transformers of its own; we
 # run from the source tree (PYTHONPATH=src) and bring Liger-Kernel as a wheel in .whl/.
@@ -37,9 +37,20 @@ for step in $steps; do
     routing) timeout 120 python3 benchmarks/bench_moe_routing.py 2>&1 | tee "$OUT/bench_routing.log" | tail -40 ;;
     moe) timeout ${MOE_TIMEOUT:-300} python3 kernels_repo/moe/benchmarks/bench_moe.py 2>&1 | tee "$OUT/bench_moe.log" | tail -40 ;;
     moeprof) timeout ${PROF_TIMEOUT:-150} python3 kernels_repo/moe/benchmarks/profile_moe.py 2>&1 | tee "$OUT/profile_moe.log" | grep -E "^==|^  " | head -${PROF_LINES:-80} ;;
+    ncu) # hardware counters of the MoE GEMMs in one forward+backward (NCU_POINT, NCU_K kernel regex, NCU_C launches)
+      NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      if [ -z "$NCU" ]; then echo "no ncu on this machine"; else
+        POINTS=${NCU_POINT:-deepseek_v3:4096} MODES=fwdbwd REPS=1 timeout ${NCU_TIMEOUT:-300} "$NCU" -k "regex:${NCU_K:-_grouped}" \
+          -c ${NCU_C:-6} --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+          python3 kernels_repo/moe/benchmarks/profile_moe.py > "$OUT/ncu.log" 2>&1
+        grep -E "_grouped|Throughput|Duration|Hit Rate|Achieved Occupancy|ERR|==PROF==|==ERROR==" "$OUT/ncu.log" | head -${NCU_LINES:-90}
+      fi ;;
     pairab) # fused_experts as shipped, then with the 128-row buckets as block_m=64 + pair_m (same call)
       python3 kernels_repo/moe/benchmarks/pair_m_configs.py /tmp/pair_m_configs
       bench_ab shipped= pair_m=/tmp/pair_m_configs ;;
+    splitab) # fused_experts as shipped, then with the 128-row buckets as pair_m + pair_split_n (same call)
+      python3 kernels_repo/moe/benchmarks/pair_m_configs.py --split /tmp/split_configs
+      bench_ab shipped= split=/tmp/split_configs ;;
     cfgab) # fused_experts with the config file $CFG_A (as sm90.json) against the shipped configs (same call)
       mkdir -p /tmp/cfg_a && cp "${CFG_A:?set CFG_A to an sm90.json to compare}" /tmp/cfg_a/sm90.json
       bench_ab cfg_a=/tmp/cfg_a shipped= ;;
