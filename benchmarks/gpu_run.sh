@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: versions, GPU tests, the demo, then the benchmarks.
-# Usage (device tool): bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [tiles] [profile] [diag] [graphdiag] [sweep] [tune] [routing] [moe] [moeprof] [ncu] [pairab] [splitab] [cfgab]
+# Usage (device tool): bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [tiles] [profile] [diag] [graphdiag] [sweep] [tune] [routing] [moe] [moeprof] [ncu] [pairab] [cfgab]
 # Env: CFG_A (cfgab), GPU_TESTS (pytest paths for `tests`), GPU_K (its -k expression), MOE_TIMEOUT, SWEEP_TIMEOUT, TUNE_TIMEOUT, TUNE_ARGS, and the benchmarks' own (SHAPES, TOKENS...)
 # Logs and JSON lines land in $OUT. The GPU image has torch/triton/transformers of its own; we
 # run from the source tree (PYTHONPATH=src) and bring Liger-Kernel as a wheel in .whl/.
@@ -48,9 +48,6 @@ for step in $steps; do
     pairab) # fused_experts as shipped, then with the 128-row buckets as block_m=64 + pair_m (same call)
       python3 kernels_repo/moe/benchmarks/pair_m_configs.py /tmp/pair_m_configs
       bench_ab shipped= pair_m=/tmp/pair_m_configs ;;
-    splitab) # fused_experts as shipped, then with the 128-row buckets as pair_m + pair_split_n (same call)
-      python3 kernels_repo/moe/benchmarks/pair_m_configs.py --split /tmp/split_configs
-      bench_ab shipped= split=/tmp/split_configs ;;
     cfgab) # fused_experts with the config file $CFG_A (as sm90.json) against the shipped configs (same call)
       mkdir -p /tmp/cfg_a && cp "${CFG_A:?set CFG_A to an sm90.json to compare}" /tmp/cfg_a/sm90.json
       bench_ab cfg_a=/tmp/cfg_a shipped= ;;

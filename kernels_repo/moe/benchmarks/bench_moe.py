@@ -153,6 +153,7 @@ def stage_breakdown(base, x, idx, w, dy, sname, T, variant) -> None:
     r = rt.align_rows(idx, E, cfg["block_m"])
     P = r.num_rows
     tma = ex._use_tma(variant, cfg, gu, dn)
+    pair = bool(cfg.get("pair_m", False))  # as _forward / _backward run the GEMMs
     h = torch.empty(P, inter, device=DEV, dtype=x.dtype)
     aux = torch.empty(P, two_i, device=DEV, dtype=x.dtype)
     y = torch.empty(P, H, device=DEV, dtype=x.dtype)
@@ -166,21 +167,22 @@ def stage_breakdown(base, x, idx, w, dy, sname, T, variant) -> None:
     stages = {
         "align": lambda: rt.align_rows(idx, E, cfg["block_m"]),
         "gate_up": lambda: ex._gemm(x, gu, h, r, cfg["gate_up"], n=inter, k=H, epilogue=1, gather_a=True,
-                                    b_ncontig=False, topk=K, use_tma=tma, aux=aux, save_aux=True),
+                                    b_ncontig=False, topk=K, use_tma=tma, aux=aux, save_aux=True, pair=pair),
         "down": lambda: ex._gemm(h, dn, y, r, cfg["down"], n=H, k=inter, epilogue=0, gather_a=False,
-                                 b_ncontig=False, topk=K, use_tma=tma),
+                                 b_ncontig=False, topk=K, use_tma=tma, pair=pair),
         "combine": lambda: ex._combine(y, r.token_topk_to_pos, w, out),
         "dgrad": lambda: ex._gemm(dy, dn, dgu, r, cfg["dgrad"], n=inter, k=H, epilogue=2, gather_a=True,
-                                  b_ncontig=True, topk=K, use_tma=tma, aux=aux, scale=wf, dscale=dws, h=hw),
+                                  b_ncontig=True, topk=K, use_tma=tma, aux=aux, scale=wf, dscale=dws, h=hw,
+                                  pair=pair),
         "dx": lambda: ex._gemm(dgu, gu, y, r, cfg["down"], n=H, k=two_i, epilogue=0, gather_a=False,
-                               b_ncontig=True, topk=K, use_tma=tma),
+                               b_ncontig=True, topk=K, use_tma=tma, pair=pair),
     }
     wc = cfg["wgrad"]  # as _backward runs them (ROWS copies included when the bucket sets it)
     stages["wgrad_down"] = lambda: ex._wgrad_token_operand(dy, hw, dwd, r, wc, src_is_a=True, topk=K, use_tma=tma)
     stages["wgrad_gate_up"] = lambda: ex._wgrad_token_operand(x, dgu, dwgu, r, wc, src_is_a=False, topk=K,
                                                               use_tma=tma)
     times = {k: bench(v) for k, v in stages.items()}
-    emit(kind="moe_stages", shape=sname, T=T, P=P, block_m=cfg["block_m"], tma=tma,
+    emit(kind="moe_stages", shape=sname, T=T, P=P, block_m=cfg["block_m"], pair_m=pair, tma=tma,
          **{f"{k}_ms": v for k, v in times.items()})
 
 

@@ -138,29 +138,23 @@ def _routing_with_block_counts(E_counts: list[int], K: int, drop: int = 0) -> to
     return idx
 
 
-@pytest.mark.parametrize("split_n", [False, True])
 @pytest.mark.parametrize("one_program_alignment", [True, False])
 @pytest.mark.parametrize("variant", TRITON_VARIANTS)
-def test_paired_row_blocks_match_the_float64_loop(variant, one_program_alignment, split_n, monkeypatch):
+def test_paired_row_blocks_match_the_float64_loop(variant, one_program_alignment, monkeypatch):
     """Bucket key "pair_m": blocks 0+1, 2+3, ... of an expert run as one tile twice block_m tall and
     an odd last block alone. Experts of 0 to 4 blocks (block_m=16 here), a dropped pair, every
     gradient against the float64 loop; both tile heights must have run. Both alignment paths (the
-    one-program kernel of small batches and the mapping kernels) give the expert starts it reads.
-    "pair_split_n": the tall tiles run as two passes of half the columns (both widths must run)."""
+    one-program kernel of small batches and the mapping kernels) give the expert starts it reads."""
     cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
     k80 = importlib.import_module(moe.__name__ + "._experts_sm80")
     if not one_program_alignment:
         monkeypatch.setattr(importlib.import_module(moe.__name__ + "._experts_routing"), "SMALL_PAIRS", 0)
-    heights, shapes = [], set()
+    heights = []
     real = k80._gemm_tile
-    monkeypatch.setattr(k80, "_gemm_tile",
-                        lambda *a: heights.append(int(a[-3])) or shapes.add((int(a[-3]), int(a[-2]))) or real(*a))
+    monkeypatch.setattr(k80, "_gemm_tile", lambda *a: heights.append(int(a[-3])) or real(*a))
     cfg = copy.deepcopy(cfgs.INTERPRETER_CONFIG)
     assert cfg["block_m"] == 16
     cfg["pair_m"] = True
-    if split_n:
-        cfg["pair_split_n"] = True
-        cfg["gate_up"]["BLOCK_N"] = 32  # halves of >= 16 columns
     idx = _routing_with_block_counts([0, 10, 20, 40, 64], K=2, drop=1)  # 0, 1, 2, 3, 4 blocks
     T, K, E, H, I = idx.shape[0], 2, 5, 24, 20
     x, gu, dn, _, w = make_inputs(T, H, I, E, K, seed=61)
@@ -168,10 +162,6 @@ def test_paired_row_blocks_match_the_float64_loop(variant, one_program_alignment
     out, grads = run_with_grads(lambda *a: moe.fused_experts(*a, variant=variant, config=cfg), x, gu, dn, idx, w,
                                 dy, torch.float32)
     assert set(heights) == {16, 32}, heights
-    for stage in ("gate_up", "down", "dgrad"):
-        bn = cfg[stage]["BLOCK_N"]
-        want = {(16, bn), (32, bn // 2)} if split_n else {(16, bn), (32, bn)}
-        assert want <= shapes, (stage, shapes)
     ref, ref_grads = run_with_grads(loop_reference, x, gu, dn, idx, w, dy, torch.float64)
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
     for name, got, want in zip(NAMES, grads, ref_grads, strict=True):
@@ -555,8 +545,6 @@ def test_paired_tiles_count_twice_block_m_when_stages_are_fitted():
     bucket["pair_m"] = True
     paired = cfgs.fit_shared_memory(bucket, smem - 1, 2)["down"]["num_stages"]  # 128-row tiles: 3
     assert (single, paired) == (4, 3)
-    bucket["pair_split_n"] = True  # 128-row tiles of 64 columns: 64-row tiles' stage size again
-    assert cfgs.fit_shared_memory(bucket, smem - 1, 2)["down"]["num_stages"] == 4
 
 
 def test_stages_fit_the_shared_memory_of_each_device_index(fake_gpus):
@@ -591,10 +579,6 @@ def test_stages_fit_the_shared_memory_of_each_device_index(fake_gpus):
     (lambda c: c["wgrad"].update(TMA_LOAD=True), ValueError, "['wgrad']: unknown keys ['TMA_LOAD']"),
     (lambda c: c.update(tma=1), TypeError, "['tma'] must be true or false"),
     (lambda c: c.update(pair_m="on"), TypeError, "['pair_m'] must be true or false"),
-    (lambda c: c.update(pair_split_n=1), TypeError, "['pair_split_n'] must be true or false"),
-    (lambda c: c.update(pair_split_n=True), ValueError, "set 'pair_m': true too"),
-    (lambda c: c.update(pair_m=True, pair_split_n=True), ValueError,
-     "['gate_up']['BLOCK_N'] must be >= 32 with 'pair_split_n'"),
     (lambda c: c["dgrad"].update(maxnreg=300), ValueError, "['dgrad']['maxnreg'] must be an int in [24, 255]"),
     (lambda c: c["wgrad"].update(maxnreg=True), ValueError, "['wgrad']['maxnreg'] must be an int in [24, 255]"),
     (lambda c: c["wgrad"].update(PERSISTENT=-1), ValueError, "['wgrad']['PERSISTENT'] must be an int >= 0"),
@@ -921,12 +905,10 @@ def test_gpu_wgrad_tma_matches_the_pointer_path(shape, T, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_m,split_n", [(64, False), (128, True)])
 @pytest.mark.parametrize("variant", TRITON_VARIANTS)
-def test_gpu_paired_row_blocks_match_the_reference(variant, block_m, split_n):
+def test_gpu_paired_row_blocks_match_the_reference(variant):
     """Bucket key "pair_m" at Qwen3-30B-A3B T=4096 (256 rows per expert: pairs and lone blocks),
-    rows padded to 64 and 128-row tiles, or padded to 128 and 256-row tiles run as two half-width
-    passes ("pair_split_n"), forward and every gradient in bf16 against fp32."""
+    rows padded to 64 and 128-row tiles, forward and every gradient in bf16 against fp32."""
     if variant == "sm90" and moe.select_variant(torch.device("cuda")) != "sm90":
         pytest.skip("sm90 path needs a capability 9.x GPU")
     ex = importlib.import_module(moe.__name__ + ".experts")
@@ -935,7 +917,7 @@ def test_gpu_paired_row_blocks_match_the_reference(variant, block_m, split_n):
     dy = torch.randn_like(x)
     cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
     cfg = copy.deepcopy(ex._config(variant, s["E"], s["H"], s["I"], 4096 * s["K"], None, x.device))
-    cfg.update(block_m=block_m, pair_m=True, pair_split_n=split_n)  # tiles 2 * block_m tall
+    cfg.update(block_m=64, pair_m=True)  # sm90 ships 128 here, sm80 64: either way 128-row tiles now
     cfg = cfgs.fit_shared_memory(cfg, device_properties(x.device).shared_memory_per_block, 2)
     out, grads = run_with_grads(lambda *a: moe.fused_experts(*a, variant=variant, config=cfg), x, gu, dn, idx, w,
                                 dy, torch.bfloat16)

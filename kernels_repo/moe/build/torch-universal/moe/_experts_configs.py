@@ -38,7 +38,7 @@ _WGRAD_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 _GEMM_OPTIONAL = {"maxnreg": int}
 _WGRAD_OPTIONAL = {"GROUP_M": int, "ROWS_PARTS": int, "ROWS": bool, "TMA": bool, "TMA_STORE": bool,
                    "PERSISTENT": int, **_GEMM_OPTIONAL}
-_BUCKET_OPTIONAL = {"max_rows_per_expert", "tma", "pair_m", "pair_split_n"}
+_BUCKET_OPTIONAL = {"max_rows_per_expert", "tma", "pair_m"}
 
 
 def _pow2(v: object) -> bool:
@@ -89,18 +89,11 @@ def check_bucket(bucket: object, where: str) -> None:
             raise ValueError(f"{where}: missing key {key!r}")
     if not _pow2(bucket["block_m"]) or bucket["block_m"] < 16:
         raise ValueError(f"{where}['block_m'] must be a power of two >= 16, got {bucket['block_m']!r}")
-    for flag in ("tma", "pair_m", "pair_split_n"):
+    for flag in ("tma", "pair_m"):
         if flag in bucket and not isinstance(bucket[flag], bool):
             raise TypeError(f"{where}[{flag!r}] must be true or false, got {bucket[flag]!r}")
     for stage in _GEMM_STAGES:
         _check_stage(f"{where}[{stage!r}]", bucket[stage], _GEMM_KEYS, _GEMM_OPTIONAL)
-    if bucket.get("pair_split_n"):
-        if not bucket.get("pair_m"):
-            raise ValueError(f"{where}['pair_split_n'] splits the tall tiles of 'pair_m'; set 'pair_m': true too")
-        for stage in _GEMM_STAGES:
-            if bucket[stage]["BLOCK_N"] < 32:
-                raise ValueError(f"{where}[{stage!r}]['BLOCK_N'] must be >= 32 with 'pair_split_n' (two halves "
-                                 f"of >= 16 columns), got {bucket[stage]['BLOCK_N']}")
     _check_stage(f"{where}['wgrad']", bucket["wgrad"], _WGRAD_KEYS, _WGRAD_OPTIONAL)
 
 
@@ -166,9 +159,7 @@ def fit_shared_memory(bucket: dict, smem_per_block: int, element_size: int) -> d
     The estimate is conservative: every stage buffered (true with TMA; Triton buffers one fewer
     with cp.async).
     """
-    bm = bucket["block_m"]
-    tall = 2 * bm if bucket.get("pair_m") else bm  # pair_m: tiles twice block_m tall
-    split = 2 if bucket.get("pair_m") and bucket.get("pair_split_n") else 1  # ... and half as wide
+    bm = bucket["block_m"] * (2 if bucket.get("pair_m") else 1)  # pair_m: tiles twice block_m tall
     out = dict(bucket)
     for stage, n_b in (("gate_up", 2), ("down", 1), ("dgrad", 1), ("wgrad", None)):
         c = dict(bucket[stage])
@@ -178,8 +169,7 @@ def fit_shared_memory(bucket: dict, smem_per_block: int, element_size: int) -> d
             if c.get("TMA_STORE"):  # the tile staged for its TMA store (its own buffer when persistent)
                 fixed = c["BLOCK_M"] * c["BLOCK_N"] * element_size
         else:
-            rows_cols = max(bm + n_b * c["BLOCK_N"], tall + n_b * c["BLOCK_N"] // split)
-            per_stage = rows_cols * c["BLOCK_K"] * element_size
+            per_stage = (bm + n_b * c["BLOCK_N"]) * c["BLOCK_K"] * element_size
         while c["num_stages"] > 2 and c["num_stages"] * per_stage + fixed > smem_per_block:
             c["num_stages"] -= 1
         out[stage] = c

@@ -51,7 +51,7 @@ def _load_b_tile(b_ptr, b_desc, e, offs_k, offs_n, k_limit, n_limit, stride_be, 
 @triton.jit
 def _grouped_gemm_kernel(
     # pointers
-    a_ptr, b_ptr, b_desc, b_desc_half, c_ptr, aux_ptr, rows_ptr, row_expert_ptr, scale_ptr, dscale_ptr, h_ptr,
+    a_ptr, b_ptr, b_desc, c_ptr, aux_ptr, rows_ptr, row_expert_ptr, scale_ptr, dscale_ptr, h_ptr,
     expert_start_ptr, expert_count_ptr,
     # sizes
     P, N, K, B_N_TOTAL,
@@ -68,7 +68,6 @@ def _grouped_gemm_kernel(
     UPCAST: tl.constexpr,       # interpreter: bf16 tl.dot is wrong there, compute in fp32
     PRECISION: tl.constexpr,
     PAIR: tl.constexpr,         # two BLOCK_M blocks of one expert as one 2*BLOCK_M tile (see below)
-    SPLIT_N: tl.constexpr,      # PAIR: a tall tile runs as two passes of BLOCK_N // 2 columns
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile (PAIR: [2*BLOCK_M, BLOCK_N] where it can) of a grouped GEMM.
@@ -77,11 +76,6 @@ def _grouped_gemm_kernel(
     0+1, 2+3, ... run as one tile of twice the height and only an odd last block alone. With
     BLOCK_M=64 an expert of 262 rows costs 320 rows of MMA work instead of 384 at BLOCK_M=128,
     while most of its tiles keep the taller shape's MMA rate.
-    SPLIT_N (bucket key "pair_split_n"): the tall tile covers its BLOCK_N columns in two passes of
-    BLOCK_N // 2 (weights through `b_desc_half`), so its accumulators are no larger than a short
-    tile's. Why: at ~128 rows per expert half the experts spill a few rows into a second 128-row
-    block, whose program reads the expert's whole weight slice again; these GEMMs run at 92-95% of
-    the L2 bandwidth (ncu, H200, DeepSeek-V3 T=4096), and one tall tile reads each weight once.
     """
     pid = tl.program_id(0)
     num_m = tl.cdiv(P, BLOCK_M)
@@ -107,13 +101,7 @@ def _grouped_gemm_kernel(
         run = blk % 2 == 0  # an odd block is done by the program of the block before it
         tall = blk + 1 < tl.cdiv(tl.load(expert_count_ptr + e).to(tl.int64), BLOCK_M)
     if run:
-        if tall and SPLIT_N:
-            for half in tl.static_range(2):
-                _gemm_tile(m0, e, 2 * pid_n + half, a_ptr, b_ptr, b_desc_half, c_ptr, aux_ptr, rows_ptr, scale_ptr,
-                           dscale_ptr, h_ptr, P, N, K, B_N_TOTAL, stride_am, stride_ak, stride_be, stride_bn,
-                           stride_bk, stride_cm, stride_cn, stride_xm, stride_hm, EPILOGUE, SAVE_AUX, SAVE_H,
-                           GATHER_A, TOPK, B_TMA, B_NCONTIG, UPCAST, PRECISION, 2 * BLOCK_M, BLOCK_N // 2, BLOCK_K)
-        elif tall:
+        if tall:
             _gemm_tile(m0, e, pid_n, a_ptr, b_ptr, b_desc, c_ptr, aux_ptr, rows_ptr, scale_ptr, dscale_ptr,
                        h_ptr, P, N, K, B_N_TOTAL, stride_am, stride_ak, stride_be, stride_bn, stride_bk,
                        stride_cm, stride_cn, stride_xm, stride_hm, EPILOGUE, SAVE_AUX, SAVE_H, GATHER_A,

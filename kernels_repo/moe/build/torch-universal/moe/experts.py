@@ -156,12 +156,11 @@ def _precision(dtype: torch.dtype) -> str | None:
 
 def _gemm(a, weight, out, routing: ExpertRows, cfg: dict, *, n: int, k: int, epilogue: int,
           gather_a: bool, b_ncontig: bool, topk: int, use_tma: bool, aux=None, save_aux=False,
-          scale=None, dscale=None, h=None, pair: bool = False, split_n: bool = False) -> None:
+          scale=None, dscale=None, h=None, pair: bool = False) -> None:
     """One grouped GEMM over the P aligned rows: out[p, :n] from a[row(p), :k] and weight[e(p)].
 
     pair (the bucket's "pair_m"): an expert's row blocks run two at a time as one tile of twice
-    the height, so rows are padded to block_m while most tiles are 2 * block_m tall. split_n (the
-    bucket's "pair_split_n"): those tall tiles cover their columns in two half-width passes."""
+    the height, so rows are padded to block_m while most tiles are 2 * block_m tall."""
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     bm = routing.block_m
     P = routing.num_rows
@@ -169,19 +168,14 @@ def _gemm(a, weight, out, routing: ExpertRows, cfg: dict, *, n: int, k: int, epi
         stride_bn, stride_bk = weight.stride(2), weight.stride(1)
     else:  # weight stored [E, N, K]
         stride_bn, stride_bk = weight.stride(1), weight.stride(2)
-    split_n = pair and split_n
-    desc = desc_half = None
+    desc = None
     if use_tma:
         desc = sm90.weight_descriptor(weight, bk, bn) if b_ncontig else sm90.weight_descriptor(weight, bn, bk)
-        if split_n:
-            half = bn // 2
-            desc_half = (sm90.weight_descriptor(weight, bk, half) if b_ncontig
-                         else sm90.weight_descriptor(weight, half, bk))
     aux_t = aux if aux is not None else out
     h_t = h if h is not None else out
     _launcher(_gemm_launch, cfg)(
         (_cdiv(P, bm) * _cdiv(n, bn),), _index(a),
-        a, weight, desc, desc_half, out, aux_t, routing.rows, routing.row_expert,
+        a, weight, desc, out, aux_t, routing.rows, routing.row_expert,
         scale if scale is not None else out, dscale if dscale is not None else out, h_t,
         routing.expert_start, routing.expert_count,
         P, n, k, weight.shape[1],
@@ -191,7 +185,7 @@ def _gemm(a, weight, out, routing: ExpertRows, cfg: dict, *, n: int, k: int, epi
         GATHER_A=gather_a, TOPK=topk,
         B_TMA=use_tma,
         B_NCONTIG=b_ncontig, UPCAST=_interpreting(), PRECISION=_precision(a.dtype), PAIR=pair,
-        SPLIT_N=split_n, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
@@ -335,14 +329,13 @@ def _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, s
     P = routing.num_rows
     tma = _use_tma(variant, cfg, gate_up_proj, down_proj)
     pair = bool(cfg.get("pair_m", False))
-    split = bool(cfg.get("pair_split_n", False))
     h = torch.empty(P, inter, device=dev, dtype=x.dtype)
     aux = torch.empty(P, two_i, device=dev, dtype=x.dtype) if save else None
     _gemm(x, gate_up_proj, h, routing, cfg["gate_up"], n=inter, k=H, epilogue=1, gather_a=True,
-          b_ncontig=False, topk=K, use_tma=tma, aux=aux, save_aux=save, pair=pair, split_n=split)
+          b_ncontig=False, topk=K, use_tma=tma, aux=aux, save_aux=save, pair=pair)
     y = torch.empty(P, H, device=dev, dtype=x.dtype)
     _gemm(h, down_proj, y, routing, cfg["down"], n=H, k=inter, epilogue=0, gather_a=False,
-          b_ncontig=False, topk=K, use_tma=tma, pair=pair, split_n=split)
+          b_ncontig=False, topk=K, use_tma=tma, pair=pair)
     out = torch.empty(T, H, device=dev, dtype=x.dtype)
     _combine(y, routing.token_topk_to_pos, topk_weights, out)
     return out, routing, h, aux
@@ -358,7 +351,6 @@ def _backward(dout, x, gate_up_proj, down_proj, topk_weights, routing: ExpertRow
     P = routing.num_rows
     tma = _use_tma(variant, cfg, gate_up_proj, down_proj)
     pair = bool(cfg.get("pair_m", False))
-    split = bool(cfg.get("pair_split_n", False))
     w_flat = topk_weights.reshape(-1)
     if not w_flat.is_contiguous():
         w_flat = w_flat.contiguous()
@@ -368,7 +360,7 @@ def _backward(dout, x, gate_up_proj, down_proj, topk_weights, routing: ExpertRow
     dw_flat = torch.zeros(w_flat.shape[0], device=dev, dtype=torch.float32)
     hw = torch.empty(P, inter, device=dev, dtype=x.dtype) if needs[2] else None
     _gemm(dout, down_proj, dgu, routing, cfg["dgrad"], n=inter, k=H, epilogue=2, gather_a=True,
-          b_ncontig=True, topk=K, use_tma=tma, aux=aux, scale=w_flat, dscale=dw_flat, h=hw, pair=pair, split_n=split)
+          b_ncontig=True, topk=K, use_tma=tma, aux=aux, scale=w_flat, dscale=dw_flat, h=hw, pair=pair)
     dx = d_gate_up = d_down = d_w = None
     # wgrad "ROWS" (sm90 buckets from 64 rows per expert): the weight-gradient GEMMs read dY and x
     # from row-ordered copies instead of gathering them in their K loop, where the index load
@@ -383,7 +375,7 @@ def _backward(dout, x, gate_up_proj, down_proj, topk_weights, routing: ExpertRow
     if needs[0]:
         dx_rows = torch.empty(P, H, device=dev, dtype=x.dtype)
         _gemm(dgu, gate_up_proj, dx_rows, routing, cfg["down"], n=H, k=two_i, epilogue=0,
-              gather_a=False, b_ncontig=True, topk=K, use_tma=tma, pair=pair, split_n=split)
+              gather_a=False, b_ncontig=True, topk=K, use_tma=tma, pair=pair)
         dx = torch.empty(T, H, device=dev, dtype=x.dtype)
         _combine(dx_rows, routing.token_topk_to_pos, None, dx)
         del dx_rows
