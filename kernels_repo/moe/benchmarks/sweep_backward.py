@@ -11,6 +11,7 @@ Usage (repo root, GPU): PYTHONPATH=src python kernels_repo/moe/benchmarks/sweep_
   PARTS=dx: the dL/dx GEMM with the forward "down" short list (the stage it runs with)
   PARTS=dgrad also times the GEMM with a plain store (dgrad_plain) and tiles under a register cap
   PROBE=1 (the current wgrad tile against writing its output alone: zero_() and the kernel with no rows)
+  WGRADS=flat: the wgrad list is the bucket's own tile and the flattened persistent ones ("FLAT_STEPS")
 """
 
 from __future__ import annotations
@@ -58,6 +59,21 @@ WGRAD = [
     {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, **_TS},
     {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4, **_TS},
     {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2, **_TS, "maxnreg": 128},
+]
+
+# "FLAT_STEPS": persistent programs, tile loop and K loop flattened into one pipelined loop (the
+# largest expert's step count for every tile). WGRADS=flat sweeps these and the bucket's own tile.
+WGRAD_FLAT = [
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, **_TS, "PERSISTENT": 1,
+     "FLAT_STEPS": 16},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4, **_TS, "PERSISTENT": 1,
+     "FLAT_STEPS": 16},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2, **_TS, "PERSISTENT": 2,
+     "FLAT_STEPS": 16},
+    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "TMA": True, "PERSISTENT": 1,
+     "FLAT_STEPS": 16},
+    {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, **_TS, "PERSISTENT": 1,
+     "FLAT_STEPS": 16},
 ]
 
 
@@ -165,7 +181,11 @@ def sweep_point(name: str, T: int, variant: str) -> None:
         ms2 = timed(lambda: ex._wgrad(dgu, rows_h, dwgu, r, c, gather_a=False, gather_b=False, topk=K, use_tma=tma))
         print(f"rows  {name} T={T} {c} down_ms={ms1:.3f} gate_up_ms={ms2:.3f} sum={ms1 + ms2:.3f}", flush=True)
 
-    for c in WGRAD if "wgrad" in parts else ():
+    wgrads = WGRAD
+    if os.environ.get("WGRADS") == "flat":  # the bucket's own tile (ROWS as shipped) against the flat list
+        own = {k: v for k, v in cfg["wgrad"].items() if k not in ("ROWS", "ROWS_PARTS")}
+        wgrads = [own] + WGRAD_FLAT
+    for c in wgrads if "wgrad" in parts else ():
         if os.environ.get("NOGATHER") != "only":
             ms1 = timed(lambda c=c: ex._wgrad(dy, hw, dwd, r, c, gather_a=True, gather_b=False, topk=K, use_tma=tma))
             ms2 = timed(lambda c=c: ex._wgrad(dgu, x, dwgu, r, c, gather_a=False, gather_b=True, topk=K, use_tma=tma))

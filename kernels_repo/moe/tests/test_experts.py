@@ -338,6 +338,36 @@ def test_persistent_weight_gradients_match_one_program_per_tile(monkeypatch, ext
     _assert_same_bits_and_close_to_reference(got, base, x, gu, dn, idx, w, dy)
 
 
+def test_flattened_weight_gradients_match_one_program_per_tile(monkeypatch):
+    """wgrad "FLAT_STEPS": persistent programs run every tile for the largest expert's K steps (boxes
+    past an expert's rows read zeros) in one flattened loop, while no expert has more steps than
+    the cap; above it the plain persistent loop. Experts of 0 to 64 rows (0 to 4 steps of 16
+    rows), a dropped pair: both paths give the one-program-per-tile bits."""
+    cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
+    k80 = importlib.import_module(moe.__name__ + "._experts_sm80")
+    flat_calls = []
+    real = k80._wgrad_flat_tiles
+    monkeypatch.setattr(k80, "_wgrad_flat_tiles", lambda *a: flat_calls.append(int(a[10])) or real(*a))
+    idx = _routing_with_block_counts([0, 10, 20, 40, 64], K=2, drop=1)
+    T, K, E, H, I = idx.shape[0], 2, 5, 24, 20
+    x, gu, dn, _, w = make_inputs(T, H, I, E, K, seed=63)
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(64))
+    results = []
+    for extra in ({"PERSISTENT": 0}, {"PERSISTENT": 1, "FLAT_STEPS": 4}, {"PERSISTENT": 1, "FLAT_STEPS": 3}):
+        cfg = copy.deepcopy(cfgs.INTERPRETER_CONFIG)
+        assert cfg["wgrad"]["BLOCK_K"] == 16 and cfg["block_m"] % 16 == 0
+        cfg["wgrad"].update(extra, TMA=True, ROWS=True, TMA_STORE=True)
+        flat_calls.clear()
+        _, grads = run_with_grads(lambda *a, cfg=cfg: moe.fused_experts(*a, variant="sm90", config=cfg), x, gu, dn,
+                                  idx, w, dy, torch.float32)
+        results.append((list(flat_calls), grads))
+    (none, base), (flat, got_flat), (capped, got_capped) = results
+    assert none == [] and capped == []  # one program per tile; 4 steps > cap 3: the plain loop
+    assert flat and set(flat) == {4}, flat  # every flattened program ran the largest expert's 4 steps
+    _assert_same_bits_and_close_to_reference(got_flat, base, x, gu, dn, idx, w, dy)
+    _assert_same_bits_and_close_to_reference(got_capped, base, x, gu, dn, idx, w, dy)
+
+
 def test_gather_rows_copies_real_rows_and_zeroes_padding():
     ex = importlib.import_module(moe.__name__ + ".experts")
     routing = importlib.import_module(moe.__name__ + "._experts_routing")
@@ -582,6 +612,8 @@ def test_stages_fit_the_shared_memory_of_each_device_index(fake_gpus):
     (lambda c: c["dgrad"].update(maxnreg=300), ValueError, "['dgrad']['maxnreg'] must be an int in [24, 255]"),
     (lambda c: c["wgrad"].update(maxnreg=True), ValueError, "['wgrad']['maxnreg'] must be an int in [24, 255]"),
     (lambda c: c["wgrad"].update(PERSISTENT=-1), ValueError, "['wgrad']['PERSISTENT'] must be an int >= 0"),
+    (lambda c: c["wgrad"].update(FLAT_STEPS=4), ValueError, "set 'PERSISTENT' (programs per SM) >= 1 too"),
+    (lambda c: c["wgrad"].update(PERSISTENT=1, FLAT_STEPS=-2), ValueError, "['FLAT_STEPS'] must be an int >= 0"),
 ])
 def test_a_bad_pinned_config_is_a_clear_error(edit, error, words):
     cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
@@ -872,7 +904,8 @@ def test_gpu_inference_is_cuda_graph_capturable(T):
 @pytest.mark.parametrize("shape,T", [("mixtral_8x7b", 2048), ("qwen3_30b_a3b", 4096)])
 def test_gpu_wgrad_tma_matches_the_pointer_path(shape, T, monkeypatch):
     """At real sizes, in bf16: weight gradients with TMA operands (gathered or from row-ordered copies,
-    "ROWS"; dW by TMA store from persistent programs) equal the pointer path's bits."""
+    "ROWS"; dW by TMA store from persistent programs, also flattened: "FLAT_STEPS") equal the pointer
+    path's bits."""
     if moe.select_variant(torch.device("cuda")) != "sm90":
         pytest.skip("TMA needs a capability 9.x GPU")
     ex = importlib.import_module(moe.__name__ + ".experts")
@@ -884,8 +917,9 @@ def test_gpu_wgrad_tma_matches_the_pointer_path(shape, T, monkeypatch):
     results = []
     # the shipped buckets may set TMA_STORE: each run below pins all three keys, the first none
     loop = {"PERSISTENT": 1, "num_stages": 2}  # persistent programs looping over tiles
+    flat = {"PERSISTENT": 1, "num_stages": 3, "FLAT_STEPS": 64}  # ... in one flattened loop
     for on, rows, store, extra in ((False, False, False, {}), (True, False, False, {}), (True, True, False, {}),
-                                   (True, True, True, {}), (True, True, True, loop)):
+                                   (True, True, True, {}), (True, True, True, loop), (True, True, True, flat)):
         pinned = _with_wgrad_tma(cfg, on, rows, store)
         pinned["wgrad"].update(extra)
         _, grads = run_with_grads(lambda *a, pinned=pinned: moe.fused_experts(*a, variant="sm90", config=pinned),

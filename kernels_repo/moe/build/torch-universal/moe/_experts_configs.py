@@ -37,7 +37,7 @@ _WGRAD_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 # "maxnreg" (any stage): ptx .maxnreg, a register cap per thread so that more CTAs share an SM.
 _GEMM_OPTIONAL = {"maxnreg": int}
 _WGRAD_OPTIONAL = {"GROUP_M": int, "ROWS_PARTS": int, "ROWS": bool, "TMA": bool, "TMA_STORE": bool,
-                   "PERSISTENT": int, **_GEMM_OPTIONAL}
+                   "PERSISTENT": int, "FLAT_STEPS": int, **_GEMM_OPTIONAL}
 _BUCKET_OPTIONAL = {"max_rows_per_expert", "tma", "pair_m"}
 
 
@@ -69,7 +69,7 @@ def _check_stage(where: str, stage: object, required: tuple, optional: dict) -> 
             if value not in (1, 2, 4, 8, 16) or isinstance(value, bool):
                 raise ValueError(f"{where}[{key!r}] must be 1, 2, 4, 8 or 16, got {value!r}")
         else:
-            low = 0 if key == "PERSISTENT" else 1  # PERSISTENT: programs per SM, 0 = one per tile
+            low = 0 if key in ("PERSISTENT", "FLAT_STEPS") else 1  # 0: off (PERSISTENT: one program per tile)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{where}[{key!r}] must be an int >= {low}, got {value!r}")
 
@@ -95,6 +95,9 @@ def check_bucket(bucket: object, where: str) -> None:
     for stage in _GEMM_STAGES:
         _check_stage(f"{where}[{stage!r}]", bucket[stage], _GEMM_KEYS, _GEMM_OPTIONAL)
     _check_stage(f"{where}['wgrad']", bucket["wgrad"], _WGRAD_KEYS, _WGRAD_OPTIONAL)
+    if bucket["wgrad"].get("FLAT_STEPS") and not bucket["wgrad"].get("PERSISTENT"):
+        raise ValueError(f"{where}['wgrad']['FLAT_STEPS'] flattens the persistent tile loop; "
+                         f"set 'PERSISTENT' (programs per SM) >= 1 too")
 
 
 def _load(capability: int) -> dict:

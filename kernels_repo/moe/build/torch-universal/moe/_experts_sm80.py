@@ -213,10 +213,11 @@ def _swiglu_bwd_epilogue(acc, cols, w, flat, row_valid, offs_m, m_mask, N, aux_p
 @triton.jit
 def _grouped_wgrad_kernel(
     a_ptr, b_ptr, a_desc, b_desc, c_ptr, c_desc, rows_ptr, expert_start_ptr, expert_count_ptr,
-    E, M, N,
+    E, M, N, P,
     stride_am, stride_ak, stride_bm, stride_bk, stride_ce, stride_cm, stride_cn,
     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, TOPK: tl.constexpr,
     A_TMA: tl.constexpr, B_TMA: tl.constexpr, C_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
+    FLAT_STEPS: tl.constexpr, BLOCK_E: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -231,8 +232,27 @@ def _grouped_wgrad_kernel(
     C_TMA a tile's store could drain while the program loads the next tile (short K loops are
     store-bound: writing DeepSeek-V3's dW_gate_up alone takes 4.3 of its 9.9 ms, H200). Timed on
     an H200 it was slower at every point (docs/performance.md), so no shipped bucket sets it.
+    FLAT_STEPS (PERSISTENT, both operands by TMA): while no expert has more than FLAT_STEPS K steps,
+    every tile runs exactly max-over-experts steps (a tile's steps past its own rows load boxes at
+    row P, outside the buffers: zeros), so the K-loop bounds do not depend on the tile and Triton
+    flattens tile loop and K loop into one software-pipelined loop: the next tile's loads are in
+    flight during this tile's MMAs and store. Why: at <= 256 rows per expert the K loop is 2-5 steps
+    and the kernel is latency-bound (ncu, H200, DeepSeek-V3 T=4096: 37-39% of SM, 46-52% of L2 and
+    38-39% of DRAM throughput, two CTAs per SM). More steps than that: the plain persistent loop.
     """
-    if PERSISTENT:
+    if FLAT_STEPS > 0 and PERSISTENT and A_TMA and B_TMA:
+        offs_e = tl.arange(0, BLOCK_E)
+        counts = tl.load(expert_count_ptr + offs_e, mask=offs_e < E, other=0)
+        steps = tl.cdiv(tl.max(counts, axis=0), BLOCK_K)
+        flat_ok = steps <= FLAT_STEPS
+    else:
+        steps = 0
+        flat_ok = False
+    if flat_ok:
+        _wgrad_flat_tiles(a_desc, b_desc, c_ptr, c_desc, expert_start_ptr, expert_count_ptr, E, M, N, P, steps,
+                          stride_ce, stride_cm, stride_cn, C_TMA, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
+                          GROUP_M)
+    elif PERSISTENT:
         num_tiles = E * tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
             _wgrad_tile(tile, a_ptr, b_ptr, a_desc, b_desc, c_ptr, c_desc, rows_ptr, expert_start_ptr,
@@ -247,6 +267,65 @@ def _grouped_wgrad_kernel(
 
 
 @triton.jit
+def _wgrad_tile_coords(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(expert, M-block, N-block) of an expert-major tile index. Within an expert, GROUP_M M-strips
+    sweep the N tiles together (1: row by row), so that the CTAs in flight share their operand
+    strips in L2 (an expert's gathered rows can pass 30 MB)."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # int64: e * stride_ce passes 2**31 for DeepSeek-V3's dW_gate_up ([256, 4096, 7168]); in int32
+    # it wrapped and wrote out of bounds (illegal address on the H200, 2026-12-02).
+    e = (tile // (num_m * num_n)).to(tl.int64)
+    rest = tile % (num_m * num_n)
+    per_group = GROUP_M * num_n
+    first_m = (rest // per_group) * GROUP_M
+    group_size = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (rest % per_group) % group_size
+    pid_n = (rest % per_group) // group_size
+    return e, pid_m, pid_n
+
+
+@triton.jit
+def _wgrad_store(acc, e, pid_m, pid_n, c_ptr, c_desc, M, N, stride_ce, stride_cm, stride_cn,
+                 C_TMA: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    if C_TMA:  # one bulk async store per tile (the box is clipped at M and N)
+        c_desc.store([e.to(tl.int32), pid_m * BLOCK_M, pid_n * BLOCK_N],
+                     _to(acc, c_desc.dtype, UPCAST).reshape(1, BLOCK_M, BLOCK_N))
+    else:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        c_ptrs = c_ptr + e * stride_ce + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+        c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        tl.store(c_ptrs, _to(acc, c_ptr.dtype.element_ty, UPCAST), mask=c_mask)
+
+
+@triton.jit
+def _wgrad_flat_tiles(a_desc, b_desc, c_ptr, c_desc, expert_start_ptr, expert_count_ptr, E, M, N, P, steps,
+                      stride_ce, stride_cm, stride_cn, C_TMA: tl.constexpr, UPCAST: tl.constexpr,
+                      PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    """The persistent tile loop of `_grouped_wgrad_kernel` with FLAT_STEPS: `steps` K steps per
+    tile for every tile, both operands by TMA, tile loop and K loop flattened into one."""
+    num_tiles = E * tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
+        e, pid_m, pid_n = _wgrad_tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        start = tl.load(expert_start_ptr + e)  # int32: descriptor coordinates are 32-bit
+        count = tl.load(expert_count_ptr + e)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ks in range(0, steps):
+            # past the expert's rows: a box at row P, wholly outside both [P, *] buffers (zeros)
+            row = tl.where(ks * BLOCK_K < count, start + ks * BLOCK_K, P)
+            a = a_desc.load([row, pid_m * BLOCK_M])
+            b = b_desc.load([row, pid_n * BLOCK_N])
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
+        _wgrad_store(acc, e, pid_m, pid_n, c_ptr, c_desc, M, N, stride_ce, stride_cm, stride_cn, C_TMA, UPCAST,
+                     BLOCK_M, BLOCK_N)
+
+
+@triton.jit
 def _wgrad_tile(
     tile, a_ptr, b_ptr, a_desc, b_desc, c_ptr, c_desc, rows_ptr, expert_start_ptr, expert_count_ptr, M, N,
     stride_am, stride_ak, stride_bm, stride_bk, stride_ce, stride_cm, stride_cn,
@@ -255,19 +334,7 @@ def _wgrad_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of `_grouped_wgrad_kernel` (tile = expert-major tile index)."""
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    # int64: e * stride_ce passes 2**31 for DeepSeek-V3's dW_gate_up ([256, 4096, 7168]); in int32
-    # it wrapped and wrote out of bounds (illegal address on the H200, 2026-12-02).
-    e = (tile // (num_m * num_n)).to(tl.int64)
-    rest = tile % (num_m * num_n)
-    # Within an expert, GROUP_M M-strips sweep the N tiles together (1: row by row), so that the
-    # CTAs in flight share their operand strips in L2 (an expert's gathered rows can pass 30 MB).
-    per_group = GROUP_M * num_n
-    first_m = (rest // per_group) * GROUP_M
-    group_size = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (rest % per_group) % group_size
-    pid_n = (rest % per_group) // group_size
+    e, pid_m, pid_n = _wgrad_tile_coords(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     start32 = tl.load(expert_start_ptr + e)  # int32: descriptor coordinates are 32-bit
     start = start32.to(tl.int64)
     end = start + tl.load(expert_count_ptr + e).to(tl.int64)
@@ -298,13 +365,8 @@ def _wgrad_tile(
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(tl.trans(a), b, acc, input_precision=PRECISION)
-    if C_TMA:  # one bulk async store per tile (the box is clipped at M and N)
-        c_desc.store([e.to(tl.int32), pid_m * BLOCK_M, pid_n * BLOCK_N],
-                     _to(acc, c_desc.dtype, UPCAST).reshape(1, BLOCK_M, BLOCK_N))
-    else:
-        c_ptrs = c_ptr + e * stride_ce + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
-        c_mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        tl.store(c_ptrs, _to(acc, c_ptr.dtype.element_ty, UPCAST), mask=c_mask)
+    _wgrad_store(acc, e, pid_m, pid_n, c_ptr, c_desc, M, N, stride_ce, stride_cm, stride_cn, C_TMA, UPCAST,
+                 BLOCK_M, BLOCK_N)
 
 
 @triton.jit

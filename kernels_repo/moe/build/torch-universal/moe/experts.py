@@ -198,7 +198,10 @@ def _wgrad(a, b, out, routing: ExpertRows, cfg: dict, *, gather_a: bool, gather_
     TMA; only when BLOCK_K divides the row alignment, so that a box stays inside its expert.
     "TMA_STORE" (sm90): each output tile is written by one TMA store. "PERSISTENT": n launches n
     programs per SM that loop over the tiles (meant to overlap a store with the next tile; slower
-    on an H200 at every point timed, so no shipped bucket sets it).
+    on an H200 at every point timed, so no shipped bucket sets it). "FLAT_STEPS": s (with
+    PERSISTENT, both operands by TMA): while no expert has more than s K steps, every tile runs
+    the largest expert's step count and the tile and K loops are flattened into one pipelined loop
+    (see the kernel); decided on the device, so no host sync.
     """
     E, M, N = out.shape
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -209,15 +212,16 @@ def _wgrad(a, b, out, routing: ExpertRows, cfg: dict, *, gather_a: bool, gather_
     tiles = E * _cdiv(M, bm) * _cdiv(N, bn)
     per_sm = int(cfg.get("PERSISTENT", 0))  # programs per SM; 0: one program per tile
     programs = min(tiles, per_sm * _sm_count(out.device)) if per_sm else tiles
+    flat = int(cfg.get("FLAT_STEPS", 0)) if per_sm and a_tma and b_tma else 0
     _launcher(_wgrad_launch, cfg)(
         (max(programs, 1),), _index(a),
         a, b, sm90.rows_descriptor(a, bk, bm) if a_tma else None,
         sm90.rows_descriptor(b, bk, bn) if b_tma else None,
         out, sm90.weight_descriptor(out, bm, bn) if c_tma else None,
-        routing.rows, routing.expert_start, routing.expert_count, E, M, N,
+        routing.rows, routing.expert_start, routing.expert_count, E, M, N, routing.num_rows,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
         GATHER_A=gather_a, GATHER_B=gather_b, TOPK=topk, A_TMA=a_tma, B_TMA=b_tma, C_TMA=c_tma,
-        PERSISTENT=bool(per_sm),
+        PERSISTENT=bool(per_sm), FLAT_STEPS=flat, BLOCK_E=_next_pow2(E) if flat else 1,
         UPCAST=_interpreting(), PRECISION=_precision(a.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 1), num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
