@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: versions, GPU tests, the demo, then the benchmarks.
-# Usage (device tool): bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [tiles] [profile] [diag] [graphdiag] [sweep] [tune] [routing] [moe] [moeprof] [ncu] [pairab] [cfgab]
-# Env: CFG_A (cfgab), GPU_TESTS (pytest paths for `tests`), GPU_K (its -k expression), MOE_TIMEOUT, SWEEP_TIMEOUT, TUNE_TIMEOUT, TUNE_ARGS, and the benchmarks' own (SHAPES, TOKENS...)
+# Usage (device tool): bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [tiles] [profile] [diag] [graphdiag] [sweep] [tune] [routing] [moe] [moeprof] [flatcheck] [ncu] [pairab] [cfgab]
+# Env: CFG_A, CFG_B (cfgab), GPU_TESTS (pytest paths for `tests`), GPU_K (its -k expression), MOE_TIMEOUT, SWEEP_TIMEOUT, TUNE_TIMEOUT, TUNE_ARGS, and the benchmarks' own (SHAPES, TOKENS...)
 # Logs and JSON lines land in $OUT. The GPU image has torch/triton/transformers of its own; we
 # run from the source tree (PYTHONPATH=src) and bring Liger-Kernel as a wheel in .whl/.
 set -u
@@ -37,6 +37,7 @@ for step in $steps; do
     routing) timeout 120 python3 benchmarks/bench_moe_routing.py 2>&1 | tee "$OUT/bench_routing.log" | tail -40 ;;
     moe) timeout ${MOE_TIMEOUT:-300} python3 kernels_repo/moe/benchmarks/bench_moe.py 2>&1 | tee "$OUT/bench_moe.log" | tail -40 ;;
     moeprof) timeout ${PROF_TIMEOUT:-150} python3 kernels_repo/moe/benchmarks/profile_moe.py 2>&1 | tee "$OUT/profile_moe.log" | grep -E "^==|^  " | head -${PROF_LINES:-80} ;;
+    flatcheck) timeout ${FLAT_TIMEOUT:-200} python3 kernels_repo/moe/benchmarks/check_flat_wgrad.py 2>&1 | tee "$OUT/check_flat_wgrad.log" | tail -40 ;;
     ncu) # hardware counters of the MoE GEMMs in one forward+backward (NCU_POINT, NCU_K kernel regex, NCU_C launches)
       NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       if [ -z "$NCU" ]; then echo "no ncu on this machine"; else
@@ -48,9 +49,10 @@ for step in $steps; do
     pairab) # fused_experts as shipped, then with the 128-row buckets as block_m=64 + pair_m (same call)
       python3 kernels_repo/moe/benchmarks/pair_m_configs.py /tmp/pair_m_configs
       bench_ab shipped= pair_m=/tmp/pair_m_configs ;;
-    cfgab) # fused_experts with the config file $CFG_A (as sm90.json) against the shipped configs (same call)
+    cfgab) # fused_experts with the config file $CFG_A (and $CFG_B, if set; as sm90.json) against the shipped configs (same call)
       mkdir -p /tmp/cfg_a && cp "${CFG_A:?set CFG_A to an sm90.json to compare}" /tmp/cfg_a/sm90.json
-      bench_ab cfg_a=/tmp/cfg_a shipped= ;;
+      if [ -n "${CFG_B:-}" ]; then mkdir -p /tmp/cfg_b && cp "$CFG_B" /tmp/cfg_b/sm90.json; fi
+      bench_ab cfg_a=/tmp/cfg_a ${CFG_B:+cfg_b=/tmp/cfg_b} shipped= ;;
   esac
 done
 echo "=== done ($(date -u +%T))"
