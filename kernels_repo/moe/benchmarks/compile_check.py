@@ -112,7 +112,7 @@ def wgrad(cap, cfg, gather_a, tma=False, rows=False):
     """rows: both operands row-ordered copies (wgrad key "ROWS"), so neither is gathered."""
     sig = {"a_ptr": "*bf16", "b_ptr": "*bf16", "c_ptr": "*bf16", "rows_ptr": "*i32",
            "expert_start_ptr": "*i32", "expert_count_ptr": "*i32"}
-    for name in ("E", "M", "N", "stride_am", "stride_ak", "stride_bm", "stride_bk", "stride_ce", "stride_cm",
+    for name in ("E", "M", "N", "P", "stride_am", "stride_ak", "stride_bm", "stride_bk", "stride_ce", "stride_cm",
                  "stride_cn"):
         sig[name] = I32
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -127,6 +127,10 @@ def wgrad(cap, cfg, gather_a, tma=False, rows=False):
             const[name] = None
     const["C_TMA"] = tma and bool(cfg.get("TMA_STORE", False))
     const["PERSISTENT"] = bool(cfg.get("PERSISTENT", 0))
+    # as experts.py: the flattened loop only with persistent programs and both operands by TMA
+    flat = const["PERSISTENT"] and const["A_TMA"] and const["B_TMA"]
+    const["FLAT_STEPS"] = int(cfg.get("FLAT_STEPS", 0)) if flat else 0
+    const["BLOCK_E"] = 256 if const["FLAT_STEPS"] else 1
     if const["C_TMA"]:
         sig["c_desc"] = f"tensordesc<bf16[1, {bm}, {bn}]>"
     else:

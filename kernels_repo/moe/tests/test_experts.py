@@ -11,6 +11,9 @@ import contextlib
 import copy
 import importlib
 import json
+import os
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -193,6 +196,7 @@ def _with_wgrad_tma(cfg: dict, on: bool, rows: bool = False, store: bool = False
     pinned = copy.deepcopy(cfg)
     pinned["wgrad"].update(TMA=on, ROWS=rows, TMA_STORE=store)
     pinned["wgrad"].pop("PERSISTENT", None)
+    pinned["wgrad"].pop("FLAT_STEPS", None)
     return pinned
 
 
@@ -338,34 +342,53 @@ def test_persistent_weight_gradients_match_one_program_per_tile(monkeypatch, ext
     _assert_same_bits_and_close_to_reference(got, base, x, gu, dn, idx, w, dy)
 
 
-def test_flattened_weight_gradients_match_one_program_per_tile(monkeypatch):
+@pytest.mark.parametrize(("counts", "flat_steps"), [
+    ([40, 48, 64, 64, 50], {4: [4], 3: []}),  # steps 3, 3, 4, 4, 4: flat up to the cap
+    ([0, 10, 20, 40, 64], {4: [], 8: []}),  # steps 0-4: 4 * 5 experts > 1.5 * 10 steps, the plain loop
+])
+def test_flattened_weight_gradients_match_one_program_per_tile(monkeypatch, counts, flat_steps):
     """wgrad "FLAT_STEPS": persistent programs run every tile for the largest expert's K steps (boxes
     past an expert's rows read zeros) in one flattened loop, while no expert has more steps than
-    the cap; above it the plain persistent loop. Experts of 0 to 64 rows (0 to 4 steps of 16
-    rows), a dropped pair: both paths give the one-program-per-tile bits."""
+    the cap and the zero steps are at most half the real ones; else the plain persistent loop.
+    Experts of 0 to 64 rows (0 to 4 steps of 16 rows), a dropped pair: every path gives the
+    one-program-per-tile bits, and the flattened one ran exactly where expected."""
     cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
     k80 = importlib.import_module(moe.__name__ + "._experts_sm80")
     flat_calls = []
     real = k80._wgrad_flat_tiles
     monkeypatch.setattr(k80, "_wgrad_flat_tiles", lambda *a: flat_calls.append(int(a[10])) or real(*a))
-    idx = _routing_with_block_counts([0, 10, 20, 40, 64], K=2, drop=1)
-    T, K, E, H, I = idx.shape[0], 2, 5, 24, 20
+    idx = _routing_with_block_counts(counts, K=2, drop=1)
+    T, K, E, H, I = idx.shape[0], 2, len(counts), 24, 20
     x, gu, dn, _, w = make_inputs(T, H, I, E, K, seed=63)
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(64))
-    results = []
-    for extra in ({"PERSISTENT": 0}, {"PERSISTENT": 1, "FLAT_STEPS": 4}, {"PERSISTENT": 1, "FLAT_STEPS": 3}):
+    results = {}
+    for cap in (0, *flat_steps):
         cfg = copy.deepcopy(cfgs.INTERPRETER_CONFIG)
         assert cfg["wgrad"]["BLOCK_K"] == 16 and cfg["block_m"] % 16 == 0
+        extra = {"PERSISTENT": 1, "FLAT_STEPS": cap} if cap else {"PERSISTENT": 0}
         cfg["wgrad"].update(extra, TMA=True, ROWS=True, TMA_STORE=True)
         flat_calls.clear()
         _, grads = run_with_grads(lambda *a, cfg=cfg: moe.fused_experts(*a, variant="sm90", config=cfg), x, gu, dn,
                                   idx, w, dy, torch.float32)
-        results.append((list(flat_calls), grads))
-    (none, base), (flat, got_flat), (capped, got_capped) = results
-    assert none == [] and capped == []  # one program per tile; 4 steps > cap 3: the plain loop
-    assert flat and set(flat) == {4}, flat  # every flattened program ran the largest expert's 4 steps
-    _assert_same_bits_and_close_to_reference(got_flat, base, x, gu, dn, idx, w, dy)
-    _assert_same_bits_and_close_to_reference(got_capped, base, x, gu, dn, idx, w, dy)
+        results[cap] = (sorted(set(flat_calls)), grads)
+    assert results[0][0] == []  # one program per tile
+    for cap, want in flat_steps.items():
+        got_flat, grads = results[cap]
+        assert got_flat == want, (cap, got_flat)  # flattened programs ran the largest expert's steps
+        _assert_same_bits_and_close_to_reference(grads, results[0][1], x, gu, dn, idx, w, dy)
+
+
+@pytest.mark.skipif(tuple(int(v) for v in __import__("triton").__version__.split(".")[:2]) < (3, 7),
+                    reason="compile_check.py builds ASTSource signatures in Triton 3.7's format")
+def test_every_shipped_bucket_compiles_for_sm90_and_sm80_without_a_gpu(tmp_path):
+    """The GPU compiler sees code the interpreter never does (a runtime `if` is traced on both
+    sides; layouts, TMA, shared memory): every kernel of every shipped bucket, sm90 and sm80,
+    through ptxas. Caught a flattened-loop branch that broke every non-TMA weight gradient."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_check.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900, env=env)
+    assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
+    assert "failures: 0" in res.stdout and res.stdout.count("ok   sm90 wgrad") >= 10, res.stdout[-2000:]
 
 
 def test_gather_rows_copies_real_rows_and_zeroes_padding():

@@ -231,36 +231,59 @@ def _grouped_wgrad_kernel(
     PERSISTENT: a grid smaller than the tile count, each program looping over tiles, so that with
     C_TMA a tile's store could drain while the program loads the next tile (short K loops are
     store-bound: writing DeepSeek-V3's dW_gate_up alone takes 4.3 of its 9.9 ms, H200). Timed on
-    an H200 it was slower at every point (docs/performance.md), so no shipped bucket sets it.
-    FLAT_STEPS (PERSISTENT, both operands by TMA): while no expert has more than FLAT_STEPS K steps,
-    every tile runs exactly max-over-experts steps (a tile's steps past its own rows load boxes at
-    row P, outside the buffers: zeros), so the K-loop bounds do not depend on the tile and Triton
-    flattens tile loop and K loop into one software-pipelined loop: the next tile's loads are in
-    flight during this tile's MMAs and store. Why: at <= 256 rows per expert the K loop is 2-5 steps
-    and the kernel is latency-bound (ncu, H200, DeepSeek-V3 T=4096: 37-39% of SM, 46-52% of L2 and
-    38-39% of DRAM throughput, two CTAs per SM). More steps than that: the plain persistent loop.
+    an H200 the plain loop was slower at every point (docs/performance.md); buckets set it with FLAT_STEPS.
+    FLAT_STEPS (PERSISTENT, both operands by TMA): while no expert has more than FLAT_STEPS K steps
+    and E times the largest expert's step count is at most 1.5x the sum of all experts' step
+    counts (so that skewed routing, or experts with no rows, cannot make the zero steps cost more
+    than half the real ones), every tile runs exactly max-over-experts steps (a tile's steps past
+    its own rows load boxes at row P, outside the buffers: zeros), so the K-loop bounds do not
+    depend on the tile and Triton flattens tile loop and K loop into one software-pipelined loop:
+    the next tile's loads are in flight during this tile's MMAs and store. Why: at <= 256 rows per
+    expert the K loop is 2-5 steps and the kernel is latency-bound (ncu, H200, DeepSeek-V3 T=4096:
+    37-39% of SM, 46-52% of L2 and 38-39% of DRAM throughput, two CTAs per SM). Otherwise: the
+    plain persistent loop.
     """
+    # Every branch test below is on constexprs, except the one on the device-side step counts: a
+    # runtime `if` is traced on both sides, so it may only sit where both operands are descriptors.
     if FLAT_STEPS > 0 and PERSISTENT and A_TMA and B_TMA:
         offs_e = tl.arange(0, BLOCK_E)
         counts = tl.load(expert_count_ptr + offs_e, mask=offs_e < E, other=0)
-        steps = tl.cdiv(tl.max(counts, axis=0), BLOCK_K)
-        flat_ok = steps <= FLAT_STEPS
-    else:
-        steps = 0
-        flat_ok = False
-    if flat_ok:
-        _wgrad_flat_tiles(a_desc, b_desc, c_ptr, c_desc, expert_start_ptr, expert_count_ptr, E, M, N, P, steps,
-                          stride_ce, stride_cm, stride_cn, C_TMA, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K,
-                          GROUP_M)
+        expert_steps = tl.cdiv(counts, BLOCK_K)
+        steps = tl.max(expert_steps, axis=0)
+        # flat: every tile runs `steps` steps; at most half again the steps of the plain loop
+        if (steps <= FLAT_STEPS) & (2 * steps * E <= 3 * tl.sum(expert_steps, axis=0)):
+            _wgrad_flat_tiles(a_desc, b_desc, c_ptr, c_desc, expert_start_ptr, expert_count_ptr, E, M, N, P,
+                              steps, stride_ce, stride_cm, stride_cn, C_TMA, UPCAST, PRECISION, BLOCK_M, BLOCK_N,
+                              BLOCK_K, GROUP_M)
+        else:
+            _wgrad_looped_tiles(a_ptr, b_ptr, a_desc, b_desc, c_ptr, c_desc, rows_ptr, expert_start_ptr,
+                                expert_count_ptr, E, M, N, stride_am, stride_ak, stride_bm, stride_bk, stride_ce,
+                                stride_cm, stride_cn, GATHER_A, GATHER_B, TOPK, A_TMA, B_TMA, C_TMA, UPCAST,
+                                PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     elif PERSISTENT:
-        num_tiles = E * tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-        for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
-            _wgrad_tile(tile, a_ptr, b_ptr, a_desc, b_desc, c_ptr, c_desc, rows_ptr, expert_start_ptr,
-                        expert_count_ptr, M, N, stride_am, stride_ak, stride_bm, stride_bk, stride_ce, stride_cm,
-                        stride_cn, GATHER_A, GATHER_B, TOPK, A_TMA, B_TMA, C_TMA, UPCAST, PRECISION,
-                        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+        _wgrad_looped_tiles(a_ptr, b_ptr, a_desc, b_desc, c_ptr, c_desc, rows_ptr, expert_start_ptr,
+                            expert_count_ptr, E, M, N, stride_am, stride_ak, stride_bm, stride_bk, stride_ce,
+                            stride_cm, stride_cn, GATHER_A, GATHER_B, TOPK, A_TMA, B_TMA, C_TMA, UPCAST,
+                            PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
     else:
         _wgrad_tile(tl.program_id(0), a_ptr, b_ptr, a_desc, b_desc, c_ptr, c_desc, rows_ptr, expert_start_ptr,
+                    expert_count_ptr, M, N, stride_am, stride_ak, stride_bm, stride_bk, stride_ce, stride_cm,
+                    stride_cn, GATHER_A, GATHER_B, TOPK, A_TMA, B_TMA, C_TMA, UPCAST, PRECISION,
+                    BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+
+
+@triton.jit
+def _wgrad_looped_tiles(
+    a_ptr, b_ptr, a_desc, b_desc, c_ptr, c_desc, rows_ptr, expert_start_ptr, expert_count_ptr, E, M, N,
+    stride_am, stride_ak, stride_bm, stride_bk, stride_ce, stride_cm, stride_cn,
+    GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, TOPK: tl.constexpr,
+    A_TMA: tl.constexpr, B_TMA: tl.constexpr, C_TMA: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """The persistent programs' plain loop: one `_wgrad_tile` after another, each with its own K loop."""
+    num_tiles = E * tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in range(tl.program_id(0), num_tiles, tl.num_programs(0)):
+        _wgrad_tile(tile, a_ptr, b_ptr, a_desc, b_desc, c_ptr, c_desc, rows_ptr, expert_start_ptr,
                     expert_count_ptr, M, N, stride_am, stride_ak, stride_bm, stride_bk, stride_ce, stride_cm,
                     stride_cn, GATHER_A, GATHER_B, TOPK, A_TMA, B_TMA, C_TMA, UPCAST, PRECISION,
                     BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)

@@ -197,11 +197,11 @@ def _wgrad(a, b, out, routing: ExpertRows, cfg: dict, *, gather_a: bool, gather_
     With use_tma (sm90) and the stage's "TMA" key, the operand that is not gathered is read by
     TMA; only when BLOCK_K divides the row alignment, so that a box stays inside its expert.
     "TMA_STORE" (sm90): each output tile is written by one TMA store. "PERSISTENT": n launches n
-    programs per SM that loop over the tiles (meant to overlap a store with the next tile; slower
-    on an H200 at every point timed, so no shipped bucket sets it). "FLAT_STEPS": s (with
-    PERSISTENT, both operands by TMA): while no expert has more than s K steps, every tile runs
+    programs per SM that loop over the tiles (meant to overlap a store with the next tile; alone
+    slower on an H200 at every point timed). "FLAT_STEPS": s (with PERSISTENT, both operands by
+    TMA): while no expert has more than s K steps and the steps are not too uneven, every tile runs
     the largest expert's step count and the tile and K loops are flattened into one pipelined loop
-    (see the kernel); decided on the device, so no host sync.
+    (see the kernel; the <= 256 rows-per-expert sm90 buckets); decided on the device, no host sync.
     """
     E, M, N = out.shape
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
