@@ -546,6 +546,10 @@ def test_bad_inputs_raise_naming_the_argument():
             moe.fused_experts(*args, variant="sm80")
     with pytest.raises(ValueError, match="fused_experts: `variant`"):
         moe.fused_experts(x, gu, dn, idx, w, variant="sm70")
+    meta = [t.to("meta") for t in (x, gu, dn, idx, w)]
+    for variant in (None, "reference", "sm80"):  # routing reads the ids: no data, a clear error
+        with pytest.raises(ValueError, match="fused_experts: `x` and the other tensors must hold data"):
+            moe.fused_experts(*meta, variant=variant)
     with pytest.raises(TypeError, match="fused_experts: variant 'sm80' supports"):
         moe.fused_experts(x.double(), gu.double(), dn.double(), idx, w, variant="sm80")
 
@@ -739,11 +743,15 @@ def test_layer_forward_and_grads_equal_eager(model, layer):
         torch.testing.assert_close(kernel[3][name], eager[3][name], rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_layer_classes_declare_backward():
-    for name in ("MoEExperts", "MoEExpertsSm90", "MoEExpertsSm80", "MoEExpertsReference"):
+def test_layer_classes_declare_backward_as_kernel_toml_lists_them():
+    tomllib = pytest.importorskip("tomllib")
+    meta = tomllib.loads((Path(__file__).resolve().parents[1] / "kernel.toml").read_text())
+    assert meta["name"] == "moe" and isinstance(meta["version"], int) and meta["description"]
+    assert sorted(meta["layers"]) == sorted(["MoEExperts", "MoEExpertsSm90", "MoEExpertsSm80", "MoEExpertsReference"])
+    for name, entry in meta["layers"].items():
         cls = getattr(moe.layers, name)
-        assert cls.has_backward is True
-        assert isinstance(cls.can_torch_compile, bool)
+        assert cls.has_backward is True and entry["has_backward"] is True
+        assert cls.can_torch_compile is entry["can_torch_compile"]
         assert list(cls().parameters()) == []
 
 

@@ -293,6 +293,19 @@ def test_errors_name_the_function_and_argument(fake_gpus):
             call()
 
 
+def test_other_device_types_run_the_torch_reference_and_refuse_a_triton_impl():
+    """A device that is neither CUDA nor the CPU (meta here: shapes only) never reaches Triton, not
+    even under TRITON_INTERPRET=1; asking for a Triton variant there is a clear error."""
+    g, u = torch.empty(4, 8, device="meta"), torch.empty(4, 8, device="meta")
+    for impl in (None, "reference"):
+        out = ops.swiglu(g, u, impl=impl)
+        assert out.device.type == "meta" and out.shape == (4, 8) and out.dtype == g.dtype
+        assert ops.swiglu_packed(torch.empty(4, 16, device="meta"), impl=impl).shape == (4, 8)
+    for impl in ("sm90", "sm80"):
+        with pytest.raises(ValueError, match=rf"swiglu: `impl` '{impl}' needs a CUDA tensor .* got meta"):
+            ops.swiglu(g, u, impl=impl)
+
+
 # ---------------------------------------------------------------- layers on a real transformers MLP
 
 def _llama_mlp(dtype, act="silu"):

@@ -71,6 +71,8 @@ def _validate(x, gate_up_proj, down_proj, topk_idx, topk_weights, check_indices:
     for name, t in named.items():
         if t.device != x.device:
             raise ValueError(f"{_FN}: `{name}` must be on {x.device} like `x`, got {t.device}")
+    if x.device.type == "meta":  # routing reads the ids: there is no data to route
+        raise ValueError(f"{_FN}: `x` and the other tensors must hold data, got device {x.device}")
     if x.dtype not in (*_TRITON_DTYPES, torch.float64):
         raise TypeError(f"{_FN}: `x` must be float16/bfloat16/float32/float64, got {x.dtype}")
     for name in ("gate_up_proj", "down_proj"):
@@ -460,9 +462,9 @@ def fused_experts(
         raise ValueError(f"{_FN}: `variant` must be one of {VARIANTS}, got {variant!r}")
     if variant == "reference":
         return fused_experts_reference(x, gate_up_proj, down_proj, topk_idx, topk_weights)
-    if x.device.type != "cuda" and not _interpreting():
-        raise ValueError(f"{_FN}: variant {variant!r} needs a CUDA tensor (or TRITON_INTERPRET=1), "
-                         f"`x` is on {x.device}")
+    if not (x.device.type == "cuda" or (x.device.type == "cpu" and _interpreting())):
+        raise ValueError(f"{_FN}: variant {variant!r} needs a CUDA tensor (or a CPU one with "
+                         f"TRITON_INTERPRET=1), `x` is on {x.device}")
     if x.dtype not in _TRITON_DTYPES:
         raise TypeError(f"{_FN}: variant {variant!r} supports float16/bfloat16/float32 `x`, got {x.dtype}")
     T, H = x.shape

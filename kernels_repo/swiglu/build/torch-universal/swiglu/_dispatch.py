@@ -72,7 +72,7 @@ def _resolve(fn: str, x: torch.Tensor, impl: str | None) -> tuple[_Variant, int,
         if variant is None:
             variant = _VARIANTS[_AUTO_SM90 if props.capability >= 90 else "sm80"]
         return variant, x.device.index, props.sm_count
-    if not _INTERPRET:
+    if not _INTERPRET or x.device.type != "cpu":  # other device types (meta, mps, ...): torch ops
         return None
     return variant or _VARIANTS["sm80"], -1, _INTERPRETER_SM_COUNT
 
@@ -81,8 +81,10 @@ def _forced(fn: str, x: torch.Tensor, impl: object) -> _Variant:
     variant = _VARIANTS.get(impl) if isinstance(impl, str) else None
     if variant is None:
         raise ValueError(f"{fn}: `impl` must be one of {IMPLS} or None, got {impl!r}")
-    if not x.is_cuda and not _INTERPRET:
-        raise ValueError(f"{fn}: `impl` {impl!r} needs a CUDA tensor (or TRITON_INTERPRET=1), got {x.device}")
+    if not x.is_cuda and not (_INTERPRET and x.device.type == "cpu"):
+        raise ValueError(
+            f"{fn}: `impl` {impl!r} needs a CUDA tensor (or a CPU one with TRITON_INTERPRET=1), got {x.device}"
+        )
     return variant
 
 
