@@ -63,17 +63,18 @@ WGRAD = [
 
 # "FLAT_STEPS": persistent programs, tile loop and K loop flattened into one pipelined loop (the
 # largest expert's step count for every tile). WGRADS=flat sweeps these and the bucket's own tile.
+# Measured and dropped (H200, 2026-12-03 s6 call 4, DeepSeek-V3 / Qwen3 T=4096, ms of both weight
+# gradients on row copies, against 11.25 / 0.799 for one 128x128 program per tile): 128x128 / 3
+# stages 12.75 / 0.980, / 4 stages 10.89 / 0.780, 2 programs per SM at 2 stages 12.43 / 0.872, no
+# TMA store 12.85 / 0.977; 128x256 / 3 stages 10.14 / 0.751 is the shipped tile (seventh session).
+_FLAT = {"BLOCK_K": 64, "num_warps": 8, **_TS, "PERSISTENT": 1, "FLAT_STEPS": 16}
 WGRAD_FLAT = [
-    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, **_TS, "PERSISTENT": 1,
-     "FLAT_STEPS": 16},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4, **_TS, "PERSISTENT": 1,
-     "FLAT_STEPS": 16},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2, **_TS, "PERSISTENT": 2,
-     "FLAT_STEPS": 16},
-    {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, "TMA": True, "PERSISTENT": 1,
-     "FLAT_STEPS": 16},
-    {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3, **_TS, "PERSISTENT": 1,
-     "FLAT_STEPS": 16},
+    {"BLOCK_M": 256, "BLOCK_N": 128, "num_stages": 3, **_FLAT},
+    {"BLOCK_M": 128, "BLOCK_N": 256, "num_stages": 3, "GROUP_M": 4, **_FLAT},
+    {"BLOCK_M": 128, "BLOCK_N": 256, "num_stages": 2, **_FLAT},
+    {"BLOCK_M": 128, "BLOCK_N": 256, "num_stages": 3, **_FLAT, "TMA_STORE": False},
+    {"BLOCK_M": 128, "BLOCK_N": 256, "num_stages": 3, "GROUP_M": 8, **_FLAT},
+    {"BLOCK_M": 128, "BLOCK_N": 256, **_FLAT, "BLOCK_K": 32, "num_stages": 5},
 ]
 
 
