@@ -88,7 +88,9 @@ def test_trusted_publishers_and_lockfile_change_the_repository_kind(tmp_path):
     trusted = KernelhubConfig.from_dict({"trusted_publishers": ["org"], "layers": {"A": {"repo": "org/a"}}})
     assert trusted.repository_for("A", CUDA0, 90, None).trust_remote_code is True
     untrusted = KernelhubConfig.from_dict({"layers": {"A": {"repo": "org/a"}}})
-    assert untrusted.repository_for("A", CUDA0, 90, None).trust_remote_code is False
+    assert untrusted.repository_for("A", CUDA0, 90, None).trust_remote_code is None  # get_kernel's default
+    strict = KernelhubConfig.from_dict({"layers": {"A": {"repo": "org/a", "trust_remote_code": False}}})
+    assert strict.repository_for("A", CUDA0, 90, None).trust_remote_code is False
     locked = KernelhubConfig.from_dict(
         {"lockfile": "kernels.lock", "layers": {"A": {"repo": "org/a", "version": 1}}}, base_dir=tmp_path
     )

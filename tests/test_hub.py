@@ -6,12 +6,14 @@ import logging
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from hub_server import TINY, hub_fixture, tiny_copy  # noqa: F401 - hub_fixture provides `hub`
 
+import kernelhub.hub as hubmod
 from kernelhub.cli.upload import upload_kernel
 from kernelhub.hub import (
     KernelNotFoundError,
@@ -21,6 +23,7 @@ from kernelhub.hub import (
     LocalLayerRepository,
     LockedLayerRepository,
     UntrustedKernelError,
+    UntrustedKernelWarning,
     get_kernel,
     get_local_kernel,
     has_kernel,
@@ -125,16 +128,37 @@ def test_has_kernel(hub, tmp_path):
     assert not has_kernel("org/absent")
 
 
-def test_untrusted_publisher_is_refused_before_any_download(hub, tmp_path, monkeypatch):
+def test_untrusted_publisher_is_refused_before_any_download_when_asked(hub, tmp_path, monkeypatch):
     _publish(tmp_path, "someone/tiny")
     before = len(hub.store.requests)
-    with pytest.raises(UntrustedKernelError, match="publisher 'someone'.*trust_remote_code=True"):
+    refused = "publisher 'someone'.*trust_remote_code=False.*trust_remote_code=True"
+    with pytest.raises(UntrustedKernelError, match=refused):
+        get_kernel("someone/tiny", version=1, trust_remote_code=False)
+    with pytest.raises(UntrustedKernelError):
+        LayerRepository("someone/tiny", layer_name="TinyScale", version=1, trust_remote_code=False).load()
+    monkeypatch.setenv("KERNELHUB_REQUIRE_TRUSTED", "1")
+    with pytest.raises(UntrustedKernelError, match="KERNELHUB_REQUIRE_TRUSTED is set"):
         get_kernel("someone/tiny", version=1)
     with pytest.raises(UntrustedKernelError):
         LayerRepository("someone/tiny", layer_name="TinyScale", version=1).load()
     assert len(hub.store.requests) == before
     monkeypatch.setenv("KERNELHUB_TRUSTED_PUBLISHERS", "other, someone")
-    assert _scale_of(get_kernel("someone/tiny", version=1)) == 2.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a trusted publisher: no warning either
+        assert _scale_of(get_kernel("someone/tiny", version=1)) == 2.0
+
+
+def test_untrusted_publisher_by_default_imports_with_one_warning(hub, tmp_path, monkeypatch):
+    """The contract's `get_kernel(repo_id, version=...)` works for any publisher, as in HF kernels;
+    the first import of each untrusted repository in a process says so."""
+    monkeypatch.setattr(hubmod, "_warned_untrusted", set())
+    _publish(tmp_path, "stranger/tiny")
+    with pytest.warns(UntrustedKernelWarning, match="importing 'stranger/tiny' from publisher 'stranger'"):
+        assert _scale_of(get_kernel("stranger/tiny", version=1)) == 2.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        get_kernel("stranger/tiny", version=1)  # once per repository
+        get_kernel("stranger/tiny", version=1, trust_remote_code=True)
 
 
 def test_concurrent_processes_share_one_download(hub, tmp_path):

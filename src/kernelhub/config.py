@@ -52,7 +52,7 @@ class PinConfig(_Strict):
     version: int | None = None
     revision: str | None = None
     layer: str | None = None
-    trust_remote_code: bool = False
+    trust_remote_code: bool | None = None  # None: as get_kernel's default (see hub._check_trust)
 
     @field_validator("repo")
     @classmethod
@@ -155,7 +155,7 @@ class KernelhubConfig(_Strict):
         return config
 
     # -- building repositories -------------------------------------------------------------------
-    def _hub(self, repo: str, layer: str, version: int | None, revision: str | None, trust: bool):
+    def _hub(self, repo: str, layer: str, version: int | None, revision: str | None, trust: bool | None):
         if self.lockfile is not None:
             return LockedLayerRepository(
                 repo,
@@ -164,7 +164,7 @@ class KernelhubConfig(_Strict):
                 version=version,
                 revision=revision,
             )
-        trusted = trust or repo.split("/", 1)[0] in self.trusted_publishers
+        trusted = True if trust or repo.split("/", 1)[0] in self.trusted_publishers else trust
         return LayerRepository(
             repo, layer_name=layer, version=version, revision=revision, trust_remote_code=trusted
         )
@@ -183,7 +183,9 @@ class KernelhubConfig(_Strict):
                     f"config: {where} sets version/revision but names no `repo`, and the repository "
                     f"it overrides is {base.describe() if base else 'none'} (not a Hub repository)"
                 )
-            trust = pin.trust_remote_code or getattr(base, "trust_remote_code", False)
+            trust = pin.trust_remote_code
+            if trust is None:
+                trust = getattr(base, "trust_remote_code", None)
             return self._hub(repo_id, layer, pin.version, pin.revision, trust)
         if base is None:
             if pin.layer is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -39,6 +40,7 @@ __all__ = [
     "LocalLayerRepository",
     "LockedLayerRepository",
     "UntrustedKernelError",
+    "UntrustedKernelWarning",
     "get_kernel",
     "get_local_kernel",
     "has_kernel",
@@ -52,7 +54,15 @@ _cache_lock = threading.Lock()
 
 
 class UntrustedKernelError(KernelHubError, PermissionError):
-    """Hub code from a publisher that is not trusted, without `trust_remote_code=True` or a lock file."""
+    """Hub code from a publisher that is not trusted, refused: `trust_remote_code=False` was given or
+    `KERNELHUB_REQUIRE_TRUSTED=1` is set (without either, such code is imported with a warning)."""
+
+
+class UntrustedKernelWarning(UserWarning):
+    """Hub code from a publisher that is not trusted is being imported (once per repository)."""
+
+
+_warned_untrusted: set[str] = set()
 
 
 def trusted_publishers() -> frozenset[str]:
@@ -85,17 +95,35 @@ def _check_layer_name(func: str, layer_name: object) -> str:
     return layer_name
 
 
-def _check_trust(repo_id: str, trust_remote_code: bool) -> None:
+def _check_trust(repo_id: str, trust_remote_code: bool | None) -> None:
+    """True: import. A trusted publisher: import. False, or KERNELHUB_REQUIRE_TRUSTED=1: refuse.
+    None (the default, so that `get_kernel(repo_id)` works for any publisher, as in HF `kernels`):
+    import with an UntrustedKernelWarning the first time this process imports the repository."""
     if trust_remote_code:
         return
     publisher = repo_id.split("/", 1)[0]
     trusted = trusted_publishers()
-    if publisher not in trusted:
+    if publisher in trusted:
+        return
+    advice = (
+        "Code from the Hub runs in this process: pass trust_remote_code=True, add the publisher to "
+        "KERNELHUB_TRUSTED_PUBLISHERS (or `trusted_publishers` in the kernelhub config), or load it "
+        "through a lock file."
+    )
+    strict = os.environ.get("KERNELHUB_REQUIRE_TRUSTED", "").strip().lower() in ("1", "true", "yes")
+    if trust_remote_code is False or strict:
+        why = "trust_remote_code=False" if trust_remote_code is False else "KERNELHUB_REQUIRE_TRUSTED is set"
         raise UntrustedKernelError(
             f"get_kernel: {repo_id!r} is from publisher {publisher!r}, which is not trusted "
-            f"(trusted: {sorted(trusted)}). Code from the Hub runs in this process: pass "
-            "trust_remote_code=True, add the publisher to KERNELHUB_TRUSTED_PUBLISHERS (or "
-            "`trusted_publishers` in the kernelhub config), or load it through a lock file."
+            f"(trusted: {sorted(trusted)}) and {why}. {advice}"
+        )
+    if repo_id not in _warned_untrusted:
+        _warned_untrusted.add(repo_id)
+        warnings.warn(
+            f"get_kernel: importing {repo_id!r} from publisher {publisher!r}, which is not trusted "
+            f"(trusted: {sorted(trusted)}). {advice} KERNELHUB_REQUIRE_TRUSTED=1 refuses such imports.",
+            UntrustedKernelWarning,
+            stacklevel=3,
         )
 
 
@@ -114,7 +142,7 @@ def get_local_kernel(path: str | Path) -> ModuleType:
 
 
 def get_kernel(
-    repo_id: str, *, revision: str | None = None, version: int | None = None, trust_remote_code: bool = False
+    repo_id: str, *, revision: str | None = None, version: int | None = None, trust_remote_code: bool | None = None
 ) -> ModuleType:
     """Download (only the build variant this system runs) and import a kernel from the Hub.
 
@@ -123,7 +151,9 @@ def get_kernel(
         revision: a branch, tag or commit. Exclusive with `version`.
         version: N selects branch `vN` (a log warning says when a newer version exists).
             Neither given: the newest `vN` branch, else `main`.
-        trust_remote_code: import code from a publisher not in `trusted_publishers()`.
+        trust_remote_code: True imports code from a publisher not in `trusted_publishers()`
+            silently, False refuses it (UntrustedKernelError); None (default) imports it with an
+            UntrustedKernelWarning, or refuses it when KERNELHUB_REQUIRE_TRUSTED=1.
 
     Raises:
         UntrustedKernelError, KernelNotFoundError (repo/revision), KernelVersionNotFoundError,
@@ -200,13 +230,15 @@ class LayerRepository:
         layer_name: str,
         revision: str | None = None,
         version: int | None = None,
-        trust_remote_code: bool = False,
+        trust_remote_code: bool | None = None,
     ):
         self.repo_id = _check_repo_id("LayerRepository", repo_id)
         self.layer_name = _check_layer_name("LayerRepository", layer_name)
         _check_ref("LayerRepository", revision, version)
-        if not isinstance(trust_remote_code, bool):
-            raise TypeError(f"LayerRepository: `trust_remote_code` must be a bool, got {trust_remote_code!r}")
+        if trust_remote_code is not None and not isinstance(trust_remote_code, bool):
+            raise TypeError(
+                f"LayerRepository: `trust_remote_code` must be a bool or None, got {trust_remote_code!r}"
+            )
         self.revision, self.version, self.trust_remote_code = revision, version, trust_remote_code
 
     def load_kernel(self) -> ModuleType:
