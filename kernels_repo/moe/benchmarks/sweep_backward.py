@@ -11,7 +11,8 @@ Usage (repo root, GPU): PYTHONPATH=src python kernels_repo/moe/benchmarks/sweep_
   PARTS=dx: the dL/dx GEMM with the forward "down" short list (the stage it runs with)
   PARTS=dgrad also times the GEMM with a plain store (dgrad_plain) and tiles under a register cap
   PROBE=1 (the current wgrad tile against writing its output alone: zero_() and the kernel with no rows)
-  WGRADS=flat: the wgrad list is the bucket's own tile and the flattened persistent ones ("FLAT_STEPS")
+  WGRADS=flat: the wgrad list is the bucket's own tile and the flattened persistent ones ("FLAT_STEPS";
+  FLAT_CAP=n sets their cap)
 """
 
 from __future__ import annotations
@@ -67,8 +68,10 @@ WGRAD = [
 # gradients on row copies, against 11.25 / 0.799 for one 128x128 program per tile): 128x128 / 3
 # stages 12.75 / 0.980, / 4 stages 10.89 / 0.780, 2 programs per SM at 2 stages 12.43 / 0.872, no
 # TMA store 12.85 / 0.977; 128x256 / 3 stages 10.14 / 0.751 is the shipped tile (seventh session).
-_FLAT = {"BLOCK_K": 64, "num_warps": 8, **_TS, "PERSISTENT": 1, "FLAT_STEPS": 16}
+# FLAT_CAP=n: the cap of these entries (default 16, as shipped; > 256 rows per expert needs more)
+_FLAT = {"BLOCK_K": 64, "num_warps": 8, **_TS, "PERSISTENT": 1, "FLAT_STEPS": int(os.environ.get("FLAT_CAP", 16))}
 WGRAD_FLAT = [
+    {"BLOCK_M": 128, "BLOCK_N": 256, "num_stages": 3, **_FLAT},
     {"BLOCK_M": 256, "BLOCK_N": 128, "num_stages": 3, **_FLAT},
     {"BLOCK_M": 128, "BLOCK_N": 256, "num_stages": 3, "GROUP_M": 4, **_FLAT},
     {"BLOCK_M": 128, "BLOCK_N": 256, "num_stages": 2, **_FLAT},
