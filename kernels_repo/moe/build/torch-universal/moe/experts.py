@@ -203,7 +203,7 @@ def _wgrad(a, b, out, routing: ExpertRows, cfg: dict, *, gather_a: bool, gather_
     slower on an H200 at every point timed). "FLAT_STEPS": s (with PERSISTENT, both operands by
     TMA): while no expert has more than s K steps and the steps are not too uneven, every tile runs
     the largest expert's step count and the tile and K loops are flattened into one pipelined loop
-    (see the kernel; the <= 256 rows-per-expert sm90 buckets); decided on the device, no host sync.
+    (see the kernel; the sm90 buckets from 64 rows per expert up); decided on the device, no host sync.
     """
     E, M, N = out.shape
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
