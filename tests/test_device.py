@@ -114,3 +114,29 @@ def test_device_guard_is_noop_on_same_device_and_cpu(fake_gpus):
     with device_guard(torch.zeros(1)):
         pass
     assert fake_gpus.set_calls == []
+
+
+def test_kernel_repositories_import_only_torch_triton_and_kernelhub_device():
+    """DESIGN.md section 3: kernel code imports torch, triton and `kernelhub.device` (which also
+    hands out the cached launcher), so a published kernel depends on that one stable module."""
+    import ast
+    from pathlib import Path
+
+    import kernelhub.device as device
+    from kernelhub.triton_launch import CachedLaunch
+
+    assert device.CachedLaunch is CachedLaunch
+    root = Path(__file__).resolve().parents[1] / "kernels_repo"
+    files = sorted(root.glob("*/build/torch-universal/*/**/*.py"))
+    assert len(files) >= 10
+    bad = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            bad += [f"{path.relative_to(root)}: {n}" for n in names
+                    if n.split(".")[0] == "kernelhub" and n != "kernelhub.device"]
+    assert bad == [], bad

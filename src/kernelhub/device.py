@@ -249,3 +249,13 @@ def device_guard(tensor_or_device: object) -> Iterator[torch.device]:
     finally:
         if previous != dev.index:
             mod.set_device(previous)
+
+
+def __getattr__(name: str):
+    # Kernel repositories import only torch, triton and this module (DESIGN.md section 3): the
+    # cached Triton launcher is reached from here, and imported (with triton) on first use only.
+    if name == "CachedLaunch":
+        from kernelhub.triton_launch import CachedLaunch
+
+        return CachedLaunch
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernelhub.triton_launch import CachedLaunch
+from kernelhub.device import CachedLaunch
 
 from .routing import _mapping
 

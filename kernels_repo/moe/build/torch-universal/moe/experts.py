@@ -19,8 +19,7 @@ import os
 
 import torch
 
-from kernelhub.device import device_capability, device_guard, device_properties
-from kernelhub.triton_launch import CachedLaunch
+from kernelhub.device import CachedLaunch, device_capability, device_guard, device_properties
 
 from . import _experts_sm90 as sm90
 from ._experts_configs import INTERPRETER_CONFIG, check_bucket, fitted_config, pick_config

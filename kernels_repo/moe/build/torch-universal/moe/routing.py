@@ -12,8 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from kernelhub.device import device_guard
-from kernelhub.triton_launch import CachedLaunch
+from kernelhub.device import CachedLaunch, device_guard
 
 from . import _routing_checks as _c
 from . import _routing_kernels as _k

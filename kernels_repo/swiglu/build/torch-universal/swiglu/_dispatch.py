@@ -11,8 +11,7 @@ import os
 
 import torch
 
-from kernelhub.device import device_guard, device_properties
-from kernelhub.triton_launch import CachedLaunch
+from kernelhub.device import CachedLaunch, device_guard, device_properties
 
 from . import _sm80, _sm90
 
