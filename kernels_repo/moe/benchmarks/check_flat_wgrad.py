@@ -4,7 +4,7 @@ Both operands in row order (the "ROWS" key's operands), each wgrad config run on
 bits against the plain persistent loop, and the error against an fp32 per-expert reference; where
 bits differ, which experts and tiles. Usage (repo root, GPU):
   PYTHONPATH=src python kernels_repo/moe/benchmarks/check_flat_wgrad.py
-  env: POINTS=mixtral_8x7b:2048,qwen3_30b_a3b:4096
+  env: POINTS=mixtral_8x7b:2048,qwen3_30b_a3b:4096,deepseek_v3:4096 (the default)
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ CONFIGS = {
     "flat2": {**_BASE, "num_stages": 2, "PERSISTENT": 1, "FLAT_STEPS": 64},
     "flat4": {**_BASE, "num_stages": 4, "PERSISTENT": 1, "FLAT_STEPS": 64},
     "flat3_nostore": {**_BASE, "num_stages": 3, "PERSISTENT": 1, "FLAT_STEPS": 64, "TMA_STORE": False},
-    "flat3_p2": {**_BASE, "num_stages": 2, "PERSISTENT": 2, "FLAT_STEPS": 64},
+    "flat2_p2": {**_BASE, "num_stages": 2, "PERSISTENT": 2, "FLAT_STEPS": 64},
     "flat3_group8": {**_BASE, "num_stages": 3, "PERSISTENT": 1, "FLAT_STEPS": 64, "GROUP_M": 8},
     "flat_128x256": {**_BASE, "BLOCK_N": 256, "num_stages": 3, "PERSISTENT": 1, "FLAT_STEPS": 64},
 }
@@ -42,7 +42,7 @@ def check(name: str, T: int) -> None:
     s = SHAPES[name]
     E, H, I, K = s["E"], s["H"], s["I"], s["K"]
     torch.manual_seed(0)
-    w, idx = torch.topk(torch.softmax(torch.randn(T, E, device=DEV), -1), K, dim=-1)
+    _, idx = torch.topk(torch.softmax(torch.randn(T, E, device=DEV), -1), K, dim=-1)
     r = rt.align_rows(idx, E, 64)
     P = r.num_rows
     a = torch.randn(P, H, device=DEV, dtype=torch.bfloat16)  # dY rows (dW_down's A)
