@@ -21,6 +21,7 @@ __all__ = [
     "DeviceProperties",
     "device_capability",
     "device_properties",
+    "cuda_properties",
     "module_device",
     "device_guard",
     "as_torch_device",
@@ -212,6 +213,13 @@ def device_properties(device: object) -> DeviceProperties:
         with _lock:
             _properties_cache[key] = props
     return props
+
+
+def cuda_properties(index: int) -> DeviceProperties:
+    """`device_properties` of cuda:<index> for an eager hot path that has the index as an int
+    (`tensor.get_device()`): one dict lookup once cached, no torch.device built."""
+    props = _properties_cache.get(("cuda", index))
+    return props if props is not None else device_properties(torch.device("cuda", index))
 
 
 def module_device(module: torch.nn.Module) -> torch.device | None:

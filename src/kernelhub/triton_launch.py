@@ -154,13 +154,12 @@ class CachedLaunch:
         and the constexprs, with no per-argument dispatch (a few us less per launch on slow hosts).
         """
         ptrs = tuple([t.data_ptr() for t in tensors])
-        aligned = True
+        bits = 0
         for p in ptrs:
-            aligned = aligned and p % 16 == 0
-        args = tensors + ints + constexprs
-        if (not aligned or not self.fast or len(args) != len(self.names) or self.kernel.pre_run_hooks
-                or _hooks_registered()):
-            self(grid, device_index, *args, num_warps=num_warps, num_stages=num_stages)
+            bits |= p
+        if (bits & 15 or not self.fast or len(tensors) + len(ints) + len(constexprs) != len(self.names)
+                or self.kernel.pre_run_hooks or _hooks_registered()):
+            self(grid, device_index, *tensors, *ints, *constexprs, num_warps=num_warps, num_stages=num_stages)
             return
         rt = _knobs.runtime
         head = (device_index, num_warps, num_stages, rt.debug,
@@ -170,7 +169,8 @@ class CachedLaunch:
         hit = self.exact.get(key)
         if hit is None:
             spec_key = ("split", head, tuple([_int_spec(v) for v in ints]))
-            hit = self._lookup_or_compile(key, spec_key, grid, args, num_warps, num_stages)
+            hit = self._lookup_or_compile(key, spec_key, grid, tensors + ints + constexprs, num_warps,
+                                          num_stages)
             if hit is None:
                 return
         self._run(hit, grid, device_index, ptrs + ints + constexprs)

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from kernelhub.device import CachedLaunch, device_guard, device_properties
+from kernelhub.device import CachedLaunch, cuda_properties, device_guard
 
 from . import _sm80, _sm90
 
@@ -40,13 +40,20 @@ class _Variant:
 
     def config(self, M: int, N: int, elem_bytes: int, sm_count: int,
                backward: bool) -> tuple[int, int, int, int]:
-        key = (M, N, elem_bytes, sm_count, backward)
-        cfg = self._configs.get(key)
-        if cfg is None:
+        """(BLOCK_M, BLOCK_N, num_warps, grid) from the generation's tile rule."""
+        return self._config(M, N, elem_bytes, sm_count, backward)
+
+    def plan(self, M: int, N: int, elem_bytes: int, sm_count: int, backward: bool,
+             packed: bool) -> tuple[tuple[int], tuple, int]:
+        """(grid, constexprs, num_warps) of a launch, cached: an eager call pays one dict lookup."""
+        key = (M, N, elem_bytes, sm_count, backward, packed)
+        plan = self._configs.get(key)
+        if plan is None:
             if len(self._configs) >= _MAX_CONFIGS:
                 self._configs.clear()
-            cfg = self._configs[key] = self._config(M, N, elem_bytes, sm_count, backward)
-        return cfg
+            block_m, block_n, num_warps, grid = self._config(M, N, elem_bytes, sm_count, backward)
+            plan = self._configs[key] = ((grid,), (block_m, block_n, N % block_n == 0, packed), num_warps)
+        return plan
 
     def __repr__(self) -> str:
         return f"<swiglu variant {self.name}>"
@@ -67,10 +74,11 @@ def _resolve(fn: str, x: torch.Tensor, impl: str | None) -> tuple[_Variant, int,
     else:
         variant = _forced(fn, x, impl)
     if x.is_cuda:
-        props = device_properties(x.device)
+        index = x.get_device()
+        props = cuda_properties(index)
         if variant is None:
             variant = _VARIANTS[_AUTO_SM90 if props.capability >= 90 else "sm80"]
-        return variant, x.device.index, props.sm_count
+        return variant, index, props.sm_count
     if not _INTERPRET or x.device.type != "cpu":  # other device types (meta, mps, ...): torch ops
         return None
     return variant or _VARIANTS["sm80"], -1, _INTERPRETER_SM_COUNT
@@ -112,12 +120,16 @@ def _launch(target: tuple[_Variant, int, int], backward: bool, packed: bool, N: 
     """
     variant, device_index, sm_count = target
     shape = tensors[-1].shape
-    strides = [t.stride() for t in tensors]
     if len(shape) == 2:  # the common case, without the general collapse below
         M = shape[0]
-        rs = [st[0] for st in strides]
+        s0, s1, s2 = tensors[0].stride(), tensors[1].stride(), tensors[2].stride()
+        if backward:  # (dy, gate, up, d gate, d up); the gradients are ours, contiguous
+            ints = (M, N, s0[0], s0[1], s1[0], s1[1], s2[0], s2[1], tensors[3].stride(0),
+                    tensors[4].stride(0))
+        else:  # (gate, up, out); out is contiguous (ours, or checked)
+            ints = (M, N, s0[0], s0[1], s1[0], s1[1], s2[0])
     else:
-        rows = [_rows(shape, st) for st in strides]
+        rows = [_rows(shape, t.stride()) for t in tensors]
         if None in rows:
             # leading dims that no single row stride spans (rare): one launch per outer index
             for i in range(shape[0]):
@@ -125,17 +137,14 @@ def _launch(target: tuple[_Variant, int, int], backward: bool, packed: bool, N: 
             return
         M = rows[0][0]
         rs = [r[1] for r in rows]
-    block_m, block_n, num_warps, grid = variant.config(
-        M, N, tensors[0].element_size(), sm_count, backward
-    )
-    if backward:
-        ints = (M, N, rs[0], strides[0][-1], rs[1], strides[1][-1], rs[2], strides[2][-1], rs[3], rs[4])
-        launcher = variant.bwd
-    else:
-        ints = (M, N, rs[0], strides[0][-1], rs[1], strides[1][-1], rs[2])
-        launcher = variant.fwd
-    launcher.split((grid,), device_index, tensors, ints, (block_m, block_n, N % block_n == 0, packed),
-                   num_warps=num_warps)
+        if backward:
+            ints = (M, N, rs[0], tensors[0].stride(-1), rs[1], tensors[1].stride(-1), rs[2],
+                    tensors[2].stride(-1), rs[3], rs[4])
+        else:
+            ints = (M, N, rs[0], tensors[0].stride(-1), rs[1], tensors[1].stride(-1), rs[2])
+    grid, constexprs, num_warps = variant.plan(M, N, tensors[0].element_size(), sm_count, backward, packed)
+    (variant.bwd if backward else variant.fwd).split(grid, device_index, tensors, ints, constexprs,
+                                                     num_warps=num_warps)
 
 
 def _run(target: tuple[_Variant, int, int], backward: bool, packed: bool, N: int,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ._custom_ops import _swiglu_op, _swiglu_packed_op
-from ._dispatch import IMPLS, _empty, _forward, _forward_packed, _grad_output, _resolve, _run
+from ._dispatch import IMPLS, _empty, _forward, _forward_packed, _resolve, _run
 from .reference import swiglu_packed_reference, swiglu_reference
 
 __all__ = ["swiglu", "swiglu_packed", "IMPLS"]
@@ -59,8 +59,8 @@ class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         gate, up = ctx.saved_tensors
-        dy = _grad_output(dy, gate)
         dg, du = _empty(gate), _empty(up)
+        # autograd hands dy over with the output's dtype and device (gate's); any strides work
         _run(ctx.target, True, False, gate.shape[-1], (dy, gate, up, dg, du))
         return dg, du, None
 
@@ -75,11 +75,26 @@ class _SwiGLUPackedFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         (x,) = ctx.saved_tensors
-        dy = _grad_output(dy, x)
         # one [..., 2I] gradient; the kernel writes both halves
         dx = _empty(x)
         _run(ctx.target, True, True, x.shape[-1] // 2, (dy, x, x, dx, dx))
         return dx, None
+
+
+def _base_apply(function: type) -> object:
+    """`Function.apply` minus its Python prologue (setup_context binding, functorch checks): the
+    C++ `_FunctionBase.apply` bound to `function`. ~4 us less host time per eager call; used only
+    when no functorch transform is active (`_apply` checks), where the prologue changes nothing
+    for these Functions (no `setup_context`)."""
+    base = getattr(torch._C, "_FunctionBase", None)
+    if base is None or function.setup_context is not torch.autograd.Function.setup_context:
+        return function.apply
+    return super(torch.autograd.Function, function).apply
+
+
+_SWIGLU_APPLY = _base_apply(_SwiGLUFunction)
+_SWIGLU_PACKED_APPLY = _base_apply(_SwiGLUPackedFunction)
+_functorch_active = torch._C._are_functorch_transforms_active
 
 
 def _impl_arg(fn: str, impl: str | None) -> str:
@@ -138,7 +153,9 @@ def swiglu(
         _run(target, False, False, gate.shape[-1], (gate, up, out))
         return out
     if (gate.requires_grad or up.requires_grad) and torch.is_grad_enabled():
-        return _SwiGLUFunction.apply(gate, up, target)
+        if _functorch_active():
+            return _SwiGLUFunction.apply(gate, up, target)
+        return _SWIGLU_APPLY(gate, up, target)
     return _forward(target, gate, up)
 
 
@@ -169,5 +186,7 @@ def swiglu_packed(
         _run(target, False, True, x.shape[-1] // 2, (x, x, out))
         return out
     if x.requires_grad and torch.is_grad_enabled():
-        return _SwiGLUPackedFunction.apply(x, target)
+        if _functorch_active():
+            return _SwiGLUPackedFunction.apply(x, target)
+        return _SWIGLU_PACKED_APPLY(x, target)
     return _forward_packed(target, x)
