@@ -22,6 +22,7 @@ __all__ = [
     "device_capability",
     "device_properties",
     "cuda_properties",
+    "device_cache",
     "module_device",
     "device_guard",
     "as_torch_device",
@@ -132,6 +133,7 @@ DeviceLike = "torch.device | str | int | Device | torch.Tensor"
 _lock = threading.Lock()
 _capability_cache: dict[tuple[str, int], int] = {}
 _properties_cache: dict[tuple[str, int], DeviceProperties] = {}
+_derived_caches: list[dict] = []
 
 
 def clear_device_caches() -> None:
@@ -139,6 +141,17 @@ def clear_device_caches() -> None:
     with _lock:
         _capability_cache.clear()
         _properties_cache.clear()
+        for cache in _derived_caches:
+            cache.clear()
+
+
+def device_cache() -> dict:
+    """A new dict for answers derived from device properties (a kernel's variant per device
+    index, say), emptied by `clear_device_caches` with the caches here, so it never outlives them."""
+    cache: dict = {}
+    with _lock:
+        _derived_caches.append(cache)
+    return cache
 
 
 def as_torch_device(device: object, *, argument: str = "device") -> torch.device:

@@ -24,17 +24,18 @@ def _check_pair(fn: str, gate: object, up: object) -> None:
         raise TypeError(f"{fn}: `gate` must be a torch.Tensor, got {type(gate).__name__}")
     if not isinstance(up, torch.Tensor):
         raise TypeError(f"{fn}: `up` must be a torch.Tensor, got {type(up).__name__}")
-    if gate.dtype not in _SUPPORTED:
-        raise TypeError(f"{fn}: `gate` must be float16, bfloat16 or float32, got {gate.dtype}")
-    if up.dtype != gate.dtype:
-        raise TypeError(f"{fn}: `up` must have dtype {gate.dtype} like `gate`, got {up.dtype}")
-    if up.device != gate.device:
+    dtype = gate.dtype
+    if dtype not in _SUPPORTED:
+        raise TypeError(f"{fn}: `gate` must be float16, bfloat16 or float32, got {dtype}")
+    if up.dtype is not dtype:
+        raise TypeError(f"{fn}: `up` must have dtype {dtype} like `gate`, got {up.dtype}")
+    # two CUDA tensors with one index are on one device; anything else compares torch.devices
+    if not (gate.is_cuda and up.is_cuda and gate.get_device() == up.get_device()) and up.device != gate.device:
         raise ValueError(f"{fn}: `up` must be on {gate.device} like `gate`, got {up.device}")
-    if up.shape != gate.shape:
-        raise ValueError(
-            f"{fn}: `up` must have the shape of `gate` {tuple(gate.shape)}, got {tuple(up.shape)}"
-        )
-    if gate.dim() == 0:
+    shape = gate.shape
+    if up.shape != shape:
+        raise ValueError(f"{fn}: `up` must have the shape of `gate` {tuple(shape)}, got {tuple(up.shape)}")
+    if not shape:
         raise ValueError(f"{fn}: `gate` must have at least one dimension, got a 0-d tensor")
 
 
