@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: versions, GPU tests, the demo, then the benchmarks.
-# Usage (device tool): bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [tiles] [profile] [diag] [graphdiag] [sweep] [tune] [routing] [moe] [moeprof] [flatcheck] [ncu] [pairab] [cfgab]
+# Usage (device tool): bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [tiles] [profile] [moehost] [diag] [graphdiag] [sweep] [tune] [routing] [moe] [moeprof] [flatcheck] [ncu] [pairab] [cfgab]
 # Env: CFG_A, CFG_B (cfgab), GPU_TESTS (pytest paths for `tests`), GPU_K (its -k expression), MOE_TIMEOUT, SWEEP_TIMEOUT, TUNE_TIMEOUT, TUNE_ARGS, and the benchmarks' own (SHAPES, TOKENS...)
 # Logs and JSON lines land in $OUT. The GPU image has torch/triton/transformers of its own; we
 # run from the source tree (PYTHONPATH=src) and bring Liger-Kernel as a wheel in .whl/.
@@ -30,6 +30,9 @@ for step in $steps; do
     swiglu) timeout 200 python3 kernels_repo/swiglu/benchmarks/bench_swiglu.py 2>&1 | tee "$OUT/bench_swiglu.log" | tail -3 ;;
     tiles) timeout 150 python3 kernels_repo/swiglu/benchmarks/sweep_tiles.py 2>&1 | tee "$OUT/sweep_tiles.log" | grep "^sweep" ;;
     profile) timeout 60 python3 benchmarks/profile_swiglu_host.py 2>&1 | tee "$OUT/profile_swiglu.log" | head -45 ;;
+    moehost) # MOEHOST_OLD: another copy of kernels_repo/moe, profiled first in the same call
+      if [ -n "${MOEHOST_OLD:-}" ]; then timeout 90 python3 benchmarks/profile_moe_host.py ${MOEHOST_T:-1} "$MOEHOST_OLD" 2>&1 | tee "$OUT/profile_moe_host_old.log" | head -${MOEHOST_LINES:-45}; fi
+      timeout 90 python3 benchmarks/profile_moe_host.py ${MOEHOST_T:-1} 2>&1 | tee "$OUT/profile_moe_host.log" | head -${MOEHOST_LINES:-45} ;;
     diag) timeout 200 python3 benchmarks/diag_host.py ${DIAG:-} > "$OUT/diag.log" 2>&1; grep -E "^##|Error" "$OUT/diag.log" ;;
     graphdiag) timeout 200 python3 benchmarks/diag_swiglu_graph.py 2>&1 | tee "$OUT/diag_swiglu_graph.log" | tail -8 ;;
     sweep) timeout ${SWEEP_TIMEOUT:-240} python3 kernels_repo/moe/benchmarks/sweep_backward.py 2>&1 | tee "$OUT/sweep_backward.log" | grep -v "^ " ;;

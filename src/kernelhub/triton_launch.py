@@ -147,33 +147,38 @@ class CachedLaunch:
                   tuple([a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]))
 
     def split(self, grid: tuple, device_index: int, tensors: tuple, ints: tuple, constexprs: tuple,
-              num_warps: int = 4, num_stages: int | None = None) -> None:
+              num_warps: int = 4, num_stages: int | None = None, extras: tuple = ()) -> None:
         """The same launch with a cheaper key, for a kernel whose signature is
-        (*tensors, *ints, *constexprs) and a call site that passes the same kinds at each position
-        (`ints` plain ints, `constexprs` fixed types): the key is the tensors' dtypes, the ints
-        and the constexprs, with no per-argument dispatch (a few us less per launch on slow hosts).
+        (*tensors, *extras, *ints, *constexprs) and a call site that passes the same kinds at each
+        position (`ints` plain ints, `constexprs` fixed types, `extras` None or tensor descriptors):
+        the key is the tensors' dtypes, the extras' keys, the ints and the constexprs, with no
+        per-argument dispatch (a few us less per launch on slow hosts; ~20 us for a 40-argument
+        kernel).
         """
         ptrs = tuple([t.data_ptr() for t in tensors])
         bits = 0
         for p in ptrs:
             bits |= p
-        if (bits & 15 or not self.fast or len(tensors) + len(ints) + len(constexprs) != len(self.names)
+        if (bits & 15 or not self.fast
+                or len(tensors) + len(extras) + len(ints) + len(constexprs) != len(self.names)
                 or self.kernel.pre_run_hooks or _hooks_registered()):
-            self(grid, device_index, *tensors, *ints, *constexprs, num_warps=num_warps, num_stages=num_stages)
+            self(grid, device_index, *tensors, *extras, *ints, *constexprs, num_warps=num_warps,
+                 num_stages=num_stages)
             return
         rt = _knobs.runtime
         head = (device_index, num_warps, num_stages, rt.debug,
                 getattr(_knobs.compilation, "instrumentation_mode", None),
-                tuple([t.dtype for t in tensors]), constexprs)
+                tuple([t.dtype for t in tensors]), constexprs,
+                tuple([_arg_key(e) for e in extras]) if extras else ())
         key = ("split", head, ints)
         hit = self.exact.get(key)
         if hit is None:
             spec_key = ("split", head, tuple([_int_spec(v) for v in ints]))
-            hit = self._lookup_or_compile(key, spec_key, grid, tensors + ints + constexprs, num_warps,
+            hit = self._lookup_or_compile(key, spec_key, grid, tensors + extras + ints + constexprs, num_warps,
                                           num_stages)
             if hit is None:
                 return
-        self._run(hit, grid, device_index, ptrs + ints + constexprs)
+        self._run(hit, grid, device_index, ptrs + extras + ints + constexprs)
 
     def _lookup_or_compile(self, key: tuple, spec_key: tuple, grid: tuple, args: tuple, num_warps: int,
                            num_stages: int | None) -> tuple | None:

@@ -101,11 +101,11 @@ def _align_small(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> Expe
     buf = torch.empty(2 * P + 2 * E + n, dtype=torch.int32, device=topk_idx.device)
     rows, row_expert = buf[:P], buf[P:2 * P]
     start, count, pos = buf[2 * P:2 * P + E], buf[2 * P + E:2 * P + 2 * E], buf[2 * P + 2 * E:]
-    _align_small_launch(
+    _align_small_launch.split(
         (1,), topk_idx.device.index if topk_idx.is_cuda else -1,
-        topk_idx.reshape(-1), rows, row_expert, start, count, pos, n, E, P,
-        BLOCK_M=block_m, BLOCK_N=max(16, _next_pow2(n)),
-        BLOCK_E=max(16, _next_pow2(E + 1)), BLOCK_J=32, BLOCK_P=256, num_warps=8,
+        (topk_idx.reshape(-1), rows, row_expert, start, count, pos), (n, E, P),
+        # BLOCK_M, BLOCK_N, BLOCK_E, BLOCK_J, BLOCK_P
+        (block_m, max(16, _next_pow2(n)), max(16, _next_pow2(E + 1)), 32, 256), num_warps=8,
     )
     return ExpertRows(rows, row_expert, start, count, pos.view(T, K), P, block_m)
 

@@ -51,8 +51,9 @@ def _load_b_tile(b_ptr, b_desc, e, offs_k, offs_n, k_limit, n_limit, stride_be, 
 @triton.jit
 def _grouped_gemm_kernel(
     # pointers
-    a_ptr, b_ptr, b_desc, c_ptr, aux_ptr, rows_ptr, row_expert_ptr, scale_ptr, dscale_ptr, h_ptr,
+    a_ptr, b_ptr, c_ptr, aux_ptr, rows_ptr, row_expert_ptr, scale_ptr, dscale_ptr, h_ptr,
     expert_start_ptr, expert_count_ptr,
+    b_desc,  # after the pointers: CachedLaunch.split's order (tensors, extras, ints, constexprs)
     # sizes
     P, N, K, B_N_TOTAL,
     # strides
@@ -212,7 +213,7 @@ def _swiglu_bwd_epilogue(acc, cols, w, flat, row_valid, offs_m, m_mask, N, aux_p
 
 @triton.jit
 def _grouped_wgrad_kernel(
-    a_ptr, b_ptr, a_desc, b_desc, c_ptr, c_desc, rows_ptr, expert_start_ptr, expert_count_ptr,
+    a_ptr, b_ptr, c_ptr, rows_ptr, expert_start_ptr, expert_count_ptr, a_desc, b_desc, c_desc,
     E, M, N, P,
     stride_am, stride_ak, stride_bm, stride_bk, stride_ce, stride_cm, stride_cn,
     GATHER_A: tl.constexpr, GATHER_B: tl.constexpr, TOPK: tl.constexpr,

@@ -147,7 +147,7 @@ def _launcher(base: CachedLaunch, cfg: dict) -> CachedLaunch:
 
 
 def _index(t: torch.Tensor) -> int:
-    return t.device.index if t.is_cuda else -1
+    return t.get_device() if t.is_cuda else -1
 
 
 def _precision(dtype: torch.dtype) -> str | None:
@@ -174,20 +174,17 @@ def _gemm(a, weight, out, routing: ExpertRows, cfg: dict, *, n: int, k: int, epi
         desc = sm90.weight_descriptor(weight, bk, bn) if b_ncontig else sm90.weight_descriptor(weight, bn, bk)
     aux_t = aux if aux is not None else out
     h_t = h if h is not None else out
-    _launcher(_gemm_launch, cfg)(
+    _launcher(_gemm_launch, cfg).split(
         (_cdiv(P, bm) * _cdiv(n, bn),), _index(a),
-        a, weight, desc, out, aux_t, routing.rows, routing.row_expert,
-        scale if scale is not None else out, dscale if dscale is not None else out, h_t,
-        routing.expert_start, routing.expert_count,
-        P, n, k, weight.shape[1],
-        a.stride(0), a.stride(1), weight.stride(0), stride_bn, stride_bk, out.stride(0), out.stride(1),
-        aux_t.stride(0), h_t.stride(0),
-        EPILOGUE=epilogue, SAVE_AUX=save_aux, SAVE_H=h is not None,
-        GATHER_A=gather_a, TOPK=topk,
-        B_TMA=use_tma,
-        B_NCONTIG=b_ncontig, UPCAST=_interpreting(), PRECISION=_precision(a.dtype), PAIR=pair,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        (a, weight, out, aux_t, routing.rows, routing.row_expert, scale if scale is not None else out,
+         dscale if dscale is not None else out, h_t, routing.expert_start, routing.expert_count),
+        (P, n, k, weight.shape[1], a.stride(0), a.stride(1), weight.stride(0), stride_bn, stride_bk,
+         out.stride(0), out.stride(1), aux_t.stride(0), h_t.stride(0)),
+        # EPILOGUE, SAVE_AUX, SAVE_H, GATHER_A, TOPK, B_TMA, B_NCONTIG, UPCAST, PRECISION, PAIR,
+        # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M (the kernel's order; one type per position)
+        (epilogue, bool(save_aux), h is not None, bool(gather_a), topk, bool(use_tma), bool(b_ncontig),
+         _interpreting(), _precision(a.dtype), bool(pair), bm, bn, bk, cfg["GROUP_M"]),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], extras=(desc,),
     )
 
 
@@ -207,25 +204,25 @@ def _wgrad(a, b, out, routing: ExpertRows, cfg: dict, *, gather_a: bool, gather_
     E, M, N = out.shape
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     tma = use_tma and bool(cfg.get("TMA", False)) and routing.block_m % bk == 0
-    a_tma = tma and not gather_a and sm90.tma_ok(a)
-    b_tma = tma and not gather_b and sm90.tma_ok(b)
-    c_tma = use_tma and bool(cfg.get("TMA_STORE", False)) and sm90.tma_ok(out)
+    a_tma = bool(tma and not gather_a and sm90.tma_ok(a))
+    b_tma = bool(tma and not gather_b and sm90.tma_ok(b))
+    c_tma = bool(use_tma and cfg.get("TMA_STORE", False) and sm90.tma_ok(out))
     tiles = E * _cdiv(M, bm) * _cdiv(N, bn)
     per_sm = int(cfg.get("PERSISTENT", 0))  # programs per SM; 0: one program per tile
     programs = min(tiles, per_sm * _sm_count(out.device)) if per_sm else tiles
     flat = int(cfg.get("FLAT_STEPS", 0)) if per_sm and a_tma and b_tma else 0
-    _launcher(_wgrad_launch, cfg)(
+    _launcher(_wgrad_launch, cfg).split(
         (max(programs, 1),), _index(a),
-        a, b, sm90.rows_descriptor(a, bk, bm) if a_tma else None,
-        sm90.rows_descriptor(b, bk, bn) if b_tma else None,
-        out, sm90.weight_descriptor(out, bm, bn) if c_tma else None,
-        routing.rows, routing.expert_start, routing.expert_count, E, M, N, routing.num_rows,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1), out.stride(2),
-        GATHER_A=gather_a, GATHER_B=gather_b, TOPK=topk, A_TMA=a_tma, B_TMA=b_tma, C_TMA=c_tma,
-        PERSISTENT=bool(per_sm), FLAT_STEPS=flat, BLOCK_E=_next_pow2(E) if flat else 1,
-        UPCAST=_interpreting(), PRECISION=_precision(a.dtype),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg.get("GROUP_M", 1), num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        (a, b, out, routing.rows, routing.expert_start, routing.expert_count),
+        (E, M, N, routing.num_rows, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
+         out.stride(1), out.stride(2)),
+        # GATHER_A, GATHER_B, TOPK, A_TMA, B_TMA, C_TMA, PERSISTENT, FLAT_STEPS, BLOCK_E, UPCAST,
+        # PRECISION, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M (the kernel's order; one type per position)
+        (bool(gather_a), bool(gather_b), topk, a_tma, b_tma, c_tma, bool(per_sm), flat,
+         _next_pow2(E) if flat else 1, _interpreting(), _precision(a.dtype), bm, bn, bk, cfg.get("GROUP_M", 1)),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        extras=(sm90.rows_descriptor(a, bk, bm) if a_tma else None, sm90.rows_descriptor(b, bk, bn) if b_tma else None,
+                sm90.weight_descriptor(out, bm, bn) if c_tma else None),
     )
 
 
@@ -241,10 +238,10 @@ def _gather_rows(src: torch.Tensor, routing: ExpertRows, topk: int, out: torch.T
         out = torch.empty(P, H, device=src.device, dtype=src.dtype)
     block_r = min(16, routing.block_m)
     block_h = min(512, _next_pow2(H))
-    _gather_launch(
+    _gather_launch.split(
         (P // block_r, _cdiv(H, block_h)), _index(src),
-        src, routing.rows, routing.row_expert, out, P, H, src.stride(0), src.stride(1), out.stride(0),
-        TOPK=topk, ALIGN=routing.block_m, BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4,
+        (src, routing.rows, routing.row_expert, out), (P, H, src.stride(0), src.stride(1), out.stride(0)),
+        (topk, routing.block_m, block_r, block_h), num_warps=4,  # TOPK, ALIGN, BLOCK_R, BLOCK_H
     )
     return out
 
@@ -289,10 +286,10 @@ def _combine(y, token_topk_to_pos, weights, out) -> None:
     K = token_topk_to_pos.shape[1]
     block_h = min(1024, _next_pow2(H))
     w = weights if weights is not None else out
-    _combine_launch(
+    _combine_launch.split(
         (T, _cdiv(H, block_h)), _index(y),
-        y, token_topk_to_pos, w, out, H, y.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        TOPK=K, HAS_W=weights is not None, RNE=_interpreting(), BLOCK_H=block_h, num_warps=4,
+        (y, token_topk_to_pos, w, out), (H, y.stride(0), w.stride(0), w.stride(1), out.stride(0)),
+        (K, weights is not None, _interpreting(), block_h), num_warps=4,  # TOPK, HAS_W, RNE, BLOCK_H
     )
 
 

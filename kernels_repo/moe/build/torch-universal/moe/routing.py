@@ -285,21 +285,22 @@ def _mapping(topk_idx: Tensor, num_experts: int, num_pos: int, alignment: int) -
     nb = _pow2(e1)
     index = _index(topk_idx)
     with device_guard(topk_idx):
-        _launch["_map_count_kernel"](
-            (n_tiles,), index, src, tile_counts, pos_to_expert, pos_to_token, pos_to_token_topk,
-            numel, num_experts, num_pos, nsub, _cdiv(num_pos, n_tiles),
-            SUB=sub, NB=nb, FILL_BLOCK=1024, num_warps=cfg.map_warps,
+        # split launches: (tensors, ints, constexprs) in the kernels' order, a cheaper host key
+        _launch["_map_count_kernel"].split(
+            (n_tiles,), index, (src, tile_counts, pos_to_expert, pos_to_token, pos_to_token_topk),
+            (numel, num_experts, num_pos, nsub, _cdiv(num_pos, n_tiles)),
+            (sub, nb, 1024), num_warps=cfg.map_warps,  # SUB, NB, FILL_BLOCK
         )
         block_e = 16
-        _launch["_map_scan_kernel"](
-            (_cdiv(e1, block_e),), index, tile_counts, totals, n_tiles, e1,
-            BLOCK_T=128, BLOCK_E=block_e, num_warps=4,
+        _launch["_map_scan_kernel"].split(
+            (_cdiv(e1, block_e),), index, (tile_counts, totals), (n_tiles, e1), (128, block_e),  # BLOCK_T, BLOCK_E
+            num_warps=4,
         )
-        _launch["_map_scatter_kernel"](
-            (n_tiles,), index, src, tile_counts, totals, meta, pos_to_expert, pos_to_token,
-            pos_to_token_topk, inverse, expert_start, expert_end,
-            numel, num_experts, num_pos, nsub, alignment, max(k, 1),
-            SUB=sub, NB=nb, num_warps=cfg.map_warps,
+        _launch["_map_scatter_kernel"].split(
+            (n_tiles,), index,
+            (src, tile_counts, totals, meta, pos_to_expert, pos_to_token, pos_to_token_topk, inverse,
+             expert_start, expert_end),
+            (numel, num_experts, num_pos, nsub, alignment, max(k, 1)), (sub, nb), num_warps=cfg.map_warps,
         )
     return _Mapping(pos_to_expert, pos_to_token, pos_to_token_topk, inverse.view(t, k), expert_start,
                     expert_end, meta, totals[:num_experts])

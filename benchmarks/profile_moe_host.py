@@ -1,0 +1,59 @@
+"""Where the host time of one eager `fused_experts` forward goes (decode: T=1), on the GPU machine.
+
+    PYTHONPATH=src python benchmarks/profile_moe_host.py [T [KERNEL_DIR]]
+
+Prints us per eager call (host, and GPU-inclusive) for Qwen3-30B-A3B experts, then cProfile's top
+entries by own time. Eager decode is all host time: the kernels take ~30 us of GPU time at T=1.
+"""
+
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kernelhub.hub import get_local_kernel
+
+T = int(sys.argv[1]) if len(sys.argv) > 1 else 1
+# another copy of the kernel repository (an older commit, say) to compare in the same call
+ROOT = Path(__file__).resolve().parents[1]
+moe = get_local_kernel(Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "kernels_repo" / "moe")
+E, H, I, K = 128, 2048, 768, 8
+dev = torch.device("cuda", 0)
+gen = torch.Generator(device=dev).manual_seed(0)
+x = torch.randn(T, H, device=dev, dtype=torch.bfloat16, generator=gen)
+gu = torch.randn(E, 2 * I, H, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
+dn = torch.randn(E, H, I, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
+idx = torch.rand(T, E, device=dev, generator=gen).topk(K, dim=1).indices
+w = torch.rand(T, K, device=dev, generator=gen).softmax(-1)
+
+
+def step():
+    moe.fused_experts(x, gu, dn, idx, w, check_indices=False)
+
+
+with torch.no_grad():
+    for _ in range(50):
+        step()
+    torch.cuda.synchronize()
+    for _ in range(3):
+        n = 2000
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        host = (time.perf_counter() - t0) / n * 1e6
+        end.record()
+        torch.cuda.synchronize()
+        print(f"fused_experts T={T}: host {host:.1f} us per eager call, {start.elapsed_time(end) / n * 1e3:.1f} us "
+              "with the GPU", flush=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(500):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+pstats.Stats(prof).sort_stats("tottime").print_stats(25)
