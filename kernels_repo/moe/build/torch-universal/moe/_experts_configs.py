@@ -136,6 +136,7 @@ def clear_config_cache() -> None:
         _cache.clear()
         _resolved.clear()
         _fitted.clear()
+        _picked.clear()
 
 
 def shape_key(num_experts: int, hidden: int, intermediate: int) -> str:
@@ -189,3 +190,24 @@ def fitted_config(bucket: dict, device_index: int, element_size: int, smem_per_b
         with _lock:
             _fitted[key] = fitted
     return fitted
+
+
+_picked: dict[tuple, dict] = {}
+_MAX_PICKED = 4096  # a sweep over many token counts must not grow it forever
+
+
+def picked_config(capability: int, num_experts: int, hidden: int, intermediate: int, num_pairs: int,
+                  device_index: int, element_size: int, smem_per_block) -> dict:
+    """`fitted_config(pick_config(...))` behind one dict lookup: an eager decode step pays for
+    the bucket search and the environment read once per (shape, load, device)."""
+    key = (os.environ.get("KERNELHUB_MOE_CONFIG_DIR"), capability, num_experts, hidden, intermediate, num_pairs,
+           device_index, element_size)
+    cfg = _picked.get(key)
+    if cfg is None:
+        bucket = pick_config(capability, num_experts, hidden, intermediate, num_pairs)
+        cfg = fitted_config(bucket, device_index, element_size, smem_per_block)
+        with _lock:
+            if len(_picked) >= _MAX_PICKED:
+                _picked.clear()
+            _picked[key] = cfg
+    return cfg

@@ -99,8 +99,8 @@ def _align_small(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> Expe
     E = num_experts
     P = max_rows(n, E, block_m)
     buf = torch.empty(2 * P + 2 * E + n, dtype=torch.int32, device=topk_idx.device)
-    rows, row_expert = buf[:P], buf[P:2 * P]
-    start, count, pos = buf[2 * P:2 * P + E], buf[2 * P + E:2 * P + 2 * E], buf[2 * P + 2 * E:]
+    # one C++ call for the five views (half the host time of five slices)
+    rows, row_expert, start, count, pos = buf.split_with_sizes((P, P, E, E, n))
     _align_small_launch.split(
         (1,), topk_idx.device.index if topk_idx.is_cuda else -1,
         (topk_idx.reshape(-1), rows, row_expert, start, count, pos), (n, E, P),

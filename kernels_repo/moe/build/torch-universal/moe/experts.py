@@ -22,7 +22,7 @@ import torch
 from kernelhub.device import CachedLaunch, device_capability, device_guard, device_properties
 
 from . import _experts_sm90 as sm90
-from ._experts_configs import INTERPRETER_CONFIG, check_bucket, fitted_config, pick_config
+from ._experts_configs import INTERPRETER_CONFIG, check_bucket, pick_config, picked_config
 from ._experts_routing import ExpertRows, align_rows
 from ._experts_sm80 import _combine_kernel, _gather_rows_kernel, _grouped_gemm_kernel, _grouped_wgrad_kernel
 from .reference_experts import fused_experts_reference
@@ -62,23 +62,22 @@ def select_variant(device: torch.device) -> str:
 
 
 def _validate(x, gate_up_proj, down_proj, topk_idx, topk_weights, check_indices: bool) -> None:
-    named = {"x": x, "gate_up_proj": gate_up_proj, "down_proj": down_proj, "topk_idx": topk_idx,
-             "topk_weights": topk_weights}
-    for name, t in named.items():
+    named = (("x", x), ("gate_up_proj", gate_up_proj), ("down_proj", down_proj), ("topk_idx", topk_idx),
+             ("topk_weights", topk_weights))
+    for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{_FN}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
-    for name, t in named.items():
-        if t.device != x.device:
-            raise ValueError(f"{_FN}: `{name}` must be on {x.device} like `x`, got {t.device}")
-    if x.device.type == "meta":  # routing reads the ids: there is no data to route
-        raise ValueError(f"{_FN}: `x` and the other tensors must hold data, got device {x.device}")
+    dev = x.device
+    for name, t in named[1:]:
+        if t.device != dev:
+            raise ValueError(f"{_FN}: `{name}` must be on {dev} like `x`, got {t.device}")
+    if dev.type == "meta":  # routing reads the ids: there is no data to route
+        raise ValueError(f"{_FN}: `x` and the other tensors must hold data, got device {dev}")
     if x.dtype not in (*_TRITON_DTYPES, torch.float64):
         raise TypeError(f"{_FN}: `x` must be float16/bfloat16/float32/float64, got {x.dtype}")
-    for name in ("gate_up_proj", "down_proj"):
-        if named[name].dtype != x.dtype:
-            raise TypeError(
-                f"{_FN}: `{name}` must have the dtype of `x` ({x.dtype}), got {named[name].dtype}"
-            )
+    for name, t in named[1:3]:
+        if t.dtype != x.dtype:
+            raise TypeError(f"{_FN}: `{name}` must have the dtype of `x` ({x.dtype}), got {t.dtype}")
     if topk_idx.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{_FN}: `topk_idx` must be int32 or int64, got {topk_idx.dtype}")
     if not topk_weights.is_floating_point():
@@ -165,10 +164,11 @@ def _gemm(a, weight, out, routing: ExpertRows, cfg: dict, *, n: int, k: int, epi
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     bm = routing.block_m
     P = routing.num_rows
+    sa, sw, so = a.stride(), weight.stride(), out.stride()
     if b_ncontig:  # weight stored [E, K, N]
-        stride_bn, stride_bk = weight.stride(2), weight.stride(1)
+        stride_bn, stride_bk = sw[2], sw[1]
     else:  # weight stored [E, N, K]
-        stride_bn, stride_bk = weight.stride(1), weight.stride(2)
+        stride_bn, stride_bk = sw[1], sw[2]
     desc = None
     if use_tma:
         desc = sm90.weight_descriptor(weight, bk, bn) if b_ncontig else sm90.weight_descriptor(weight, bn, bk)
@@ -178,8 +178,8 @@ def _gemm(a, weight, out, routing: ExpertRows, cfg: dict, *, n: int, k: int, epi
         (_cdiv(P, bm) * _cdiv(n, bn),), _index(a),
         (a, weight, out, aux_t, routing.rows, routing.row_expert, scale if scale is not None else out,
          dscale if dscale is not None else out, h_t, routing.expert_start, routing.expert_count),
-        (P, n, k, weight.shape[1], a.stride(0), a.stride(1), weight.stride(0), stride_bn, stride_bk,
-         out.stride(0), out.stride(1), aux_t.stride(0), h_t.stride(0)),
+        (P, n, k, weight.shape[1], sa[0], sa[1], sw[0], stride_bn, stride_bk, so[0], so[1],
+         so[0] if aux is None else aux.stride(0), so[0] if h is None else h.stride(0)),
         # EPILOGUE, SAVE_AUX, SAVE_H, GATHER_A, TOPK, B_TMA, B_NCONTIG, UPCAST, PRECISION, PAIR,
         # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M (the kernel's order; one type per position)
         (epilogue, bool(save_aux), h is not None, bool(gather_a), topk, bool(use_tma), bool(b_ncontig),
@@ -301,8 +301,7 @@ def _config(variant: str, E: int, H: int, inter: int, pairs: int, config: dict |
         check_bucket(config, f"{_FN}: `config`")
         return config
     if device is not None and device.type == "cuda":
-        bucket = pick_config(90 if variant == "sm90" else 80, E, H, inter, pairs)
-        return fitted_config(bucket, device.index, element_size,
+        return picked_config(90 if variant == "sm90" else 80, E, H, inter, pairs, device.index, element_size,
                              lambda: device_properties(device).shared_memory_per_block)
     if _interpreting():
         return INTERPRETER_CONFIG
@@ -452,15 +451,16 @@ def fused_experts(
         ValueError: shapes, devices, index range or variant are wrong.
     """
     _validate(x, gate_up_proj, down_proj, topk_idx, topk_weights, check_indices)
+    dev = x.device
     if variant is None:
-        variant = select_variant(x.device)
+        variant = select_variant(dev)
     if variant not in VARIANTS:
         raise ValueError(f"{_FN}: `variant` must be one of {VARIANTS}, got {variant!r}")
     if variant == "reference":
         return fused_experts_reference(x, gate_up_proj, down_proj, topk_idx, topk_weights)
-    if not (x.device.type == "cuda" or (x.device.type == "cpu" and _interpreting())):
+    if not (dev.type == "cuda" or (dev.type == "cpu" and _interpreting())):
         raise ValueError(f"{_FN}: variant {variant!r} needs a CUDA tensor (or a CPU one with "
-                         f"TRITON_INTERPRET=1), `x` is on {x.device}")
+                         f"TRITON_INTERPRET=1), `x` is on {dev}")
     if x.dtype not in _TRITON_DTYPES:
         raise TypeError(f"{_FN}: variant {variant!r} supports float16/bfloat16/float32 `x`, got {x.dtype}")
     T, H = x.shape
@@ -468,10 +468,13 @@ def fused_experts(
         link = x.sum() + gate_up_proj.reshape(-1)[:1].sum() + down_proj.reshape(-1)[:1].sum()
         return x.new_zeros(0, H) + 0 * (link + topk_weights.sum()).to(x.dtype)
     E, two_i, _ = gate_up_proj.shape
-    cfg = _config(variant, E, H, two_i // 2, topk_idx.numel(), config, x.device, x.element_size())
-    tensors = (x, gate_up_proj, down_proj, topk_weights)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    cfg = _config(variant, E, H, two_i // 2, topk_idx.numel(), config, dev, x.element_size())
+    if torch.is_grad_enabled() and (x.requires_grad or gate_up_proj.requires_grad or down_proj.requires_grad
+                                    or topk_weights.requires_grad):
         return _FusedExpertsFunction.apply(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg)
+    if dev.type == "cuda" and torch.cuda.current_device() == dev.index:
+        # already current (the usual case): the guard would only cost host time (eager decode)
+        return _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, save=False)[0]
     with device_guard(x):
         out, *_ = _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, save=False)
     return out
