@@ -48,19 +48,24 @@ def unsupported_reason(module: nn.Module) -> str | None:
     return None
 
 
-def _run(module: nn.Module, hidden_states, top_k_index, top_k_weights, variant: str | None):
-    reason = unsupported_reason(module)
-    if reason is not None:
-        raise ValueError(f"MoEExperts.forward: {reason}")
-    E = module.gate_up_proj.shape[0]
-    # transformers skips ids == E (and EP sentinels >= E); fused_experts drops -1: map, sync-free.
-    idx = torch.where((top_k_index >= 0) & (top_k_index < E), top_k_index, torch.full_like(top_k_index, -1))
+def _run(module: nn.Module, hidden_states, top_k_index, top_k_weights, variant: str | None,
+         checked: bool = False):
+    if not checked:
+        reason = unsupported_reason(module)
+        if reason is not None:
+            raise ValueError(f"MoEExperts.forward: {reason}")
+    # transformers skips ids == E (and EP sentinels >= E): fused_experts (every variant) drops ids
+    # outside [0, E) itself, sync-free, so they pass through unmapped.
     x = hidden_states.reshape(-1, hidden_states.shape[-1])  # [..., H] -> [T, H] (a view when it can)
-    if x.dtype != module.gate_up_proj.dtype:  # autocast / fp32 activations with bf16 weights
-        x = x.to(module.gate_up_proj.dtype)
-    out = fused_experts(x, module.gate_up_proj, module.down_proj, idx.reshape(x.shape[0], -1),
-                        top_k_weights.reshape(x.shape[0], -1), variant=variant, check_indices=False)
-    return out.to(hidden_states.dtype).view(hidden_states.shape)
+    gu = module.gate_up_proj
+    if x.dtype != gu.dtype:  # autocast / fp32 activations with bf16 weights
+        x = x.to(gu.dtype)
+    T = x.shape[0]
+    out = fused_experts(x, gu, module.down_proj, top_k_index.reshape(T, -1), top_k_weights.reshape(T, -1),
+                        variant=variant, check_indices=False)
+    if out.dtype != hidden_states.dtype:
+        out = out.to(hidden_states.dtype)
+    return out.view(hidden_states.shape)
 
 
 def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -72,12 +77,13 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     Modules `fused_experts` cannot serve (e.g. GptOssExperts) run their eager forward, which
     `use_experts_implementation` keeps as `type(module).forward.__wrapped__`.
     """
-    if unsupported_reason(self) is not None:
+    reason = unsupported_reason(self)
+    if reason is not None:
         eager = getattr(type(self).forward, "__wrapped__", None)
         if eager is None:
-            raise ValueError(f"experts_forward: {unsupported_reason(self)}; no eager forward to fall back to")
+            raise ValueError(f"experts_forward: {reason}; no eager forward to fall back to")
         return eager(self, hidden_states, top_k_index, top_k_weights)
-    return _run(self, hidden_states, top_k_index, top_k_weights, None)
+    return _run(self, hidden_states, top_k_index, top_k_weights, None, checked=True)
 
 
 class MoEExperts(nn.Module):
