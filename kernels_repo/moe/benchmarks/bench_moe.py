@@ -11,6 +11,9 @@ Usage (repo root): PYTHONPATH=src python kernels_repo/moe/benchmarks/bench_moe.p
   env: SHAPES=qwen3_30b_a3b,mixtral_8x7b,deepseek_v3  TOKENS=1,32,512,4096,16384
        IMPLS=kernelhub,hf_grouped_mm,...  MODES=fwd,fwdbwd  STAGES=1 (per-stage kernelhub times; 0: off)
        OUT=/tmp (appends $OUT/bench_moe.jsonl)
+       SKEW=s: skewed routing, as a trained router's hot experts: expert logits get a bias of
+         -s * log(1 + rank) over a random ranking of the experts (0, the default: uniform); rows
+         then carry skew=s and the "--" line the hottest expert's load over the mean
   Liger-Kernel autotunes its MoE kernels on first use of a shape: at Mixtral sizes that outlasted
   the 2-4 minutes two device calls had left for it (2026-12-03), so a full run there wants IMPLS
   without liger, or a longer slot.
@@ -43,6 +46,8 @@ SHAPES = {
 
 
 def emit(**row) -> None:
+    if SKEW and row.get("kind", "").startswith("moe_"):
+        row["skew"] = SKEW
     LOG.write(json.dumps(row) + "\n")
     LOG.flush()
     text = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
@@ -78,8 +83,14 @@ def hf_experts(E, H, I, K):
     return mod
 
 
+SKEW = float(os.environ.get("SKEW", "0"))
+
+
 def routing(T, E, K):
     logits = torch.randn(T, E, device=DEV, dtype=torch.float32)
+    if SKEW:
+        rank = torch.randperm(E, device=DEV).to(torch.float32)
+        logits = logits - SKEW * torch.log1p(rank)
     w, idx = torch.topk(torch.softmax(logits, -1), K, dim=-1)
     return idx, (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
 
@@ -242,7 +253,9 @@ def main() -> None:
             flops = 6 * T * K * H * I
             floor_ms = max(flops / mm, (touched * 3 * H * I * 2 + 2 * T * H * 2) / copy_bw) * 1e3
             bucket = cfgs.pick_config(90 if variant == "sm90" else 80, E, H, I, T * K)
-            print(f"-- {sname} T={T} touched={touched} variant={variant} block_m={bucket['block_m']} "
+            load = torch.bincount(idx.reshape(-1), minlength=E).float()
+            print(f"-- {sname} T={T} touched={touched} hottest/mean={float(load.max() / load.mean()):.2f} "
+                  f"variant={variant} block_m={bucket['block_m']} "
                   f"gate_up={bucket['gate_up']} down={bucket['down']}", flush=True)
             base.config._experts_implementation = "grouped_mm"
             with torch.no_grad():
