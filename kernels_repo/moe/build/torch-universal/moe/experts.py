@@ -15,6 +15,7 @@ pointer loads; CPU: the torch reference).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -388,10 +389,21 @@ def _backward(dout, x, gate_up_proj, down_proj, topk_weights, routing: ExpertRow
     return dx, d_gate_up, d_down, d_w
 
 
+_NO_GUARD = contextlib.nullcontext()
+
+
+def _on_device(x: torch.Tensor):
+    """device_guard(x), or a no-op context where x's CUDA device is current already (the usual
+    case: the guard's generator costs a few us of host time per call, which eager decode feels)."""
+    if x.is_cuda and torch.cuda.current_device() == x.get_device():
+        return _NO_GUARD
+    return device_guard(x)
+
+
 class _FusedExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg):
-        with device_guard(x):
+        with _on_device(x):
             out, routing, h, aux = _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg,
                                             save=True)
         # h is not saved: the down_proj gradient recomputes it from aux (saves P*I elements).
@@ -411,10 +423,16 @@ class _FusedExpertsFunction(torch.autograd.Function):
                  ctx.needs_input_grad[4])
         if dout.device != x.device:
             raise ValueError(f"{_FN}: gradient must be on {x.device} like `x`, got {dout.device}")
-        with device_guard(x):
+        with _on_device(x):
             dx, dgu, dd, dw = _backward(dout.contiguous(), x, gate_up_proj, down_proj, topk_weights, routing,
                                         aux, variant, cfg, needs)
         return dx, dgu, dd, None, dw, None, None
+
+
+# Function.apply minus its Python prologue (setup_context binding, functorch checks), which
+# changes nothing for this Function while no functorch transform is active: the C++ apply.
+_APPLY = (super(torch.autograd.Function, _FusedExpertsFunction).apply
+          if hasattr(torch._C, "_FunctionBase") else _FusedExpertsFunction.apply)
 
 
 def fused_experts(
@@ -471,10 +489,8 @@ def fused_experts(
     cfg = _config(variant, E, H, two_i // 2, topk_idx.numel(), config, dev, x.element_size())
     if torch.is_grad_enabled() and (x.requires_grad or gate_up_proj.requires_grad or down_proj.requires_grad
                                     or topk_weights.requires_grad):
-        return _FusedExpertsFunction.apply(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg)
-    if dev.type == "cuda" and torch.cuda.current_device() == dev.index:
-        # already current (the usual case): the guard would only cost host time (eager decode)
-        return _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, save=False)[0]
-    with device_guard(x):
+        apply = _FusedExpertsFunction.apply if torch._C._are_functorch_transforms_active() else _APPLY
+        return apply(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg)
+    with _on_device(x):
         out, *_ = _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, save=False)
     return out
