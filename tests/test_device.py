@@ -66,6 +66,17 @@ def test_properties_are_per_index(fake_gpus):
     assert device_properties("cuda:0").shared_memory_per_sm == 164 * 1024
 
 
+def test_device_cache_is_emptied_with_the_device_caches(fake_gpus):
+    from kernelhub.device import clear_device_caches, cuda_properties, device_cache
+
+    derived = device_cache()
+    derived[1] = cuda_properties(1).sm_count
+    assert derived == {1: 132} and cuda_properties(1) is device_properties("cuda:1")
+    fake_gpus.specs[1]["sm_count"] = 114
+    clear_device_caches()
+    assert derived == {} and cuda_properties(1).sm_count == 114
+
+
 def test_device_without_index_means_current_device_at_call_time(fake_gpus):
     fake_gpus.current = 1
     assert as_torch_device("cuda") == torch.device("cuda", 1)

@@ -35,6 +35,25 @@ def test_split_launch_runs_the_same_kernel():
     torch.testing.assert_close(out, 2 * x, rtol=0, atol=0)
 
 
+@triton.jit
+def _maybe_bias_kernel(x_ptr, out_ptr, bias_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    v = tl.load(x_ptr + offs, mask=mask)
+    if bias_ptr is not None:
+        v += tl.load(bias_ptr + offs, mask=mask)
+    tl.store(out_ptr + offs, v, mask=mask)
+
+
+def test_split_launch_passes_extras_between_tensors_and_ints():
+    # (tensors, extras, ints, constexprs): the MoE kernels take None or a tensor descriptor there
+    launch = CachedLaunch(_maybe_bias_kernel)
+    x = torch.randn(100)
+    out = torch.zeros(100)
+    launch.split((2,), -1, (x, out), (100,), (64,), extras=(None,))
+    torch.testing.assert_close(out, x, rtol=0, atol=0)
+
+
 def test_keys_tell_apart_what_triton_specializes_apart():
     a = torch.zeros(64)
     assert _arg_key(True) != _arg_key(1)  # i1 vs the constant 1

@@ -215,6 +215,11 @@ def test_variant_chosen_per_device_index(fake_gpus):
     assert pick(1, "sm80") == ("sm80", 1, 132)
     assert pick(0, "sm90") == ("sm90", 0, 108)
     assert dispatch._resolve("swiglu", fake_cuda_tensor((2, 8), 1), "reference") is None
+    # the impl=None target is cached per index, and forgotten with the device caches
+    fake_gpus.specs[1]["sm_count"] = 114
+    assert pick(1, None) == (dispatch._AUTO_SM90, 1, 132)
+    clear_device_caches()
+    assert pick(1, None) == (dispatch._AUTO_SM90, 1, 114)
 
 
 def test_launch_runs_on_the_input_device_and_restores_current(fake_gpus, monkeypatch):
