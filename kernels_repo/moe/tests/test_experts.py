@@ -749,6 +749,22 @@ def test_layer_forward_and_grads_equal_eager(model, layer):
         torch.testing.assert_close(kernel[3][name], eager[3][name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_layer_support_check_follows_weight_shape_changes():
+    # the answer is kept per module while its weight shapes stay; a reshaped weight is checked again
+    module = build_experts("qwen3_moe")
+    E, two_i, H = module.gate_up_proj.shape
+    hidden = torch.randn(3, H)
+    idx = torch.tensor([[0, 1], [1, 2], [2, 0]])
+    w = torch.rand(3, 2)
+    forward = types.MethodType(moe.layers.MoEExpertsSm80.forward, module)
+    assert forward(hidden, idx, w).shape == (3, H)
+    module.down_proj = torch.nn.Parameter(torch.zeros(E, H, two_i // 2 + 1))
+    with pytest.raises(ValueError, match=r"MoEExperts.forward: .*weight shapes"):
+        forward(hidden, idx, w)
+    module.down_proj = torch.nn.Parameter(torch.zeros(E, H, two_i // 2))
+    assert forward(hidden, idx, w).shape == (3, H)
+
+
 def test_layer_classes_declare_backward_as_kernel_toml_lists_them():
     tomllib = pytest.importorskip("tomllib")
     meta = tomllib.loads((Path(__file__).resolve().parents[1] / "kernel.toml").read_text())

@@ -48,10 +48,31 @@ def unsupported_reason(module: nn.Module) -> str | None:
     return None
 
 
+# `unsupported_reason` reads ~15 attributes, most of them absent (an AttributeError each through
+# nn.Module.__getattr__): ~9 us a call on a CPU host. Besides the weights' shapes it reads a module's
+# fixed configuration, so each module keeps its answer (in its __dict__, not its state) per shapes.
+_SUPPORT_ATTR = "_kernelhub_moe_support"
+
+
+def _support(module: nn.Module) -> str | None:
+    """`unsupported_reason(module)`, remembered per module while its weight shapes stay."""
+    params = module._parameters
+    gu, dn = params.get("gate_up_proj"), params.get("down_proj")
+    if gu is None or dn is None:  # not parameters (an unusual layout): the full check every call
+        return unsupported_reason(module)
+    shapes = (gu.shape, dn.shape)
+    hit = module.__dict__.get(_SUPPORT_ATTR)
+    if hit is not None and hit[0] == shapes:
+        return hit[1]
+    reason = unsupported_reason(module)
+    module.__dict__[_SUPPORT_ATTR] = (shapes, reason)
+    return reason
+
+
 def _run(module: nn.Module, hidden_states, top_k_index, top_k_weights, variant: str | None,
          checked: bool = False):
     if not checked:
-        reason = unsupported_reason(module)
+        reason = _support(module)
         if reason is not None:
             raise ValueError(f"MoEExperts.forward: {reason}")
     # transformers skips ids == E (and EP sentinels >= E): fused_experts (every variant) drops ids
@@ -77,7 +98,7 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     Modules `fused_experts` cannot serve (e.g. GptOssExperts) run their eager forward, which
     `use_experts_implementation` keeps as `type(module).forward.__wrapped__`.
     """
-    reason = unsupported_reason(self)
+    reason = _support(self)
     if reason is not None:
         eager = getattr(type(self).forward, "__wrapped__", None)
         if eager is None:
