@@ -6,19 +6,21 @@ Prints us per eager call (host, and GPU-inclusive) for Qwen3-30B-A3B experts, th
 entries by own time. Eager decode is all host time: the kernels take ~30 us of GPU time at T=1.
 """
 
-import cProfile
-import pstats
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from kernelhub.hub import get_local_kernel
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "kernels_repo" / "swiglu" / "benchmarks"))
+from _host_profile import print_profile  # noqa: E402
+from bench_swiglu import time_eager  # noqa: E402  (the SwiGLU benchmark's eager timing)
+
 T = int(sys.argv[1]) if len(sys.argv) > 1 else 1
 # another copy of the kernel repository (an older commit, say) to compare in the same call
-ROOT = Path(__file__).resolve().parents[1]
 moe = get_local_kernel(Path(sys.argv[2]) if len(sys.argv) > 2 else ROOT / "kernels_repo" / "moe")
 E, H, I, K = 128, 2048, 768, 8
 dev = torch.device("cuda", 0)
@@ -37,23 +39,7 @@ def step():
 with torch.no_grad():
     for _ in range(50):
         step()
-    torch.cuda.synchronize()
     for _ in range(3):
-        n = 2000
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            step()
-        host = (time.perf_counter() - t0) / n * 1e6
-        end.record()
-        torch.cuda.synchronize()
-        print(f"fused_experts T={T}: host {host:.1f} us per eager call, {start.elapsed_time(end) / n * 1e3:.1f} us "
-              "with the GPU", flush=True)
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(500):
-        step()
-    prof.disable()
-    torch.cuda.synchronize()
-pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        ms, host = time_eager(step, 2000)
+        print(f"fused_experts T={T}: host {host:.1f} us per eager call, {ms * 1e3:.1f} us with the GPU", flush=True)
+    print_profile(step, 500, 25)

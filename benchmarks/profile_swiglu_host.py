@@ -3,14 +3,15 @@
     PYTHONPATH=src python benchmarks/profile_swiglu_host.py [T I]
 """
 
-import cProfile
-import pstats
 import sys
 from pathlib import Path
 
 import torch
 
 from kernelhub.hub import get_local_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _host_profile import print_profile  # noqa: E402
 
 swiglu = get_local_kernel(Path(__file__).resolve().parents[1] / "kernels_repo" / "swiglu").swiglu
 T, I = (int(sys.argv[1]), int(sys.argv[2])) if len(sys.argv) > 2 else (4096, 6144)
@@ -25,11 +26,4 @@ def step():
 
 for _ in range(20):
     step()
-torch.cuda.synchronize()
-prof = cProfile.Profile()
-prof.enable()
-for _ in range(200):
-    step()
-prof.disable()
-torch.cuda.synchronize()
-pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+print_profile(step, 200, 15)

@@ -29,15 +29,18 @@ import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = os.environ.get("OUT", "/tmp")
-LOG = open(os.path.join(OUT, "swiglu_bench.jsonl"), "a")
+_log = None  # $OUT/swiglu_bench.jsonl, opened on the first row (importers of time_eager write none)
 SHAPES = [(8192, 14336), (32768, 4096), (4096, 6144), (64, 14336)]
 HOST_SHAPE = (1, 128)
 DEV = torch.device("cuda", 0)
 
 
 def emit(**row) -> None:
-    LOG.write(json.dumps(row) + "\n")
-    LOG.flush()
+    global _log
+    if _log is None:
+        _log = open(os.path.join(OUT, "swiglu_bench.jsonl"), "a")
+    _log.write(json.dumps(row) + "\n")
+    _log.flush()
     line = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
     print(line, flush=True)
 
