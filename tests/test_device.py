@@ -127,6 +127,19 @@ def test_device_guard_is_noop_on_same_device_and_cpu(fake_gpus):
     assert fake_gpus.set_calls == []
 
 
+def test_device_guard_on_a_tensor_of_the_current_gpu_switches_nothing(fake_gpus):
+    # the fast path: a reused no-op context, still yielding the tensor's device (nested too)
+    fake_gpus.current = 1
+    x = fake_cuda_tensor((2,), 1)
+    with device_guard(x) as dev, device_guard(x) as inner:
+        assert dev == inner == torch.device("cuda", 1)
+    assert fake_gpus.set_calls == []
+    fake_gpus.current = 0
+    with device_guard(x) as dev:  # not current: switched and restored
+        assert dev == torch.device("cuda", 1) and torch.cuda.current_device() == 1
+    assert fake_gpus.set_calls == [1, 0]
+
+
 def test_kernel_repositories_import_only_torch_triton_and_kernelhub_device():
     """DESIGN.md section 3: kernel code imports torch, triton and `kernelhub.device` (which also
     hands out the cached launcher), so a published kernel depends on that one stable module."""

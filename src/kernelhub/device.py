@@ -250,13 +250,30 @@ def module_device(module: torch.nn.Module) -> torch.device | None:
     return None
 
 
-@contextlib.contextmanager
-def device_guard(tensor_or_device: object) -> Iterator[torch.device]:
+# One reusable no-op context per CUDA index, for tensors whose device is current already.
+_NO_SWITCH: dict[int, contextlib.nullcontext] = {}
+
+
+def device_guard(tensor_or_device: object) -> contextlib.AbstractContextManager[torch.device]:
     """Make the tensor's (or device's) GPU current for the block; restore the caller's on exit.
 
     Work issued inside runs on that device's current stream, because torch and Triton both launch
     on the current stream *of the current device*. No-op for the CPU and other non-GPU types.
+    A tensor on the current GPU (the usual case) gets a reused no-op context: eager launch paths
+    enter a guard per call, and the generator below costs a few us of host time each.
     """
+    if isinstance(tensor_or_device, torch.Tensor) and tensor_or_device.is_cuda:
+        index = tensor_or_device.get_device()
+        if torch.cuda.current_device() == index:
+            ctx = _NO_SWITCH.get(index)
+            if ctx is None:
+                ctx = _NO_SWITCH.setdefault(index, contextlib.nullcontext(torch.device("cuda", index)))
+            return ctx
+    return _switch_device(tensor_or_device)
+
+
+@contextlib.contextmanager
+def _switch_device(tensor_or_device: object) -> Iterator[torch.device]:
     dev = as_torch_device(tensor_or_device, argument="tensor_or_device")
     if dev.type not in _GPU_TYPES:
         yield dev

@@ -15,7 +15,6 @@ pointer loads; CPU: the torch reference).
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -389,21 +388,10 @@ def _backward(dout, x, gate_up_proj, down_proj, topk_weights, routing: ExpertRow
     return dx, d_gate_up, d_down, d_w
 
 
-_NO_GUARD = contextlib.nullcontext()
-
-
-def _on_device(x: torch.Tensor):
-    """device_guard(x), or a no-op context where x's CUDA device is current already (the usual
-    case: the guard's generator costs a few us of host time per call, which eager decode feels)."""
-    if x.is_cuda and torch.cuda.current_device() == x.get_device():
-        return _NO_GUARD
-    return device_guard(x)
-
-
 class _FusedExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg):
-        with _on_device(x):
+        with device_guard(x):
             out, routing, h, aux = _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg,
                                             save=True)
         # h is not saved: the down_proj gradient recomputes it from aux (saves P*I elements).
@@ -423,7 +411,7 @@ class _FusedExpertsFunction(torch.autograd.Function):
                  ctx.needs_input_grad[4])
         if dout.device != x.device:
             raise ValueError(f"{_FN}: gradient must be on {x.device} like `x`, got {dout.device}")
-        with _on_device(x):
+        with device_guard(x):
             dx, dgu, dd, dw = _backward(dout.contiguous(), x, gate_up_proj, down_proj, topk_weights, routing,
                                         aux, variant, cfg, needs)
         return dx, dgu, dd, None, dw, None, None
@@ -491,6 +479,6 @@ def fused_experts(
                                     or topk_weights.requires_grad):
         apply = _FusedExpertsFunction.apply if torch._C._are_functorch_transforms_active() else _APPLY
         return apply(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg)
-    with _on_device(x):
+    with device_guard(x):
         out, *_ = _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, save=False)
     return out
