@@ -642,7 +642,6 @@ def test_stages_fit_the_shared_memory_of_each_device_index(fake_gpus):
     (lambda c: c["wgrad"].update(TMA_LOAD=True), ValueError, "['wgrad']: unknown keys ['TMA_LOAD']"),
     (lambda c: c.update(tma=1), TypeError, "['tma'] must be true or false"),
     (lambda c: c.update(pair_m="on"), TypeError, "['pair_m'] must be true or false"),
-    (lambda c: c.update(overlap_wgrad=1), TypeError, "['overlap_wgrad'] must be true or false"),
     (lambda c: c["dgrad"].update(maxnreg=300), ValueError, "['dgrad']['maxnreg'] must be an int in [24, 255]"),
     (lambda c: c["wgrad"].update(maxnreg=True), ValueError, "['wgrad']['maxnreg'] must be an int in [24, 255]"),
     (lambda c: c["wgrad"].update(PERSISTENT=-1), ValueError, "['wgrad']['PERSISTENT'] must be an int >= 0"),
@@ -1015,38 +1014,6 @@ def test_gpu_paired_row_blocks_match_the_reference(variant):
     for name, got, want in zip(NAMES[:3], grads[:3], ref_grads[:3], strict=True):
         assert_close_rel(got, want, 1e-2, name)
     _assert_topk_weight_grad_close(grads[3], ref_grads[3], x, gu, dn, idx, dy)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape,T", [("qwen3_30b_a3b", 4096), ("mixtral_8x7b", 512)])
-def test_gpu_overlapped_weight_gradients_give_the_same_bits(shape, T):
-    """Bucket key "overlap_wgrad": the weight gradients on a side stream beside dL/dx give the bits
-    of the one-stream backward, also when the caller's current stream is not the default one (the
-    side stream must wait on *that* stream, and that stream on the side one)."""
-    ex = importlib.import_module(moe.__name__ + ".experts")
-    s = SHAPES[shape]
-    variant = moe.select_variant(torch.device("cuda"))
-    x, gu, dn, idx, w = gpu_inputs(s["E"], s["H"], s["I"], s["K"], T)
-    dy = torch.randn_like(x)
-    cfg = copy.deepcopy(ex._config(variant, s["E"], s["H"], s["I"], T * s["K"], None, x.device))
-    results = []
-    for overlap, stream in ((False, None), (True, None), (True, torch.cuda.Stream())):
-        pinned = dict(cfg, overlap_wgrad=overlap)
-        ex._SIDE_STREAMS.clear()
-        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with ctx:
-            results.append(run_with_grads(lambda *a, c=pinned: moe.fused_experts(*a, variant=variant, config=c),
-                                          x, gu, dn, idx, w, dy, torch.bfloat16))
-        torch.cuda.synchronize()
-        assert (x.device.index in ex._SIDE_STREAMS) == overlap, "the side stream was (not) used"
-    out0, grads0 = results[0]
-    for out, grads in results[1:]:
-        assert torch.equal(out0, out)
-        for name, a, b in zip(NAMES, grads0, grads, strict=True):
-            if name == "topk_weights":  # fp32 atomics of the dgrad epilogue, in a varying order
-                assert_close_rel(b, a, 5e-4, name)
-            else:
-                assert torch.equal(a, b), name
 
 
 def _compiled_register_caps(kernel) -> list[tuple[int, int]]:

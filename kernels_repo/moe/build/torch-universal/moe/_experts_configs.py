@@ -38,9 +38,7 @@ _WGRAD_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 _GEMM_OPTIONAL = {"maxnreg": int}
 _WGRAD_OPTIONAL = {"GROUP_M": int, "ROWS_PARTS": int, "ROWS": bool, "TMA": bool, "TMA_STORE": bool,
                    "PERSISTENT": int, "FLAT_STEPS": int, **_GEMM_OPTIONAL}
-# "overlap_wgrad": the backward runs the weight gradients on a side stream while dL/dx runs on the
-# caller's (see experts._backward).
-_BUCKET_OPTIONAL = {"max_rows_per_expert", "tma", "pair_m", "overlap_wgrad"}
+_BUCKET_OPTIONAL = {"max_rows_per_expert", "tma", "pair_m"}
 
 
 def _pow2(v: object) -> bool:
@@ -91,7 +89,7 @@ def check_bucket(bucket: object, where: str) -> None:
             raise ValueError(f"{where}: missing key {key!r}")
     if not _pow2(bucket["block_m"]) or bucket["block_m"] < 16:
         raise ValueError(f"{where}['block_m'] must be a power of two >= 16, got {bucket['block_m']!r}")
-    for flag in ("tma", "pair_m", "overlap_wgrad"):
+    for flag in ("tma", "pair_m"):
         if flag in bucket and not isinstance(bucket[flag], bool):
             raise TypeError(f"{where}[{flag!r}] must be true or false, got {bucket[flag]!r}")
     for stage in _GEMM_STAGES:

@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from kernelhub.device import CachedLaunch, device_cache, device_capability, device_guard, device_properties
+from kernelhub.device import CachedLaunch, device_capability, device_guard, device_properties
 
 from . import _experts_sm90 as sm90
 from ._experts_configs import INTERPRETER_CONFIG, check_bucket, pick_config, picked_config
@@ -363,9 +363,6 @@ def _backward(dout, x, gate_up_proj, down_proj, topk_weights, routing: ExpertRow
     _gemm(dout, down_proj, dgu, routing, cfg["dgrad"], n=inter, k=H, epilogue=2, gather_a=True,
           b_ncontig=True, topk=K, use_tma=tma, aux=aux, scale=w_flat, dscale=dw_flat, h=hw, pair=pair)
     dx = d_gate_up = d_down = d_w = None
-    if _overlaps(cfg, dev, needs):
-        return _backward_overlapped(dout, x, gate_up_proj, topk_weights, routing, cfg, needs, dgu, hw, dw_flat,
-                                    tma, pair)
     # wgrad "ROWS" (sm90 buckets from 64 rows per expert): the weight-gradient GEMMs read dY and x
     # from row-ordered copies instead of gathering them in their K loop, where the index load
     # ahead of each gathered load costs a pipeline stage (TTGIR: num_stages 3-4 keep one tile in
@@ -388,59 +385,6 @@ def _backward(dout, x, gate_up_proj, down_proj, topk_weights, routing: ExpertRow
         _wgrad_token_operand(x, dgu, d_gate_up, routing, cfg["wgrad"], src_is_a=False, topk=K, use_tma=tma)
     if needs[3]:
         d_w = dw_flat.view(topk_weights.shape).to(topk_weights.dtype)
-    return dx, d_gate_up, d_down, d_w
-
-
-# CUDA device index -> the side stream of overlapped backwards (one per device, made on first use)
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = device_cache()
-
-
-def _overlaps(cfg: dict, dev: torch.device, needs: tuple[bool, bool, bool, bool]) -> bool:
-    """The bucket's "overlap_wgrad", where there is something to overlap: dL/dx and a weight gradient."""
-    return bool(cfg.get("overlap_wgrad", False)) and dev.type == "cuda" and needs[0] and (needs[1] or needs[2])
-
-
-def _side_stream(dev: torch.device) -> torch.cuda.Stream:
-    stream = _SIDE_STREAMS.get(dev.index)
-    if stream is None:
-        stream = _SIDE_STREAMS.setdefault(dev.index, torch.cuda.Stream(device=dev))
-    return stream
-
-
-def _backward_overlapped(dout, x, gate_up_proj, topk_weights, routing: ExpertRows, cfg, needs, dgu, hw, dw_flat,
-                         tma: bool, pair: bool):
-    """The rest of `_backward` with the weight gradients on a side stream of x's device while dL/dx
-    runs on the current one. Why: at <= 256 rows per expert the weight gradients are bound by
-    latency and by writing the dense dW, the dL/dx GEMM by L2 bandwidth, so that in parallel each
-    fills the other's idle units and tail. Both streams start after the dgrad GEMM (the side one
-    waits on the current one) and the current one waits for the side one before returning, so the
-    results are the same bits as in `_backward`; every tensor the side stream uses is allocated
-    before the fork or on the side stream itself, and stays referenced until the join (a block
-    freed earlier could be handed to the current stream's next allocation while the side stream
-    still reads it). Costs peak memory (dL/dx's [P, H] rows live beside the wgrad row copies)."""
-    T, H = x.shape
-    E, two_i, _ = gate_up_proj.shape
-    inter = two_i // 2
-    K = topk_weights.shape[1]
-    dev = x.device
-    wcfg = cfg["wgrad"]
-    d_down = torch.empty(E, H, inter, device=dev, dtype=x.dtype) if needs[2] else None
-    d_gate_up = torch.empty(E, two_i, H, device=dev, dtype=x.dtype) if needs[1] else None
-    main = torch.cuda.current_stream(dev)
-    side = _side_stream(dev)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        if d_down is not None:
-            _wgrad_token_operand(dout, hw, d_down, routing, wcfg, src_is_a=True, topk=K, use_tma=tma)
-        if d_gate_up is not None:
-            _wgrad_token_operand(x, dgu, d_gate_up, routing, wcfg, src_is_a=False, topk=K, use_tma=tma)
-    dx_rows = torch.empty(routing.num_rows, H, device=dev, dtype=x.dtype)
-    _gemm(dgu, gate_up_proj, dx_rows, routing, cfg["down"], n=H, k=two_i, epilogue=0, gather_a=False,
-          b_ncontig=True, topk=K, use_tma=tma, pair=pair)
-    dx = torch.empty(T, H, device=dev, dtype=x.dtype)
-    _combine(dx_rows, routing.token_topk_to_pos, None, dx)
-    main.wait_stream(side)
-    d_w = dw_flat.view(topk_weights.shape).to(topk_weights.dtype) if needs[3] else None
     return dx, d_gate_up, d_down, d_w
 
 
