@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import triton
@@ -97,6 +99,47 @@ def test_constexpr_keywords_are_ordered_by_the_kernel_signature():
     out.zero_()
     launch((2,), -1, x, y, out, 100, 0.5, BLOCK=64, SCALE=4, num_warps=4)
     torch.testing.assert_close(out, 2 * x + y)
+
+
+def test_recording_collects_split_calls_of_its_context_only():
+    launch = CachedLaunch(_twice_kernel)
+    x = torch.randn(100)
+    out = torch.zeros(100)
+    launch.split((2,), -1, (x, out), (100,), (64,))  # before: not recorded
+    with CachedLaunch.recording() as calls:
+        launch.split((2,), -1, (x, out), (100,), (64,), num_warps=2)
+        with CachedLaunch.recording() as inner:  # a nested recording takes the calls made inside it
+            launch.split((1,), -1, (x, out), (64,), (64,))
+        seen = []
+        worker = threading.Thread(target=lambda: (launch.split((2,), -1, (x, out), (100,), (64,)),
+                                                  seen.append(triton_launch._RECORDING.get())))
+        worker.start()
+        worker.join()
+    launch.split((2,), -1, (x, out), (100,), (64,))  # after: not recorded
+    assert seen == [None]  # another thread's launches are not this context's
+    assert [c.grid for c in inner] == [(1,)]
+    assert len(calls) == 1
+    call = calls[0]
+    assert call.launcher is launch and call.tensors[0] is x and call.tensors[1] is out
+    assert (call.grid, call.device_index, call.ints, call.constexprs, call.num_warps) == ((2,), -1, (100,), (64,), 2)
+    assert launch.split_hit(call) is None  # the interpreter takes Triton's path: nothing to replay
+    torch.testing.assert_close(out, 2 * x, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_a_recorded_split_call_replays_with_other_addresses():
+    launch = CachedLaunch(_twice_kernel)
+    if not launch.fast:
+        pytest.skip("triton < 3.4 or hooks: split takes Triton's path")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    x, out = torch.randn(100, device=dev), torch.zeros(100, device=dev)
+    with CachedLaunch.recording() as calls:
+        launch.split((2,), dev.index, (x, out), (100,), (64,))
+    hit = launch.split_hit(calls[0])
+    assert hit is not None
+    x2, out2 = torch.randn(100, device=dev), torch.zeros(100, device=dev)
+    CachedLaunch.run_hit(hit, (2,), dev.index, (x2.data_ptr(), out2.data_ptr(), 100, 64))
+    torch.testing.assert_close(out2, 2 * x2, rtol=0, atol=0)
 
 
 @pytest.mark.gpu

@@ -29,7 +29,11 @@ Python frame).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
+from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 
@@ -38,7 +42,7 @@ try:
 except ImportError:  # triton < 3.4: always take Triton's own path
     _knobs = None
 
-__all__ = ["CachedLaunch"]
+__all__ = ["CachedLaunch", "SplitLaunch"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _MAX_KEYS = 4096  # exact keys; a sweep over many sequence lengths must not grow forever
@@ -82,6 +86,16 @@ def _hooks_registered() -> bool:
     return getattr(rt, "add_stages_inspection_hook", None) is not None
 
 
+def _split_head(device_index: int, num_warps: int, num_stages: int | None, tensors: tuple, extras: tuple,
+                constexprs: tuple) -> tuple:
+    """Everything in a `split` key but the ints: device, launch options, knobs, dtypes, constexprs, extras."""
+    rt = _knobs.runtime
+    return (device_index, num_warps, num_stages, rt.debug,
+            getattr(_knobs.compilation, "instrumentation_mode", None),
+            tuple([t.dtype for t in tensors]), constexprs,
+            tuple([_arg_key(e) for e in extras]) if extras else ())
+
+
 def _direct_entry(run: object) -> tuple | None:
     """(launch, cooperative, pdl) of a triton 3.6 CudaLauncher that needs no scratch memory, whose
     `__call__` then only forwards to `launch(gx, gy, gz, stream, function, cooperative, pdl,
@@ -93,6 +107,24 @@ def _direct_entry(run: object) -> tuple | None:
     if not all(hasattr(run, f) for f in fields) or run.global_scratch_size or run.profile_scratch_size:
         return None
     return run.launch, run.launch_cooperative_grid, run.launch_pdl
+
+
+class SplitLaunch(NamedTuple):
+    """One `CachedLaunch.split` call as `CachedLaunch.recording` saw it (its arguments, unchanged)."""
+
+    launcher: CachedLaunch
+    grid: tuple
+    device_index: int
+    tensors: tuple
+    extras: tuple
+    ints: tuple
+    constexprs: tuple
+    num_warps: int
+    num_stages: int | None
+
+
+_RECORDING: contextvars.ContextVar[list | None] = contextvars.ContextVar("kernelhub_split_recording",
+                                                                         default=None)
 
 
 class CachedLaunch:
@@ -155,6 +187,10 @@ class CachedLaunch:
         per-argument dispatch (a few us less per launch on slow hosts; ~20 us for a 40-argument
         kernel).
         """
+        recording = _RECORDING.get()
+        if recording is not None:
+            recording.append(SplitLaunch(self, grid, device_index, tensors, extras, ints, constexprs, num_warps,
+                                         num_stages))
         ptrs = tuple([t.data_ptr() for t in tensors])
         bits = 0
         for p in ptrs:
@@ -165,11 +201,7 @@ class CachedLaunch:
             self(grid, device_index, *tensors, *extras, *ints, *constexprs, num_warps=num_warps,
                  num_stages=num_stages)
             return
-        rt = _knobs.runtime
-        head = (device_index, num_warps, num_stages, rt.debug,
-                getattr(_knobs.compilation, "instrumentation_mode", None),
-                tuple([t.dtype for t in tensors]), constexprs,
-                tuple([_arg_key(e) for e in extras]) if extras else ())
+        head = _split_head(device_index, num_warps, num_stages, tensors, extras, constexprs)
         key = ("split", head, ints)
         hit = self.exact.get(key)
         if hit is None:
@@ -179,6 +211,41 @@ class CachedLaunch:
             if hit is None:
                 return
         self._run(hit, grid, device_index, ptrs + extras + ints + constexprs)
+
+    def split_hit(self, call: SplitLaunch) -> tuple | None:
+        """The compiled handle a recorded `split` call launched through (None where it took Triton's
+        own path), for a caller that replays the same launch with other addresses (`run_hit`)."""
+        if (not self.fast or self.kernel.pre_run_hooks
+                or len(call.tensors) + len(call.extras) + len(call.ints) + len(call.constexprs) != len(self.names)):
+            return None
+        head = _split_head(call.device_index, call.num_warps, call.num_stages, call.tensors, call.extras,
+                           call.constexprs)
+        return self.exact.get(("split", head, call.ints))
+
+    @staticmethod
+    @contextlib.contextmanager
+    def recording() -> Iterator[list[SplitLaunch]]:
+        """Collect every `split` call made in this context (this thread / task only) while it still
+        launches as usual: how a caller learns the launches of a code path in order to replay them."""
+        calls: list[SplitLaunch] = []
+        token = _RECORDING.set(calls)
+        try:
+            yield calls
+        finally:
+            _RECORDING.reset(token)
+
+    @staticmethod
+    def hooks_registered() -> bool:
+        """Whether Triton launch or compile hooks are set (a replaying caller must then not replay)."""
+        return _knobs is None or _hooks_registered()
+
+    @staticmethod
+    def run_hit(hit: tuple, grid: tuple, device_index: int, args: tuple) -> None:
+        """Launch a handle from `split_hit` on `device_index`'s current stream with `args` in the
+        kernel's order, tensors as addresses. The caller answers for everything `split` checks:
+        same dtypes, ints, constexprs and descriptors as the recorded call, every address 16-byte
+        aligned and on that device, no hooks registered."""
+        CachedLaunch._run(hit, grid, device_index, args)
 
     def _lookup_or_compile(self, key: tuple, spec_key: tuple, grid: tuple, args: tuple, num_warps: int,
                            num_stages: int | None) -> tuple | None:

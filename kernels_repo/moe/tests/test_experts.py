@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import importlib
 import json
 import os
 import subprocess
 import sys
 import types
+import weakref
 from pathlib import Path
 
 import pytest
@@ -951,6 +953,44 @@ def test_gpu_inference_is_cuda_graph_capturable(T):
         fresh = moe.fused_experts(x, gu, dn, idx, w)
     assert not torch.equal(fresh, expected)
     torch.testing.assert_close(out, fresh, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 32])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_gpu_decode_replays_give_the_ordinary_paths_bits(shape, T):
+    """Inference at T*K <= SMALL_PAIRS: the first call of a shape records its launches, later calls
+    replay them with their own addresses (and new descriptors where the bucket loads by TMA). A
+    replay must give the bits of the ordinary path on the same inputs, on another current stream
+    too, and must not keep the model's tensors alive."""
+    ex = importlib.import_module(moe.__name__ + ".experts")
+    rp = importlib.import_module(moe.__name__ + "._experts_replay")
+    s = SHAPES[shape]
+    first = gpu_inputs(s["E"], s["H"], s["I"], s["K"], T)
+    second = gpu_inputs(s["E"], s["H"], s["I"], s["K"], T)
+    second = (second[0], first[1], first[2], second[3], second[4])  # same weights, new tokens and routing
+    with torch.no_grad():
+        rp._REPLAYS.clear()
+        moe.fused_experts(*first)  # recorded
+        key = rp.replay_key(*first, ex.select_variant(first[0].device), ex._config(
+            ex.select_variant(first[0].device), s["E"], s["H"], s["I"], T * s["K"], None, first[0].device))
+        plan = rp._REPLAYS.get(key)
+        assert plan is not None, "the decode call was not recorded for replay"
+        assert rp.replay(key, second, plan.cfg) is not None
+        replayed = moe.fused_experts(*second)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            on_stream = moe.fused_experts(*second)
+        torch.cuda.current_stream().wait_stream(stream)
+        rp._REPLAYS.clear()
+        ordinary = moe.fused_experts(*second)  # recorded again: the ordinary path ran
+    assert torch.equal(replayed, ordinary) and torch.equal(on_stream, ordinary)
+    assert_close_rel(ordinary, moe.fused_experts_reference(*second), 1e-2, "output")
+    ref = weakref.ref(first[1])
+    del first, second
+    gc.collect()
+    assert ref() is None, "a kept replay holds the weights"
 
 
 @pytest.mark.gpu

@@ -1,0 +1,138 @@
+"""Replayed launches of the small inference path of `fused_experts` (decode: T*K <= SMALL_PAIRS).
+
+Why: an eager decode step is host-bound. Its GPU work is ~30 us, while the Python that aligns
+the rows, builds four launches' arguments and allocates five buffers costs ~150 us on an H200's
+host. Every argument of those launches except the tensor addresses depends only on the call's
+shapes, strides, dtypes, device and tile bucket. So the first call of a shape runs the ordinary
+path under `CachedLaunch.recording()`, and its launches are kept as a `_Replay`: the compiled
+handle, grid, ints and constexprs of each launch, plus where each address comes from. Later calls
+of the same shape allocate one workspace for the internal buffers and one output, compute the
+addresses, and launch the same kernels with the same arguments: the same bits as the ordinary
+path.
+
+Device safety: the key holds the device index, the caller runs under `device_guard(x)`, and the
+launches go to that device's current stream (`CachedLaunch.run_hit`). Nothing here is cached
+across calls but ints and compiled handles (no tensor, so no stream or graph shares a buffer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kernelhub.device import CachedLaunch, device_cache
+
+_MAX_REPLAYS = 512
+_ALIGN = 256  # workspace offsets of the internal buffers (the allocator's alignment is 512)
+# key -> _Replay, or None where the recorded call cannot be replayed (so it is not recorded again)
+_REPLAYS: dict[tuple, _Replay | None] = device_cache()
+
+
+class _Replay:
+    """The launches of one recorded call and where each of their addresses comes from."""
+
+    __slots__ = ("cfg", "launches", "workspace_bytes", "out_shape")
+
+    def __init__(self, cfg: dict, launches: list, workspace_bytes: int, out_shape: tuple[int, int]) -> None:
+        self.cfg = cfg  # held, so that the id() in the key cannot be reused by another bucket
+        # (hit, grid, device index, address slots, (descriptor class, base, fields) or None, ints + constexprs)
+        self.launches = launches
+        self.workspace_bytes = workspace_bytes
+        self.out_shape = out_shape
+
+
+def replay_key(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant: str, cfg: dict) -> tuple | None:
+    """What the recorded arguments depend on; None where this call does not replay (its ids are not
+    contiguous: the ordinary path copies them, an internal buffer a replay would not fill)."""
+    if not topk_idx.is_contiguous():
+        return None
+    return (x.get_device(), tuple(x.shape), x.stride(), x.dtype, tuple(gate_up_proj.shape), gate_up_proj.stride(),
+            down_proj.stride(), tuple(topk_idx.shape), topk_idx.dtype, topk_weights.stride(), topk_weights.dtype,
+            variant, id(cfg))
+
+
+def replay(key: tuple, externals: tuple[torch.Tensor, ...], cfg: dict) -> torch.Tensor | None:
+    """The output of the recorded launches run on these tensors (x, gate_up_proj, down_proj, topk_idx,
+    topk_weights), or None: no replay for this key (yet), hooks registered, or an address that is
+    not 16-byte aligned (the compiled kernels assume it; the ordinary path then launches through
+    Triton itself)."""
+    plan = _REPLAYS.get(key)
+    if plan is None or plan.cfg is not cfg or CachedLaunch.hooks_registered():
+        return None
+    x = externals[0]
+    ptrs = [t.data_ptr() for t in externals]
+    bits = 0
+    for p in ptrs:
+        bits |= p
+    if bits & 15:
+        return None
+    out = torch.empty(plan.out_shape, device=x.device, dtype=x.dtype)
+    workspace = torch.empty(plan.workspace_bytes, device=x.device, dtype=torch.uint8)
+    ptrs.append(out.data_ptr())
+    ptrs.append(workspace.data_ptr())
+    for hit, grid, index, slots, descriptors, suffix in plan.launches:
+        args = tuple([ptrs[base] + offset for base, offset in slots])
+        if descriptors:
+            args += tuple([None if d is None else d[0](base=externals[d[1]], **d[2]) for d in descriptors])
+        CachedLaunch.run_hit(hit, grid, index, args + suffix)
+    return out
+
+
+def remember(key: tuple, calls: list, externals: tuple[torch.Tensor, ...], out: torch.Tensor, cfg: dict) -> None:
+    """Keep the launches recorded while the ordinary path computed `out` from `externals`."""
+    if key in _REPLAYS:
+        return
+    if len(_REPLAYS) >= _MAX_REPLAYS:
+        _REPLAYS.clear()
+    _REPLAYS[key] = _plan(calls, externals, out, cfg)
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def _plan(calls: list, externals: tuple[torch.Tensor, ...], out: torch.Tensor, cfg: dict) -> _Replay | None:
+    """Address slots (base, byte offset) of every recorded tensor argument. Bases: the externals in
+    order, then the output, then the workspace; a tensor in none of the externals' or the output's
+    storage is an internal buffer, given a region of the workspace per distinct storage."""
+    named = [*externals, out]
+    spans = [_storage(t) for t in named]
+    for i, (start, size) in enumerate(spans):  # overlapping storages: which base is ambiguous
+        for other, other_size in spans[i + 1:]:
+            if start < other + other_size and other < start + size:
+                return None
+    workspace: dict[int, int] = {}  # internal storage address -> its offset in the workspace
+    size = 0
+    launches = []
+    ws_base = len(named)
+    for call in calls:
+        hit = call.launcher.split_hit(call)
+        if hit is None:
+            return None
+        slots = []
+        for t in call.tensors:
+            start, nbytes = _storage(t)
+            base = next((i for i, (s, _) in enumerate(spans) if s == start), None)
+            if base is not None:
+                slots.append((base, t.data_ptr() - named[base].data_ptr()))
+                continue
+            if start not in workspace:
+                workspace[start] = size
+                size += -(-nbytes // _ALIGN) * _ALIGN
+            slots.append((ws_base, workspace[start] + t.data_ptr() - start))
+        descriptors = []
+        for e in call.extras:
+            if e is None:
+                descriptors.append(None)
+                continue
+            base = next((i for i, t in enumerate(externals) if getattr(e, "base", None) is t), None)
+            if base is None or not dataclasses.is_dataclass(e):
+                return None  # a descriptor over a buffer of the call: not replayed
+            # its fields but the tensor: a kept descriptor would keep the model's weight alive
+            fields = {f.name: getattr(e, f.name) for f in dataclasses.fields(e) if f.name != "base"}
+            descriptors.append((type(e), base, fields))
+        launches.append((hit, call.grid, call.device_index, tuple(slots), tuple(descriptors),
+                         call.ints + call.constexprs))
+    return _Replay(cfg, launches, max(size, 1), tuple(out.shape))
