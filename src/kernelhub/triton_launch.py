@@ -235,9 +235,13 @@ class CachedLaunch:
             _RECORDING.reset(token)
 
     @staticmethod
-    def hooks_registered() -> bool:
-        """Whether Triton launch or compile hooks are set (a replaying caller must then not replay)."""
-        return _knobs is None or _hooks_registered()
+    def launch_state() -> tuple | None:
+        """The Triton settings compiled handles depend on (debug, instrumentation), for a replaying
+        caller's key; None while launch or compile hooks are set (then every launch must go
+        through Triton, which calls them) or on a Triton without knobs."""
+        if _knobs is None or _hooks_registered():
+            return None
+        return _knobs.runtime.debug, getattr(_knobs.compilation, "instrumentation_mode", None)
 
     @staticmethod
     def run_hit(hit: tuple, grid: tuple, device_index: int, args: tuple) -> None:

@@ -43,22 +43,23 @@ class _Replay:
 
 
 def replay_key(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant: str, cfg: dict) -> tuple | None:
-    """What the recorded arguments depend on; None where this call does not replay (its ids are not
-    contiguous: the ordinary path copies them, an internal buffer a replay would not fill)."""
-    if not topk_idx.is_contiguous():
+    """What the recorded arguments depend on; None where this call does not replay: Triton hooks
+    are set, or the ids are not contiguous (the ordinary path copies them, an internal buffer a
+    replay would not fill)."""
+    state = CachedLaunch.launch_state()
+    if state is None or not topk_idx.is_contiguous():
         return None
-    return (x.get_device(), tuple(x.shape), x.stride(), x.dtype, tuple(gate_up_proj.shape), gate_up_proj.stride(),
+    return (state, x.get_device(), tuple(x.shape), x.stride(), x.dtype, tuple(gate_up_proj.shape), gate_up_proj.stride(),
             down_proj.stride(), tuple(topk_idx.shape), topk_idx.dtype, topk_weights.stride(), topk_weights.dtype,
             variant, id(cfg))
 
 
 def replay(key: tuple, externals: tuple[torch.Tensor, ...], cfg: dict) -> torch.Tensor | None:
     """The output of the recorded launches run on these tensors (x, gate_up_proj, down_proj, topk_idx,
-    topk_weights), or None: no replay for this key (yet), hooks registered, or an address that is
-    not 16-byte aligned (the compiled kernels assume it; the ordinary path then launches through
-    Triton itself)."""
+    topk_weights), or None: no replay for this key (yet), or an address that is not 16-byte
+    aligned (the compiled kernels assume it; the ordinary path then launches through Triton)."""
     plan = _REPLAYS.get(key)
-    if plan is None or plan.cfg is not cfg or CachedLaunch.hooks_registered():
+    if plan is None or plan.cfg is not cfg:
         return None
     x = externals[0]
     ptrs = [t.data_ptr() for t in externals]
