@@ -49,9 +49,9 @@ def replay_key(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant: str,
     state = CachedLaunch.launch_state()
     if state is None or not topk_idx.is_contiguous():
         return None
-    return (state, x.get_device(), tuple(x.shape), x.stride(), x.dtype, tuple(gate_up_proj.shape), gate_up_proj.stride(),
-            down_proj.stride(), tuple(topk_idx.shape), topk_idx.dtype, topk_weights.stride(), topk_weights.dtype,
-            variant, id(cfg))
+    return (state, x.get_device(), tuple(x.shape), x.stride(), x.dtype, tuple(gate_up_proj.shape),
+            gate_up_proj.stride(), down_proj.stride(), tuple(topk_idx.shape), topk_idx.dtype, topk_weights.stride(),
+            topk_weights.dtype, variant, id(cfg))
 
 
 def replay(key: tuple, externals: tuple[torch.Tensor, ...], cfg: dict) -> torch.Tensor | None:
