@@ -963,7 +963,6 @@ def test_gpu_decode_replays_give_the_ordinary_paths_bits(shape, T):
     replay them with their own addresses (and new descriptors where the bucket loads by TMA). A
     replay must give the bits of the ordinary path on the same inputs, on another current stream
     too, and must not keep the model's tensors alive."""
-    ex = importlib.import_module(moe.__name__ + ".experts")
     rp = importlib.import_module(moe.__name__ + "._experts_replay")
     s = SHAPES[shape]
     first = gpu_inputs(s["E"], s["H"], s["I"], s["K"], T)
@@ -972,17 +971,19 @@ def test_gpu_decode_replays_give_the_ordinary_paths_bits(shape, T):
     with torch.no_grad():
         rp._REPLAYS.clear()
         moe.fused_experts(*first)  # recorded
-        key = rp.replay_key(*first, ex.select_variant(first[0].device), ex._config(
-            ex.select_variant(first[0].device), s["E"], s["H"], s["I"], T * s["K"], None, first[0].device))
-        plan = rp._REPLAYS.get(key)
-        assert plan is not None, "the decode call was not recorded for replay"
-        assert rp.replay(key, second, plan.cfg) is not None
+        key = rp.replay_key(*second, None)
+        assert key is not None and rp._REPLAYS.get(key) is not None, "the decode call was not recorded"
+        assert rp.replay(key, second) is not None
         replayed = moe.fused_experts(*second)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             on_stream = moe.fused_experts(*second)
         torch.cuda.current_stream().wait_stream(stream)
+        bad = second[3].clone()
+        bad[0, 0] = s["E"]  # same key, an id out of range: the replay path still checks the ids
+        with pytest.raises(ValueError, match=r"`topk_idx` entries must be in \[-1, "):
+            moe.fused_experts(second[0], second[1], second[2], bad, second[4])
         rp._REPLAYS.clear()
         ordinary = moe.fused_experts(*second)  # recorded again: the ordinary path ran
     assert torch.equal(replayed, ordinary) and torch.equal(on_stream, ordinary)

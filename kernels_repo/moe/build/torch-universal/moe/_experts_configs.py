@@ -131,12 +131,27 @@ def _read(capability: int) -> dict:
     return cfg
 
 
+# Caches of answers derived from the buckets (the replayed decode launches), emptied with ours.
+_derived: list[dict] = []
+
+
+def derived_cache(cache: dict | None = None) -> dict:
+    """`cache` (or a new dict) for answers derived from the picked buckets, emptied by
+    `clear_config_cache`."""
+    cache = {} if cache is None else cache
+    with _lock:
+        _derived.append(cache)
+    return cache
+
+
 def clear_config_cache() -> None:
     with _lock:
         _cache.clear()
         _resolved.clear()
         _fitted.clear()
         _picked.clear()
+        for cache in _derived:
+            cache.clear()
 
 
 def shape_key(num_experts: int, hidden: int, intermediate: int) -> str:

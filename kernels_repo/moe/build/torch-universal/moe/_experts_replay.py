@@ -1,65 +1,85 @@
 """Replayed launches of the small inference path of `fused_experts` (decode: T*K <= SMALL_PAIRS).
 
-Why: an eager decode step is host-bound. Its GPU work is ~30 us, while the Python that aligns
-the rows, builds four launches' arguments and allocates five buffers costs ~150 us on an H200's
-host. Every argument of those launches except the tensor addresses depends only on the call's
-shapes, strides, dtypes, device and tile bucket. So the first call of a shape runs the ordinary
-path under `CachedLaunch.recording()`, and its launches are kept as a `_Replay`: the compiled
-handle, grid, ints and constexprs of each launch, plus where each address comes from. Later calls
-of the same shape allocate one workspace for the internal buffers and one output, compute the
-addresses, and launch the same kernels with the same arguments: the same bits as the ordinary
-path.
+Why: an eager decode step is host-bound. Its GPU work is ~30 us, while the Python that checks the
+arguments, picks the bucket, aligns the rows, builds four launches' arguments and allocates five
+buffers costs ~100-170 us on an H200's host. Every argument of those launches except the tensor
+addresses depends only on the call's shapes, strides, dtypes, devices and bucket. So the first
+call of a key runs the ordinary path (every check included) under `CachedLaunch.recording()`,
+and its launches are kept as a `_Replay`: the compiled handle, grid, ints and constexprs of each
+launch, plus where each address comes from. A later call with the same key - everything the
+checks and the launches depend on - allocates one workspace for the internal buffers and one
+output, computes the addresses and launches the same kernels with the same arguments: the same
+bits as the ordinary path, without its Python.
 
-Device safety: the key holds the device index, the caller runs under `device_guard(x)`, and the
-launches go to that device's current stream (`CachedLaunch.run_hit`). Nothing here is cached
-across calls but ints and compiled handles (no tensor, so no stream or graph shares a buffer).
+Device safety: the key holds every tensor's device, the caller runs the replay under
+`device_guard(x)`, and the launches go to that device's current stream (`CachedLaunch.run_hit`).
+Nothing is kept across calls but ints and compiled handles: no tensor (so no buffer is shared by
+two streams or a graph, and no model weight is kept alive).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
 from kernelhub.device import CachedLaunch, device_cache
 
+from ._experts_configs import derived_cache
+from ._experts_routing import SMALL_PAIRS
+
 _MAX_REPLAYS = 512
 _ALIGN = 256  # workspace offsets of the internal buffers (the allocator's alignment is 512)
-# key -> _Replay, or None where the recorded call cannot be replayed (so it is not recorded again)
-_REPLAYS: dict[tuple, _Replay | None] = device_cache()
+# key -> _Replay, or None where the recorded call cannot be replayed (so it is not recorded again);
+# emptied with the device caches (fake devices in tests) and the config cache (new buckets)
+_REPLAYS: dict[tuple, _Replay | None] = derived_cache(device_cache())
 
 
 class _Replay:
     """The launches of one recorded call and where each of their addresses comes from."""
 
-    __slots__ = ("cfg", "launches", "workspace_bytes", "out_shape")
+    __slots__ = ("launches", "workspace_bytes", "out_shape")
 
-    def __init__(self, cfg: dict, launches: list, workspace_bytes: int, out_shape: tuple[int, int]) -> None:
-        self.cfg = cfg  # held, so that the id() in the key cannot be reused by another bucket
+    def __init__(self, launches: list, workspace_bytes: int, out_shape: tuple[int, int]) -> None:
         # (hit, grid, device index, address slots, (descriptor class, base, fields) or None, ints + constexprs)
         self.launches = launches
         self.workspace_bytes = workspace_bytes
         self.out_shape = out_shape
 
 
-def replay_key(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant: str, cfg: dict) -> tuple | None:
-    """What the recorded arguments depend on; None where this call does not replay: Triton hooks
-    are set, or the ids are not contiguous (the ordinary path copies them, an internal buffer a
+def replay_key(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant: object) -> tuple | None:
+    """Everything the checks of `fused_experts` and the recorded launches depend on, for an
+    inference call with the shipped (or KERNELHUB_MOE_CONFIG_DIR) buckets; None where the call is
+    not replayed: not all tensors, not CUDA, a gradient is needed, not decode-sized, compiling,
+    Triton hooks set, or ids that are not contiguous (the ordinary path copies them, a buffer a
     replay would not fill)."""
-    state = CachedLaunch.launch_state()
-    if state is None or not topk_idx.is_contiguous():
+    tensors = (x, gate_up_proj, down_proj, topk_idx, topk_weights)
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or not x.is_cuda:
         return None
-    return (state, x.get_device(), tuple(x.shape), x.stride(), x.dtype, tuple(gate_up_proj.shape),
-            gate_up_proj.stride(), down_proj.stride(), tuple(topk_idx.shape), topk_idx.dtype, topk_weights.stride(),
-            topk_weights.dtype, variant, id(cfg))
+    if not 0 < topk_idx.numel() <= SMALL_PAIRS or not topk_idx.is_contiguous() or torch.compiler.is_compiling():
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or gate_up_proj.requires_grad or down_proj.requires_grad
+                                    or topk_weights.requires_grad):
+        return None
+    state = CachedLaunch.launch_state()
+    if state is None:
+        return None
+    return (state, os.environ.get("KERNELHUB_MOE_CONFIG_DIR"), variant,
+            x.device, x.dtype, x.shape, x.stride(),
+            gate_up_proj.device, gate_up_proj.dtype, gate_up_proj.shape, gate_up_proj.stride(),
+            down_proj.device, down_proj.dtype, down_proj.shape, down_proj.stride(),
+            topk_idx.device, topk_idx.dtype, topk_idx.shape,
+            topk_weights.device, topk_weights.dtype, topk_weights.shape, topk_weights.stride())
 
 
-def replay(key: tuple, externals: tuple[torch.Tensor, ...], cfg: dict) -> torch.Tensor | None:
-    """The output of the recorded launches run on these tensors (x, gate_up_proj, down_proj, topk_idx,
-    topk_weights), or None: no replay for this key (yet), or an address that is not 16-byte
-    aligned (the compiled kernels assume it; the ordinary path then launches through Triton)."""
+def replay(key: tuple, externals: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+    """The output of the launches recorded for `key`, run on these tensors (x, gate_up_proj,
+    down_proj, topk_idx, topk_weights); None: nothing recorded for the key (yet), or an address that
+    is not 16-byte aligned (the compiled kernels assume it; the ordinary path then launches through
+    Triton). Call with x's device current."""
     plan = _REPLAYS.get(key)
-    if plan is None or plan.cfg is not cfg:
+    if plan is None:
         return None
     x = externals[0]
     ptrs = [t.data_ptr() for t in externals]
@@ -80,13 +100,13 @@ def replay(key: tuple, externals: tuple[torch.Tensor, ...], cfg: dict) -> torch.
     return out
 
 
-def remember(key: tuple, calls: list, externals: tuple[torch.Tensor, ...], out: torch.Tensor, cfg: dict) -> None:
+def remember(key: tuple, calls: list, externals: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
     """Keep the launches recorded while the ordinary path computed `out` from `externals`."""
     if key in _REPLAYS:
         return
     if len(_REPLAYS) >= _MAX_REPLAYS:
         _REPLAYS.clear()
-    _REPLAYS[key] = _plan(calls, externals, out, cfg)
+    _REPLAYS[key] = _plan(calls, externals, out)
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:
@@ -94,7 +114,7 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
     return storage.data_ptr(), storage.nbytes()
 
 
-def _plan(calls: list, externals: tuple[torch.Tensor, ...], out: torch.Tensor, cfg: dict) -> _Replay | None:
+def _plan(calls: list, externals: tuple[torch.Tensor, ...], out: torch.Tensor) -> _Replay | None:
     """Address slots (base, byte offset) of every recorded tensor argument. Bases: the externals in
     order, then the output, then the workspace; a tensor in none of the externals' or the output's
     storage is an internal buffer, given a region of the workspace per distinct storage."""
@@ -136,4 +156,4 @@ def _plan(calls: list, externals: tuple[torch.Tensor, ...], out: torch.Tensor, c
             descriptors.append((type(e), base, fields))
         launches.append((hit, call.grid, call.device_index, tuple(slots), tuple(descriptors),
                          call.ints + call.constexprs))
-    return _Replay(cfg, launches, max(size, 1), tuple(out.shape))
+    return _Replay(launches, max(size, 1), tuple(out.shape))

@@ -24,7 +24,7 @@ from kernelhub.device import CachedLaunch, device_capability, device_guard, devi
 from . import _experts_replay as _replay
 from . import _experts_sm90 as sm90
 from ._experts_configs import INTERPRETER_CONFIG, check_bucket, pick_config, picked_config
-from ._experts_routing import SMALL_PAIRS, ExpertRows, align_rows
+from ._experts_routing import ExpertRows, align_rows
 from ._experts_sm80 import _combine_kernel, _gather_rows_kernel, _grouped_gemm_kernel, _grouped_wgrad_kernel
 from .reference_experts import fused_experts_reference
 
@@ -106,7 +106,12 @@ def _validate(x, gate_up_proj, down_proj, topk_idx, topk_weights, check_indices:
             f"{_FN}: `topk_weights` must have the shape of `topk_idx` {tuple(topk_idx.shape)}, "
             f"got {tuple(topk_weights.shape)}"
         )
-    if check_indices and topk_idx.numel() and not _capturing(x):
+    if check_indices:
+        _check_ids(x, topk_idx, E)
+
+
+def _check_ids(x: torch.Tensor, topk_idx: torch.Tensor, E: int) -> None:
+    if topk_idx.numel() and not _capturing(x):
         # One host sync; skipped while capturing a CUDA graph (the kernels drop ids outside [0, E)
         # instead of reading out of bounds, so skipping it is safe, only silent).
         bad = (topk_idx < -1) | (topk_idx >= E)
@@ -322,6 +327,8 @@ def _use_tma(variant: str, cfg: dict, gate_up_proj, down_proj) -> bool:
 
 
 def _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, save: bool):
+    # Decode calls are recorded and replayed (_experts_replay): every GPU operation here must be a
+    # CachedLaunch.split launch (allocations aside), or a replay would skip it.
     T, H = x.shape
     E, two_i, _ = gate_up_proj.shape
     inter = two_i // 2
@@ -457,6 +464,16 @@ def fused_experts(
         TypeError: a non-tensor argument or unsupported dtype.
         ValueError: shapes, devices, index range or variant are wrong.
     """
+    # Decode with the shipped buckets: a call whose key was recorded replays its launches; the key
+    # covers everything the checks below depend on but the ids' values (see _experts_replay).
+    key = _replay.replay_key(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant) if config is None else None
+    if key is not None:
+        if check_indices:
+            _check_ids(x, topk_idx, gate_up_proj.shape[0])
+        with device_guard(x):
+            out = _replay.replay(key, (x, gate_up_proj, down_proj, topk_idx, topk_weights))
+        if out is not None:
+            return out
     _validate(x, gate_up_proj, down_proj, topk_idx, topk_weights, check_indices)
     dev = x.device
     if variant is None:
@@ -481,18 +498,10 @@ def fused_experts(
         apply = _FusedExpertsFunction.apply if torch._C._are_functorch_transforms_active() else _APPLY
         return apply(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg)
     with device_guard(x):
-        if dev.type != "cuda" or topk_idx.numel() > SMALL_PAIRS or torch.compiler.is_compiling():
-            out, *_ = _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, save=False)
-            return out
-        # decode: the first call of a shape records its launches, later ones replay them
-        externals = (x, gate_up_proj, down_proj, topk_idx, topk_weights)
-        key = _replay.replay_key(*externals, variant, cfg)
         if key is None:
             out, *_ = _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, save=False)
             return out
-        out = _replay.replay(key, externals, cfg)
-        if out is None:
-            with CachedLaunch.recording() as calls:
-                out, *_ = _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, save=False)
-            _replay.remember(key, calls, externals, out, cfg)
+        with CachedLaunch.recording() as calls:  # the first call of a replay key
+            out, *_ = _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, save=False)
+    _replay.remember(key, calls, (x, gate_up_proj, down_proj, topk_idx, topk_weights), out)
     return out
