@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: versions, GPU tests, the demo, then the benchmarks.
-# Usage (device tool): bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [tiles] [profile] [moehost] [diag] [graphdiag] [sweep] [tune] [routing] [moe] [moeprof] [flatcheck] [ncu] [pairab] [cfgab]
+# Usage (device tool): bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [tiles] [profile] [moehost] [diag] [graphdiag] [sweep] [tune] [routing] [moe] [moeprof] [flatcheck] [ncu] [pairab] [cfgab] [dirab]
 # Env: CFG_A, CFG_B (cfgab), GPU_TESTS (pytest paths for `tests`), GPU_K (its -k expression), MOE_TIMEOUT, SWEEP_TIMEOUT, TUNE_TIMEOUT, TUNE_ARGS, and the benchmarks' own (SHAPES, TOKENS...)
 # Logs and JSON lines land in $OUT. The GPU image has torch/triton/transformers of its own; we
 # run from the source tree (PYTHONPATH=src) and bring Liger-Kernel as a wheel in .whl/.
@@ -52,6 +52,15 @@ for step in $steps; do
     pairab) # fused_experts as shipped, then with the 128-row buckets as block_m=64 + pair_m (same call)
       python3 kernels_repo/moe/benchmarks/pair_m_configs.py /tmp/pair_m_configs
       bench_ab shipped= pair_m=/tmp/pair_m_configs ;;
+    dirab) # bench_moe.py on the kernel repository copy $MOE_OLD (an older commit), then on ours (same call)
+      mkdir -p "$OUT/old" "$OUT/new"
+      for run in old new; do
+        dir=; [ $run = old ] && dir=${MOE_OLD:?set MOE_OLD to a copy of kernels_repo/moe}
+        env ${dir:+MOE_DIR=$dir} OUT="$OUT/$run" \
+          IMPLS=${IMPLS:-kernelhub} SHAPES=${SHAPES:-qwen3_30b_a3b,deepseek_v3} TOKENS=${TOKENS:-4096} \
+          timeout ${MOE_TIMEOUT:-150} python3 kernels_repo/moe/benchmarks/bench_moe.py 2>&1 | tee "$OUT/$run/bench_moe.log" \
+          | grep -E "^kind=moe_(fwd|fwdbwd)" | sed "s/^/$run /"
+      done ;;
     cfgab) # fused_experts with the config file $CFG_A (and $CFG_B, if set; as sm90.json) against the shipped configs (same call)
       mkdir -p /tmp/cfg_a && cp "${CFG_A:?set CFG_A to an sm90.json to compare}" /tmp/cfg_a/sm90.json
       if [ -n "${CFG_B:-}" ]; then mkdir -p /tmp/cfg_b && cp "$CFG_B" /tmp/cfg_b/sm90.json; fi

@@ -10,7 +10,7 @@ tile config chosen, so `tune_moe.py` knows where to look.
 Usage (repo root): PYTHONPATH=src python kernels_repo/moe/benchmarks/bench_moe.py
   env: SHAPES=qwen3_30b_a3b,mixtral_8x7b,deepseek_v3  TOKENS=1,32,512,4096,16384
        IMPLS=kernelhub,hf_grouped_mm,...  MODES=fwd,fwdbwd  STAGES=1 (per-stage kernelhub times; 0: off)
-       OUT=/tmp (appends $OUT/bench_moe.jsonl)
+       OUT=/tmp (appends $OUT/bench_moe.jsonl)  MOE_DIR=DIR (the kernel repository to time; default ours)
        SKEW=s: skewed routing, as a trained router's hot experts: expert logits get a bias of
          -s * log(1 + rank) over a random ranking of the experts (0, the default: uniform); rows
          then carry skew=s and the "--" line the hottest expert's load over the mean
@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "src"))
 from kernelhub._loader import load_kernel_from_dir  # noqa: E402
 
-moe = load_kernel_from_dir(ROOT / "kernels_repo" / "moe")
+# MOE_DIR: another copy of the kernel repository (an older commit, say), for an A/B in one call
+moe = load_kernel_from_dir(Path(os.environ.get("MOE_DIR", ROOT / "kernels_repo" / "moe")))
 DEV = torch.device("cuda")
 OUT = os.environ.get("OUT", "/tmp")
 LOG = open(os.path.join(OUT, "bench_moe.jsonl"), "a")

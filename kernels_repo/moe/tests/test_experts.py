@@ -956,13 +956,13 @@ def test_gpu_inference_is_cuda_graph_capturable(T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 32])
+@pytest.mark.parametrize("T", [1, 32, 1024])  # one-program alignment; mapping kernels and TMA weights
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_gpu_decode_replays_give_the_ordinary_paths_bits(shape, T):
-    """Inference at T*K <= SMALL_PAIRS: the first call of a shape records its launches, later calls
-    replay them with their own addresses (and new descriptors where the bucket loads by TMA). A
-    replay must give the bits of the ordinary path on the same inputs, on another current stream
-    too, and must not keep the model's tensors alive."""
+def test_gpu_inference_replays_give_the_ordinary_paths_bits(shape, T):
+    """Inference: the second call of a key records its launches, later calls replay them with
+    their own addresses (and new descriptors where the bucket loads by TMA). A replay must give the
+    bits of the ordinary path on the same inputs, on another current stream too, still check the
+    ids, and must not keep the model's tensors alive."""
     rp = importlib.import_module(moe.__name__ + "._experts_replay")
     s = SHAPES[shape]
     first = gpu_inputs(s["E"], s["H"], s["I"], s["K"], T)
@@ -970,9 +970,11 @@ def test_gpu_decode_replays_give_the_ordinary_paths_bits(shape, T):
     second = (second[0], first[1], first[2], second[3], second[4])  # same weights, new tokens and routing
     with torch.no_grad():
         rp._REPLAYS.clear()
-        moe.fused_experts(*first)  # recorded
+        moe.fused_experts(*first)  # the key is seen
         key = rp.replay_key(*second, None)
-        assert key is not None and rp._REPLAYS.get(key) is not None, "the decode call was not recorded"
+        assert key is not None and rp._REPLAYS.get(key) is rp._SEEN
+        moe.fused_experts(*first)  # recorded
+        assert isinstance(rp._REPLAYS.get(key), rp._Replay), "the inference call was not recorded"
         assert rp.replay(key, second) is not None
         replayed = moe.fused_experts(*second)
         stream = torch.cuda.Stream()
@@ -985,7 +987,7 @@ def test_gpu_decode_replays_give_the_ordinary_paths_bits(shape, T):
         with pytest.raises(ValueError, match=r"`topk_idx` entries must be in \[-1, "):
             moe.fused_experts(second[0], second[1], second[2], bad, second[4])
         rp._REPLAYS.clear()
-        ordinary = moe.fused_experts(*second)  # recorded again: the ordinary path ran
+        ordinary = moe.fused_experts(*second)  # the ordinary path (the key is only seen)
     assert torch.equal(replayed, ordinary) and torch.equal(on_stream, ordinary)
     assert_close_rel(ordinary, moe.fused_experts_reference(*second), 1e-2, "output")
     ref = weakref.ref(first[1])

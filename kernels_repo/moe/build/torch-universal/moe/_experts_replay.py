@@ -1,15 +1,17 @@
-"""Replayed launches of the small inference path of `fused_experts` (decode: T*K <= SMALL_PAIRS).
+"""Replayed launches of the inference path of `fused_experts`.
 
 Why: an eager decode step is host-bound. Its GPU work is ~30 us, while the Python that checks the
 arguments, picks the bucket, aligns the rows, builds four launches' arguments and allocates five
-buffers costs ~100-170 us on an H200's host. Every argument of those launches except the tensor
-addresses depends only on the call's shapes, strides, dtypes, devices and bucket. So the first
-call of a key runs the ordinary path (every check included) under `CachedLaunch.recording()`,
-and its launches are kept as a `_Replay`: the compiled handle, grid, ints and constexprs of each
-launch, plus where each address comes from. A later call with the same key - everything the
-checks and the launches depend on - allocates one workspace for the internal buffers and one
-output, computes the addresses and launches the same kernels with the same arguments: the same
-bits as the ordinary path, without its Python.
+buffers costs ~100-170 us on an H200's host (and at larger T the GPU waits for it before the
+first GEMM). Every argument of those launches except the tensor addresses depends only on the
+call's shapes, strides, dtypes, devices and bucket. So the second call of a key runs the ordinary
+path (every check included) under `CachedLaunch.recording()` (the first only marks the key as
+seen: a prefill whose length never repeats pays nothing for recording), and its launches are kept
+as a `_Replay`: the compiled handle, grid, ints and constexprs of each launch, plus where each
+address comes from. A later call with the same key - everything the checks and the launches
+depend on - allocates one workspace for the internal buffers and one output, computes the
+addresses and launches the same kernels with the same arguments: the same bits as the ordinary
+path, without its Python.
 
 Device safety: the key holds every tensor's device, the caller runs the replay under
 `device_guard(x)`, and the launches go to that device's current stream (`CachedLaunch.run_hit`).
@@ -26,14 +28,16 @@ import torch
 
 from kernelhub.device import CachedLaunch, device_cache
 
+from . import _routing_checks
 from ._experts_configs import derived_cache
-from ._experts_routing import SMALL_PAIRS
 
 _MAX_REPLAYS = 512
 _ALIGN = 256  # workspace offsets of the internal buffers (the allocator's alignment is 512)
-# key -> _Replay, or None where the recorded call cannot be replayed (so it is not recorded again);
-# emptied with the device caches (fake devices in tests) and the config cache (new buckets)
-_REPLAYS: dict[tuple, _Replay | None] = derived_cache(device_cache())
+_SEEN = "seen"  # a key met once: the next call records
+_MISSING = object()
+# key -> _Replay, None where the recorded call cannot be replayed (so it is not recorded again), or
+# _SEEN; emptied with the device caches (fake devices in tests) and the config cache (new buckets)
+_REPLAYS: dict[tuple, _Replay | str | None] = derived_cache(device_cache())
 
 
 class _Replay:
@@ -51,13 +55,13 @@ class _Replay:
 def replay_key(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant: object) -> tuple | None:
     """Everything the checks of `fused_experts` and the recorded launches depend on, for an
     inference call with the shipped (or KERNELHUB_MOE_CONFIG_DIR) buckets; None where the call is
-    not replayed: not all tensors, not CUDA, a gradient is needed, not decode-sized, compiling,
-    Triton hooks set, or ids that are not contiguous (the ordinary path copies them, a buffer a
-    replay would not fill)."""
+    not replayed: not all tensors, not CUDA, a gradient is needed, no pairs, compiling, Triton
+    hooks set, or ids that are not contiguous (the ordinary path copies them, a buffer a replay
+    would not fill)."""
     tensors = (x, gate_up_proj, down_proj, topk_idx, topk_weights)
     if not all(isinstance(t, torch.Tensor) for t in tensors) or not x.is_cuda:
         return None
-    if not 0 < topk_idx.numel() <= SMALL_PAIRS or not topk_idx.is_contiguous() or torch.compiler.is_compiling():
+    if not topk_idx.numel() or not topk_idx.is_contiguous() or torch.compiler.is_compiling():
         return None
     if torch.is_grad_enabled() and (x.requires_grad or gate_up_proj.requires_grad or down_proj.requires_grad
                                     or topk_weights.requires_grad):
@@ -65,7 +69,7 @@ def replay_key(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant: obje
     state = CachedLaunch.launch_state()
     if state is None:
         return None
-    return (state, os.environ.get("KERNELHUB_MOE_CONFIG_DIR"), variant,
+    return (state, os.environ.get("KERNELHUB_MOE_CONFIG_DIR"), _routing_checks.sms_version, variant,
             x.device, x.dtype, x.shape, x.stride(),
             gate_up_proj.device, gate_up_proj.dtype, gate_up_proj.shape, gate_up_proj.stride(),
             down_proj.device, down_proj.dtype, down_proj.shape, down_proj.stride(),
@@ -79,7 +83,7 @@ def replay(key: tuple, externals: tuple[torch.Tensor, ...]) -> torch.Tensor | No
     is not 16-byte aligned (the compiled kernels assume it; the ordinary path then launches through
     Triton). Call with x's device current."""
     plan = _REPLAYS.get(key)
-    if plan is None:
+    if plan is None or plan is _SEEN:
         return None
     x = externals[0]
     ptrs = [t.data_ptr() for t in externals]
@@ -100,10 +104,20 @@ def replay(key: tuple, externals: tuple[torch.Tensor, ...]) -> torch.Tensor | No
     return out
 
 
+def should_record(key: tuple) -> bool:
+    """Whether this call (with no replay for its key) should record its launches: the key's second
+    call does; the first marks the key as seen; a key whose recording could not be replayed never."""
+    state = _REPLAYS.get(key, _MISSING)
+    if state is _MISSING:
+        if len(_REPLAYS) >= _MAX_REPLAYS:
+            _REPLAYS.clear()
+        _REPLAYS[key] = _SEEN
+        return False
+    return state is _SEEN
+
+
 def remember(key: tuple, calls: list, externals: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
     """Keep the launches recorded while the ordinary path computed `out` from `externals`."""
-    if key in _REPLAYS:
-        return
     if len(_REPLAYS) >= _MAX_REPLAYS:
         _REPLAYS.clear()
     _REPLAYS[key] = _plan(calls, externals, out)

@@ -24,6 +24,9 @@ INT32_MAX = 2**31 - 1
 
 _lock = threading.Lock()
 _num_sms_override: dict[tuple[str, int], int] = {}
+# bumped by every set_num_sms: callers that keep launch arguments sized by it (the replayed
+# fused_experts launches) hold it in their keys
+sms_version = 0
 
 
 def interpreting() -> bool:
@@ -41,7 +44,9 @@ def set_num_sms(device: object, num_sms: int | None) -> None:
     if dev.type != "cuda":
         raise ValueError(f"set_num_sms: `device` must be a CUDA device, got {dev}")
     key = (dev.type, int(dev.index))
+    global sms_version
     with _lock:
+        sms_version += 1
         if num_sms is None:
             _num_sms_override.pop(key, None)
             return

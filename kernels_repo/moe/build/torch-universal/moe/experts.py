@@ -327,8 +327,8 @@ def _use_tma(variant: str, cfg: dict, gate_up_proj, down_proj) -> bool:
 
 
 def _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, save: bool):
-    # Decode calls are recorded and replayed (_experts_replay): every GPU operation here must be a
-    # CachedLaunch.split launch (allocations aside), or a replay would skip it.
+    # Inference calls are recorded and replayed (_experts_replay): every GPU operation here must be
+    # a CachedLaunch.split launch (allocations aside), or a replay would skip it.
     T, H = x.shape
     E, two_i, _ = gate_up_proj.shape
     inter = two_i // 2
@@ -464,8 +464,8 @@ def fused_experts(
         TypeError: a non-tensor argument or unsupported dtype.
         ValueError: shapes, devices, index range or variant are wrong.
     """
-    # Decode with the shipped buckets: a call whose key was recorded replays its launches; the key
-    # covers everything the checks below depend on but the ids' values (see _experts_replay).
+    # Inference with the shipped buckets: a call whose key was recorded replays its launches; the
+    # key covers everything the checks below depend on but the ids' values (see _experts_replay).
     key = _replay.replay_key(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant) if config is None else None
     if key is not None:
         if check_indices:
@@ -498,10 +498,10 @@ def fused_experts(
         apply = _FusedExpertsFunction.apply if torch._C._are_functorch_transforms_active() else _APPLY
         return apply(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg)
     with device_guard(x):
-        if key is None:
+        if key is None or not _replay.should_record(key):
             out, *_ = _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, save=False)
             return out
-        with CachedLaunch.recording() as calls:  # the first call of a replay key
+        with CachedLaunch.recording() as calls:  # the second call of a replay key
             out, *_ = _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, save=False)
     _replay.remember(key, calls, (x, gate_up_proj, down_proj, topk_idx, topk_weights), out)
     return out
