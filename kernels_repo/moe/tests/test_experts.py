@@ -116,6 +116,18 @@ def test_experts_without_tokens_get_zero_weight_grads(variant):
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("T,K,E", [(3, 3, 5), (200, 3, 5)])  # one-program alignment; the mapping kernels
+def test_routing_buffers_start_16_byte_aligned(T, K, E):
+    """Every routing view fused_experts launches with starts 16-byte aligned (odd E, odd T*K): a
+    misaligned pointer would send the launch down CachedLaunch's slower path and refuse its replay."""
+    rt = importlib.import_module(moe.__name__ + "._experts_routing")
+    idx = torch.randint(0, E, (T, K))
+    r = rt.align_rows(idx, E, 16)
+    for name in ("rows", "row_expert", "expert_start", "expert_count", "token_topk_to_pos"):
+        t = getattr(r, name)
+        assert (t.data_ptr() - t.untyped_storage().data_ptr()) % 16 == 0, name
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("variant", TRITON_VARIANTS)
 def test_16bit_and_strided_inputs(variant, dtype):

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from kernelhub.device import CachedLaunch
 
-from .routing import _mapping
+from .routing import _int32_views, _mapping
 
 # Up to this many (token, k) pairs one Triton program aligns them in one launch (decode: T<=64,
 # K<=8) instead of ~15 torch ops, whose launches would cost more than the expert GEMMs there.
@@ -98,9 +98,8 @@ def _align_small(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> Expe
     n = T * K
     E = num_experts
     P = max_rows(n, E, block_m)
-    buf = torch.empty(2 * P + 2 * E + n, dtype=torch.int32, device=topk_idx.device)
-    # one C++ call for the five views (half the host time of five slices)
-    rows, row_expert, start, count, pos = buf.split_with_sizes((P, P, E, E, n))
+    # one allocation, five views (each 16-byte aligned, as the launches' cached path needs)
+    rows, row_expert, start, count, pos = _int32_views((P, P, E, E, n), topk_idx.device)
     _align_small_launch.split(
         (1,), topk_idx.device.index if topk_idx.is_cuda else -1,
         (topk_idx.reshape(-1), rows, row_expert, start, count, pos), (n, E, P),

@@ -253,6 +253,14 @@ class _Mapping(NamedTuple):
     counts: Tensor  # real (unaligned) rows per expert [E]
 
 
+def _int32_views(sizes: tuple[int, ...], device: torch.device) -> list[Tensor]:
+    """int32 views of these sizes over one allocation, each starting 16-byte aligned."""
+    chunks = []
+    for size in sizes:
+        chunks += (size, -size % 4)
+    return torch.empty((sum(chunks),), dtype=torch.int32, device=device).split_with_sizes(chunks)[::2]
+
+
 def _mapping(topk_idx: Tensor, num_experts: int, num_pos: int, alignment: int) -> _Mapping:
     """The three mapping launches on topk_idx's device, unchecked (callers validate).
 
@@ -274,11 +282,12 @@ def _mapping(topk_idx: Tensor, num_experts: int, num_pos: int, alignment: int) -
     # 3 x P position arrays | T*K inverse | start E | end E | meta E+3 | tile counts | totals.
     sizes = (num_pos, num_pos, num_pos, numel, num_experts, num_experts, num_experts + 3,
              n_tiles * e1, e1)
-    buf = torch.empty((sum(sizes),), dtype=torch.int32, device=dev)
     # split_with_sizes: one C++ call for the nine views (Tensor.split's Python wrapper costs ~30 us
-    # of host time here, nine slices about twice this)
+    # of host time here, nine slices about twice this). Each view starts 16-byte aligned (a gap
+    # after each one): a launch with a misaligned pointer takes CachedLaunch's slower path, and its
+    # replay (fused_experts inference) is refused.
     (pos_to_expert, pos_to_token, pos_to_token_topk, inverse, expert_start, expert_end, meta,
-     tile_counts, totals) = buf.split_with_sizes(sizes)
+     tile_counts, totals) = _int32_views(sizes, dev)
     src = topk_idx if topk_idx.is_contiguous() else topk_idx.contiguous()
     nb = _pow2(e1)
     index = _index(topk_idx)
