@@ -467,11 +467,13 @@ def fused_experts(
     # Inference with the shipped buckets: a call whose key was recorded replays its launches; the
     # key covers everything the checks below depend on but the ids' values (see _experts_replay).
     key = _replay.replay_key(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant) if config is None else None
-    if key is not None:
+    plan = _replay.recorded(key) if key is not None else None
+    if plan is not None:
         if check_indices:
             _check_ids(x, topk_idx, gate_up_proj.shape[0])
+            check_indices = False  # done, also for the ordinary path below (a misaligned address)
         with device_guard(x):
-            out = _replay.replay(key, (x, gate_up_proj, down_proj, topk_idx, topk_weights))
+            out = _replay.replay(plan, (x, gate_up_proj, down_proj, topk_idx, topk_weights))
         if out is not None:
             return out
     _validate(x, gate_up_proj, down_proj, topk_idx, topk_weights, check_indices)
