@@ -116,6 +116,27 @@ def test_experts_without_tokens_get_zero_weight_grads(variant):
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
 
 
+def test_replay_keys_seen_once_make_room_before_recordings(monkeypatch):
+    """The replay table's bound: a key is recorded on its second call; when the table is full, the
+    keys seen once (prefill lengths that never repeat) go before the recordings (decode shapes)."""
+    rp = importlib.import_module(moe.__name__ + "._experts_replay")
+    monkeypatch.setattr(rp, "_MAX_REPLAYS", 4)
+    rp._REPLAYS.clear()
+    recording = rp._Replay([], 1, (1, 1))
+    try:
+        assert rp.should_record(("decode",)) is False  # first call: seen
+        assert rp.should_record(("decode",)) is True  # second call: record
+        rp._REPLAYS[("decode",)] = recording
+        assert rp.recorded(("decode",)) is recording and rp.recorded(("other",)) is None
+        for n in range(10):  # prefill lengths that never repeat
+            assert rp.should_record(("prefill", n)) is False
+        assert rp.recorded(("decode",)) is recording and len(rp._REPLAYS) <= 4
+        rp._REPLAYS[("broken",)] = None  # a recording that could not be replayed: never again
+        assert rp.should_record(("broken",)) is False
+    finally:
+        rp._REPLAYS.clear()
+
+
 @pytest.mark.parametrize("T,K,E", [(3, 3, 5), (200, 3, 5)])  # one-program alignment; the mapping kernels
 def test_routing_buffers_start_16_byte_aligned(T, K, E):
     """Every routing view fused_experts launches with starts 16-byte aligned (odd E, odd T*K): a

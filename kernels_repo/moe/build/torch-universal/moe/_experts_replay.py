@@ -111,8 +111,7 @@ def should_record(key: tuple) -> bool:
     call does; the first marks the key as seen; a key whose recording could not be replayed never."""
     state = _REPLAYS.get(key, _MISSING)
     if state is _MISSING:
-        if len(_REPLAYS) >= _MAX_REPLAYS:
-            _REPLAYS.clear()
+        _make_room()
         _REPLAYS[key] = _SEEN
         return False
     return state is _SEEN
@@ -120,9 +119,19 @@ def should_record(key: tuple) -> bool:
 
 def remember(key: tuple, calls: list, externals: tuple[torch.Tensor, ...], out: torch.Tensor) -> None:
     """Keep the launches recorded while the ordinary path computed `out` from `externals`."""
+    _make_room()
+    _REPLAYS[key] = _plan(calls, externals, out)
+
+
+def _make_room() -> None:
+    """At the bound, forget the keys seen once (prefill lengths that did not repeat) before the
+    recordings (the decode shapes that do)."""
+    if len(_REPLAYS) < _MAX_REPLAYS:
+        return
+    for key in [k for k, v in _REPLAYS.items() if v is _SEEN]:
+        del _REPLAYS[key]
     if len(_REPLAYS) >= _MAX_REPLAYS:
         _REPLAYS.clear()
-    _REPLAYS[key] = _plan(calls, externals, out)
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:
