@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: versions, GPU tests, the demo, then the benchmarks.
-# Usage (device tool): bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [tiles] [profile] [moehost] [diag] [graphdiag] [sweep] [tune] [routing] [moe] [moeprof] [flatcheck] [ncu] [pairab] [cfgab] [dirab]
-# Env: CFG_A, CFG_B (cfgab), GPU_TESTS (pytest paths for `tests`), GPU_K (its -k expression), MOE_TIMEOUT, SWEEP_TIMEOUT, TUNE_TIMEOUT, TUNE_ARGS, and the benchmarks' own (SHAPES, TOKENS...)
+# Usage (device tool): bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [tiles] [profile] [moehost] [diag] [graphdiag] [sweep] [persist] [tune] [routing] [moe] [moeprof] [flatcheck] [ncu] [pairab] [cfgab] [dirab]
+# Env: CFG_A, CFG_B (cfgab), GPU_TESTS (pytest paths for `tests`), GPU_K (its -k expression), MOE_TIMEOUT, SWEEP_TIMEOUT, PERSIST_TIMEOUT, TUNE_TIMEOUT, TUNE_ARGS, and the benchmarks' own (SHAPES, TOKENS...)
 # Logs and JSON lines land in $OUT. The GPU image has torch/triton/transformers of its own; we
 # run from the source tree (PYTHONPATH=src) and bring Liger-Kernel as a wheel in .whl/.
 set -u
@@ -40,6 +40,7 @@ for step in $steps; do
     routing) timeout 120 python3 benchmarks/bench_moe_routing.py 2>&1 | tee "$OUT/bench_routing.log" | tail -40 ;;
     moe) timeout ${MOE_TIMEOUT:-300} python3 kernels_repo/moe/benchmarks/bench_moe.py 2>&1 | tee "$OUT/bench_moe.log" | tail -40 ;;
     moeprof) timeout ${PROF_TIMEOUT:-150} python3 kernels_repo/moe/benchmarks/profile_moe.py 2>&1 | tee "$OUT/profile_moe.log" | grep -E "^==|^  " | head -${PROF_LINES:-80} ;;
+    persist) timeout ${PERSIST_TIMEOUT:-300} python3 kernels_repo/moe/benchmarks/sweep_persistent.py 2>&1 | tee "$OUT/sweep_persistent.log" | grep -E "^(==|persist|sum)|skip|Error" ;;
     flatcheck) timeout ${FLAT_TIMEOUT:-200} python3 kernels_repo/moe/benchmarks/check_flat_wgrad.py 2>&1 | tee "$OUT/check_flat_wgrad.log" | tail -40 ;;
     ncu) # hardware counters of the MoE GEMMs in one forward+backward (NCU_POINT, NCU_K kernel regex, NCU_C launches)
       NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

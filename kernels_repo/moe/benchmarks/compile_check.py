@@ -81,12 +81,14 @@ def compile_one(fn, signature, constexprs, cap, num_warps, num_stages, label):
 
 def gemm(cap, cfg, bm, epilogue, tma, ncontig, dtype="bf16", pair=False):
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    # as experts._gemm: A by TMA only where it is not gathered (epilogue 0), never with pair_m
+    a_tma = bool(tma and cfg.get("A_TMA", False) and epilogue == 0 and not pair)
     sig = {
         "a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "c_ptr": f"*{dtype}", "aux_ptr": f"*{dtype}",
         "rows_ptr": "*i32", "row_expert_ptr": "*i32", "scale_ptr": f"*{dtype}", "dscale_ptr": "*fp32",
         "h_ptr": f"*{dtype}", "expert_start_ptr": "*i32", "expert_count_ptr": "*i32",
     }
-    for name in ("P", "N", "K", "B_N_TOTAL", "stride_am", "stride_ak", "stride_be", "stride_bn", "stride_bk",
+    for name in ("P", "N", "K", "B_N_TOTAL", "E", "stride_am", "stride_ak", "stride_be", "stride_bn", "stride_bk",
                  "stride_cm", "stride_cn", "stride_xm", "stride_hm"):
         sig[name] = I32
     const = {}
@@ -95,16 +97,22 @@ def gemm(cap, cfg, bm, epilogue, tma, ncontig, dtype="bf16", pair=False):
         sig["b_desc"] = f"tensordesc<{dtype}[{', '.join(map(str, block))}]>"
     else:
         const["b_desc"] = None
+    if a_tma:
+        sig["a_desc"] = f"tensordesc<{dtype}[{bm}, {bk}]>"
+    else:
+        const["a_desc"] = None
+    persistent = bool(cfg.get("PERSISTENT", 0)) and not pair
     const.update(
         EPILOGUE=epilogue, SAVE_AUX=epilogue == 1, SAVE_H=epilogue == 2,
         GATHER_A=epilogue != 0, TOPK=8, B_TMA=tma,
-        B_NCONTIG=ncontig, UPCAST=False, PRECISION="ieee" if dtype == "fp32" else None, PAIR=pair, BLOCK_M=bm,
-        BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
+        B_NCONTIG=ncontig, UPCAST=False, PRECISION="ieee" if dtype == "fp32" else None, PAIR=pair, A_TMA=a_tma,
+        PERSISTENT=persistent, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
     )
     # ASTSource wants every argument in the signature; constexprs are marked "constexpr".
     order = k80._grouped_gemm_kernel.arg_names
     full = {n: sig.get(n, "constexpr") for n in order}
-    label = f"gemm epi={epilogue} tma={tma} ncontig={ncontig} bm={bm}{' pair' if pair else ''} {cfg} {dtype}"
+    label = (f"gemm epi={epilogue} tma={tma} ncontig={ncontig} bm={bm}{' pair' if pair else ''}"
+             f"{' a_tma' if a_tma else ''}{' persistent' if persistent else ''} {cfg} {dtype}")
     return compile_one(k80._grouped_gemm_kernel, full, const, cap, cfg["num_warps"], cfg["num_stages"], label)
 
 

@@ -206,6 +206,59 @@ def test_paired_row_blocks_match_the_float64_loop(variant, one_program_alignment
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("one_program_alignment", [True, False])
+def test_persistent_and_tma_a_gemms_match_one_program_per_tile(monkeypatch, one_program_alignment):
+    """GEMM stage keys "PERSISTENT" (programs loop over the tiles of the used rows, counted on the
+    device from the last expert's start and count) and "A_TMA" (down's h and dL/dx's d[gate|up] by
+    TMA): output and every gradient equal the one-program-per-tile pointer path's bits. Experts of
+    0 to 4 blocks with the last one empty (the used-row count must not stop short or run past),
+    a dropped pair; both alignment paths, whose expert starts and counts the kernel reads."""
+    cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
+    ex = importlib.import_module(moe.__name__ + ".experts")
+    if not one_program_alignment:
+        monkeypatch.setattr(importlib.import_module(moe.__name__ + "._experts_routing"), "SMALL_PAIRS", 0)
+    descriptors = _count_row_descriptors(monkeypatch)
+    grids = []
+    real = ex._gemm_launch
+
+    class Recording:  # the GEMM launcher, noting (grid, PERSISTENT) of each launch
+        kernel = real.kernel
+
+        def split(self, grid, index, tensors, ints, constexprs, **kw):
+            grids.append((grid[0], constexprs[11]))
+            return real.split(grid, index, tensors, ints, constexprs, **kw)
+
+    monkeypatch.setattr(ex, "_gemm_launch", Recording())
+    idx = _routing_with_block_counts([36, 50, 0, 40, 0], K=2, drop=1)  # 3, 4, 0, 3, 0 blocks of 16
+    T, K, E, H, I = idx.shape[0], 2, 5, 24, 20
+    x, gu, dn, _, w = make_inputs(T, H, I, E, K, seed=71)
+    dy = torch.randn(T, H, generator=torch.Generator().manual_seed(72))
+    results = {}
+    for name, extra in (("plain", {}), ("persistent", {"PERSISTENT": 1}), ("a_tma", {"A_TMA": True}),
+                        ("both", {"PERSISTENT": 1, "A_TMA": True})):
+        cfg = copy.deepcopy(cfgs.INTERPRETER_CONFIG)
+        for stage in ("gate_up", "down", "dgrad"):
+            cfg[stage].update(extra)
+        grids.clear()
+        descriptors.clear()
+        results[name] = run_with_grads(lambda *a, cfg=cfg: moe.fused_experts(*a, variant="sm90", config=cfg), x,
+                                       gu, dn, idx, w, dy, torch.float32)
+        persistent = [p for _, p in grids]
+        assert len(grids) == 4 and all(p == ("PERSISTENT" in extra) for p in persistent), (name, grids)
+        if "PERSISTENT" in extra:  # 3 "SMs" in the interpreter: fewer programs than tiles
+            assert all(g == 3 for g, _ in grids), grids
+        # A by TMA: forward down and dL/dx (the gathering GEMMs keep pointer loads)
+        assert len(descriptors) == (2 if "A_TMA" in extra else 0), (name, descriptors)
+    out0, grads0 = results["plain"]
+    for name in ("persistent", "a_tma", "both"):
+        out, grads = results[name]
+        torch.testing.assert_close(out, out0, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+        for g, b, what in zip(grads, grads0, NAMES, strict=True):
+            torch.testing.assert_close(g, b, rtol=0, atol=0, msg=lambda m, n=name, w=what: f"{n} {w}: {m}")
+    ref, _ = run_with_grads(loop_reference, x, gu, dn, idx, w, dy, torch.float64)
+    torch.testing.assert_close(out0.double(), ref, rtol=1e-4, atol=1e-5)
+
+
 def test_a_register_cap_gets_its_own_cached_launcher():
     """Stage key "maxnreg": one launcher per (kernel, cap), built once; no key, the shared one."""
     ex = importlib.import_module(moe.__name__ + ".experts")
@@ -1066,6 +1119,47 @@ def test_gpu_wgrad_tma_matches_the_pointer_path(shape, T, monkeypatch):
                 assert_close_rel(got, want, 5e-4, name)
             else:
                 assert torch.equal(want, got), name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,T", [("qwen3_30b_a3b", 4096), ("deepseek_v3", 2048), ("mixtral_8x7b", 1024)])
+def test_gpu_persistent_and_tma_a_gemms_give_the_one_tile_bits(shape, T, monkeypatch):
+    """At real sizes, in bf16, with the shipped tiles unpaired: "PERSISTENT" programs (1 per SM, and
+    2 for the register-capped dgrad) and "A_TMA" give the one-program-per-tile pointer path's
+    output and gradients bit for bit (topk_weights: fp32 atomics in varying order)."""
+    if moe.select_variant(torch.device("cuda")) != "sm90":
+        pytest.skip("TMA needs a capability 9.x GPU")
+    ex = importlib.import_module(moe.__name__ + ".experts")
+    s = SHAPES[shape]
+    x, gu, dn, idx, w = gpu_inputs(s["E"], s["H"], s["I"], s["K"], T)
+    dy = torch.randn_like(x)
+    shipped = ex._config("sm90", s["E"], s["H"], s["I"], T * s["K"], None, x.device)
+    calls = _count_row_descriptors(monkeypatch)
+    results, descriptors = [], []
+    for extra, dgrad_per_sm in (({}, 0), ({"PERSISTENT": 1, "A_TMA": True}, 1), ({"PERSISTENT": 1}, 2)):
+        calls.clear()
+        cfg = copy.deepcopy(shipped)
+        if cfg.pop("pair_m", False):
+            cfg["block_m"] *= 2
+        for stage in ("gate_up", "down", "dgrad"):
+            cfg[stage].pop("PERSISTENT", None)
+            cfg[stage].pop("A_TMA", None)
+            cfg[stage].update(extra)
+        if dgrad_per_sm:
+            cfg["dgrad"]["PERSISTENT"] = dgrad_per_sm
+        results.append(run_with_grads(lambda *a, c=cfg: moe.fused_experts(*a, variant="sm90", config=c), x, gu,
+                                      dn, idx, w, dy, torch.bfloat16))
+        descriptors.append(len(calls))
+    # A by TMA: two more row descriptors (down and dL/dx) than the weight gradients build anyway
+    assert descriptors[1] == descriptors[0] + 2 and descriptors[2] == descriptors[0], descriptors
+    out0, grads0 = results[0]
+    for out, grads in results[1:]:
+        assert torch.equal(out0, out)
+        for name, a, b in zip(NAMES, grads0, grads, strict=True):
+            if name == "topk_weights":
+                assert_close_rel(b, a, 5e-4, name)
+            else:
+                assert torch.equal(a, b), name
 
 
 @pytest.mark.gpu

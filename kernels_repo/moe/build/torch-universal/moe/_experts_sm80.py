@@ -53,9 +53,9 @@ def _grouped_gemm_kernel(
     # pointers
     a_ptr, b_ptr, c_ptr, aux_ptr, rows_ptr, row_expert_ptr, scale_ptr, dscale_ptr, h_ptr,
     expert_start_ptr, expert_count_ptr,
-    b_desc,  # after the pointers: CachedLaunch.split's order (tensors, extras, ints, constexprs)
+    b_desc, a_desc,  # after the pointers: CachedLaunch.split's order (tensors, extras, ints, constexprs)
     # sizes
-    P, N, K, B_N_TOTAL,
+    P, N, K, B_N_TOTAL, E,
     # strides
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_xm, stride_hm,
     # meta
@@ -69,6 +69,8 @@ def _grouped_gemm_kernel(
     UPCAST: tl.constexpr,       # interpreter: bf16 tl.dot is wrong there, compute in fp32
     PRECISION: tl.constexpr,
     PAIR: tl.constexpr,         # two BLOCK_M blocks of one expert as one 2*BLOCK_M tile (see below)
+    A_TMA: tl.constexpr,        # A (not gathered: rows in buffer order) through a 2-D TensorDescriptor
+    PERSISTENT: tl.constexpr,   # programs loop over the tiles in one flattened loop (see below)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile (PAIR: [2*BLOCK_M, BLOCK_N] where it can) of a grouped GEMM.
@@ -77,18 +79,27 @@ def _grouped_gemm_kernel(
     0+1, 2+3, ... run as one tile of twice the height and only an odd last block alone. With
     BLOCK_M=64 an expert of 262 rows costs 320 rows of MMA work instead of 384 at BLOCK_M=128,
     while most of its tiles keep the taller shape's MMA rate.
+
+    PERSISTENT (not with PAIR): a grid of a few programs per SM, each looping over the tiles of the
+    rows actually used (their count read on the device: start + aligned count of the last expert,
+    so no host sync), with the tile loop and the fixed-length K loop flattened into one software-
+    pipelined loop: the next tile's loads are in flight during this tile's last MMAs and epilogue,
+    which a one-tile program cannot overlap (one 8-warp CTA per SM at these tiles' shared memory).
     """
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(P, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    # Grouped ordering: GROUP_M consecutive M-blocks (mostly one expert) sweep the N tiles together,
-    # so a weight tile is fetched from HBM once and re-read from L2.
-    per_group = GROUP_M * num_n
-    group = pid // per_group
-    first_m = group * GROUP_M
-    group_size = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
+    if PERSISTENT:
+        used = tl.load(expert_start_ptr + E - 1) + tl.cdiv(tl.load(expert_count_ptr + E - 1), BLOCK_M) * BLOCK_M
+        num_m = tl.cdiv(used, BLOCK_M)
+        num_n = tl.cdiv(N, BLOCK_N)
+        for tile in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=True):
+            pid_m, pid_n = _grouped_tile(tile, num_m, num_n, GROUP_M)
+            m0 = pid_m.to(tl.int64) * BLOCK_M
+            e = tl.load(row_expert_ptr + m0).to(tl.int64)  # every block below `used` has a real first row
+            _gemm_tile(m0, e, pid_n, a_ptr, b_ptr, b_desc, a_desc, c_ptr, aux_ptr, rows_ptr, scale_ptr,
+                       dscale_ptr, h_ptr, P, N, K, B_N_TOTAL, stride_am, stride_ak, stride_be, stride_bn,
+                       stride_bk, stride_cm, stride_cn, stride_xm, stride_hm, EPILOGUE, SAVE_AUX, SAVE_H,
+                       GATHER_A, TOPK, B_TMA, B_NCONTIG, A_TMA, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        return
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(P, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     # The first row of each block is a real row of the block's expert (or -1 past the last one).
     e = tl.load(row_expert_ptr + pid_m.to(tl.int64) * BLOCK_M).to(tl.int64)
@@ -102,25 +113,35 @@ def _grouped_gemm_kernel(
         run = blk % 2 == 0  # an odd block is done by the program of the block before it
         tall = blk + 1 < tl.cdiv(tl.load(expert_count_ptr + e).to(tl.int64), BLOCK_M)
     if run:
-        if tall:
-            _gemm_tile(m0, e, pid_n, a_ptr, b_ptr, b_desc, c_ptr, aux_ptr, rows_ptr, scale_ptr, dscale_ptr,
+        if PAIR and tall:  # (PAIR first: without it the tall tile is not even compiled)
+            _gemm_tile(m0, e, pid_n, a_ptr, b_ptr, b_desc, a_desc, c_ptr, aux_ptr, rows_ptr, scale_ptr, dscale_ptr,
                        h_ptr, P, N, K, B_N_TOTAL, stride_am, stride_ak, stride_be, stride_bn, stride_bk,
                        stride_cm, stride_cn, stride_xm, stride_hm, EPILOGUE, SAVE_AUX, SAVE_H, GATHER_A,
-                       TOPK, B_TMA, B_NCONTIG, UPCAST, PRECISION, 2 * BLOCK_M, BLOCK_N, BLOCK_K)
+                       TOPK, B_TMA, B_NCONTIG, A_TMA, UPCAST, PRECISION, 2 * BLOCK_M, BLOCK_N, BLOCK_K)
         else:
-            _gemm_tile(m0, e, pid_n, a_ptr, b_ptr, b_desc, c_ptr, aux_ptr, rows_ptr, scale_ptr, dscale_ptr,
+            _gemm_tile(m0, e, pid_n, a_ptr, b_ptr, b_desc, a_desc, c_ptr, aux_ptr, rows_ptr, scale_ptr, dscale_ptr,
                        h_ptr, P, N, K, B_N_TOTAL, stride_am, stride_ak, stride_be, stride_bn, stride_bk,
                        stride_cm, stride_cn, stride_xm, stride_hm, EPILOGUE, SAVE_AUX, SAVE_H, GATHER_A,
-                       TOPK, B_TMA, B_NCONTIG, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                       TOPK, B_TMA, B_NCONTIG, A_TMA, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _grouped_tile(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    """(M-block, N-block) of a tile index in grouped order: GROUP_M consecutive M-blocks (mostly one
+    expert) sweep the N tiles together, so a weight tile is fetched from HBM once and re-read from L2."""
+    per_group = GROUP_M * num_n
+    first_m = (tile // per_group) * GROUP_M
+    group_size = min(num_m - first_m, GROUP_M)
+    return first_m + (tile % per_group) % group_size, (tile % per_group) // group_size
 
 
 @triton.jit
 def _gemm_tile(
-    m0, e, pid_n, a_ptr, b_ptr, b_desc, c_ptr, aux_ptr, rows_ptr, scale_ptr, dscale_ptr, h_ptr,
+    m0, e, pid_n, a_ptr, b_ptr, b_desc, a_desc, c_ptr, aux_ptr, rows_ptr, scale_ptr, dscale_ptr, h_ptr,
     P, N, K, B_N_TOTAL,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_xm, stride_hm,
     EPILOGUE: tl.constexpr, SAVE_AUX: tl.constexpr, SAVE_H: tl.constexpr, GATHER_A: tl.constexpr,
-    TOPK: tl.constexpr, B_TMA: tl.constexpr, B_NCONTIG: tl.constexpr, UPCAST: tl.constexpr,
+    TOPK: tl.constexpr, B_TMA: tl.constexpr, B_NCONTIG: tl.constexpr, A_TMA: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Rows [m0, m0 + BLOCK_M) of the buffer (all expert e's or padding) x column tile pid_n."""
@@ -143,8 +164,11 @@ def _gemm_tile(
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + offs_kk
-        a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
-                    mask=a_mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
+        if A_TMA:  # rows past P and columns past K read as zeros, as the masked load's
+            a = a_desc.load([m0.to(tl.int32), k0])
+        else:
+            a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                        mask=a_mask_m[:, None] & (offs_k[None, :] < K), other=0.0)
         b = _load_b_tile(b_ptr, b_desc, e, offs_k, offs_n, K, N, stride_be, stride_bn, stride_bk,
                          B_TMA, B_NCONTIG, BLOCK_N, BLOCK_K, n0, k0)
         if UPCAST:

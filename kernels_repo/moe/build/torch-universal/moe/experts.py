@@ -166,7 +166,10 @@ def _gemm(a, weight, out, routing: ExpertRows, cfg: dict, *, n: int, k: int, epi
     """One grouped GEMM over the P aligned rows: out[p, :n] from a[row(p), :k] and weight[e(p)].
 
     pair (the bucket's "pair_m"): an expert's row blocks run two at a time as one tile of twice
-    the height, so rows are padded to block_m while most tiles are 2 * block_m tall."""
+    the height, so rows are padded to block_m while most tiles are 2 * block_m tall.
+    Stage keys (sm90, not with pair_m; `check_bucket` refuses the mix): "A_TMA" reads a non-gathered
+    A (the down GEMM's h, dL/dx's d[gate|up]) by TMA; "PERSISTENT": n programs per SM loop over the
+    tiles of the used rows in one flattened, software-pipelined loop (see the kernel)."""
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     bm = routing.block_m
     P = routing.num_rows
@@ -175,22 +178,28 @@ def _gemm(a, weight, out, routing: ExpertRows, cfg: dict, *, n: int, k: int, epi
         stride_bn, stride_bk = sw[2], sw[1]
     else:  # weight stored [E, N, K]
         stride_bn, stride_bk = sw[1], sw[2]
-    desc = None
+    desc = a_desc = None
     if use_tma:
         desc = sm90.weight_descriptor(weight, bk, bn) if b_ncontig else sm90.weight_descriptor(weight, bn, bk)
+        if cfg.get("A_TMA", False) and not gather_a and not pair and sm90.tma_ok(a):
+            a_desc = sm90.rows_descriptor(a, bm, bk)
+    tiles = _cdiv(P, bm) * _cdiv(n, bn)
+    per_sm = 0 if pair else int(cfg.get("PERSISTENT", 0))  # programs per SM; 0: one program per tile
+    programs = min(tiles, per_sm * _sm_count(a.device)) if per_sm else tiles
     aux_t = aux if aux is not None else out
     h_t = h if h is not None else out
     _launcher(_gemm_launch, cfg).split(
-        (_cdiv(P, bm) * _cdiv(n, bn),), _index(a),
+        (programs,), _index(a),
         (a, weight, out, aux_t, routing.rows, routing.row_expert, scale if scale is not None else out,
          dscale if dscale is not None else out, h_t, routing.expert_start, routing.expert_count),
-        (P, n, k, weight.shape[1], sa[0], sa[1], sw[0], stride_bn, stride_bk, so[0], so[1],
+        (P, n, k, weight.shape[1], weight.shape[0], sa[0], sa[1], sw[0], stride_bn, stride_bk, so[0], so[1],
          so[0] if aux is None else aux.stride(0), so[0] if h is None else h.stride(0)),
-        # EPILOGUE, SAVE_AUX, SAVE_H, GATHER_A, TOPK, B_TMA, B_NCONTIG, UPCAST, PRECISION, PAIR,
-        # BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M (the kernel's order; one type per position)
+        # EPILOGUE, SAVE_AUX, SAVE_H, GATHER_A, TOPK, B_TMA, B_NCONTIG, UPCAST, PRECISION, PAIR, A_TMA,
+        # PERSISTENT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M (the kernel's order; one type per position)
         (epilogue, bool(save_aux), h is not None, bool(gather_a), topk, bool(use_tma), bool(b_ncontig),
-         _interpreting(), _precision(a.dtype), bool(pair), bm, bn, bk, cfg["GROUP_M"]),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], extras=(desc,),
+         _interpreting(), _precision(a.dtype), bool(pair), a_desc is not None, per_sm > 0, bm, bn, bk,
+         cfg["GROUP_M"]),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], extras=(desc, a_desc),
     )
 
 
