@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: versions, GPU tests, the demo, then the benchmarks.
 # Usage (device tool): bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [tiles] [profile] [moehost] [diag] [graphdiag] [sweep] [persist] [tune] [routing] [moe] [moeprof] [flatcheck] [ncu] [pairab] [cfgab] [dirab]
-# Env: CFG_A, CFG_B (cfgab), GPU_TESTS (pytest paths for `tests`), GPU_K (its -k expression), MOE_TIMEOUT, SWEEP_TIMEOUT, PERSIST_TIMEOUT, TUNE_TIMEOUT, TUNE_ARGS, and the benchmarks' own (SHAPES, TOKENS...)
+# Env: CFG_A, CFG_B, AB_ROUNDS=2 (cfgab), GPU_TESTS (pytest paths for `tests`), GPU_K (its -k expression), MOE_TIMEOUT, SWEEP_TIMEOUT, PERSIST_TIMEOUT, TUNE_TIMEOUT, TUNE_ARGS, and the benchmarks' own (SHAPES, TOKENS...)
 # Logs and JSON lines land in $OUT. The GPU image has torch/triton/transformers of its own; we
 # run from the source tree (PYTHONPATH=src) and bring Liger-Kernel as a wheel in .whl/.
 set -u
@@ -65,7 +65,11 @@ for step in $steps; do
     cfgab) # fused_experts with the config file $CFG_A (and $CFG_B, if set; as sm90.json) against the shipped configs (same call)
       mkdir -p /tmp/cfg_a && cp "${CFG_A:?set CFG_A to an sm90.json to compare}" /tmp/cfg_a/sm90.json
       if [ -n "${CFG_B:-}" ]; then mkdir -p /tmp/cfg_b && cp "$CFG_B" /tmp/cfg_b/sm90.json; fi
-      bench_ab cfg_a=/tmp/cfg_a ${CFG_B:+cfg_b=/tmp/cfg_b} shipped= ;;
+      if [ "${AB_ROUNDS:-1}" = 2 ]; then  # interleaved: A, shipped, A, shipped (drift within a call)
+        bench_ab cfg_a=/tmp/cfg_a shipped= cfg_a2=/tmp/cfg_a shipped2=
+      else
+        bench_ab cfg_a=/tmp/cfg_a ${CFG_B:+cfg_b=/tmp/cfg_b} shipped=
+      fi ;;
   esac
 done
 echo "=== done ($(date -u +%T))"
