@@ -137,6 +137,51 @@ def test_replay_keys_seen_once_make_room_before_recordings(monkeypatch):
         rp._REPLAYS.clear()
 
 
+def test_a_replay_rebuilds_descriptors_over_weights_and_internal_buffers(monkeypatch):
+    """A recorded launch whose extras are TMA descriptors over a weight (an external) and over an
+    internal buffer (the down GEMM's h with "A_TMA"): the replay passes a fresh descriptor over
+    the new weight and one over the workspace region whose address the same launch gets for h,
+    with the recorded dtype, shape, strides and box; a descriptor over the output is refused."""
+    TensorDescriptor = pytest.importorskip("triton.tools.tensor_descriptor").TensorDescriptor
+    rp = importlib.import_module(moe.__name__ + "._experts_replay")
+    tl_mod = importlib.import_module("kernelhub.triton_launch")
+
+    class Launcher:
+        @staticmethod
+        def split_hit(call):
+            return "hit"
+
+    def externals():
+        x, gu, dn, idx, w = make_inputs(6, 32, 16, 4, 2, dtype=torch.bfloat16, seed=81)
+        return x, gu, dn, idx, w
+
+    ext = externals()
+    out = torch.empty(6, 32, dtype=torch.bfloat16)
+    scratch = torch.empty(4096, dtype=torch.uint8)  # an internal allocation of the call
+    h = scratch[512:].view(torch.bfloat16)[: 48 * 16].view(48, 16)
+    dn = ext[2]
+    call = tl_mod.SplitLaunch(Launcher, (3,), -1, (h, dn, out),
+                              (TensorDescriptor(dn, list(dn.shape), list(dn.stride()), [1, 16, 16]),
+                               TensorDescriptor(h, list(h.shape), list(h.stride()), [16, 16])),
+                              (48, 7), (True,), 4, 3)
+    plan = rp._plan([call], ext, out)
+    assert plan is not None
+    launched = []
+    monkeypatch.setattr(tl_mod.CachedLaunch, "run_hit", staticmethod(lambda *a: launched.append(a)))
+    new = externals()
+    got = rp.replay(plan, new)
+    (hit, grid, index, args), = launched
+    assert (hit, grid, index) == ("hit", (3,), -1) and args[-3:] == (48, 7, True)
+    h_ptr, dn_ptr, out_ptr, dn_desc, h_desc = args[:5]
+    assert dn_ptr == new[2].data_ptr() and out_ptr == got.data_ptr()
+    assert dn_desc.base is new[2] and dn_desc.block_shape == [1, 16, 16]
+    assert h_desc.base.data_ptr() == h_ptr and h_ptr not in (t.data_ptr() for t in (*new, got))
+    assert (h_desc.base.dtype, h_desc.base.shape, h_desc.base.stride()) == (h.dtype, h.shape, h.stride())
+    assert (h_desc.shape, h_desc.strides, h_desc.block_shape) == ([48, 16], [16, 1], [16, 16])
+    over_out = call._replace(extras=(None, TensorDescriptor(out, [6, 32], [32, 1], [16, 16])))
+    assert rp._plan([over_out], ext, out) is None
+
+
 @pytest.mark.parametrize("T,K,E", [(3, 3, 5), (200, 3, 5)])  # one-program alignment; the mapping kernels
 def test_routing_buffers_start_16_byte_aligned(T, K, E):
     """Every routing view fused_experts launches with starts 16-byte aligned (odd E, odd T*K): a
@@ -1049,8 +1094,28 @@ def test_gpu_inference_replays_give_the_ordinary_paths_bits(shape, T):
     their own addresses (and new descriptors where the bucket loads by TMA). A replay must give the
     bits of the ordinary path on the same inputs, on another current stream too, still check the
     ids, and must not keep the model's tensors alive."""
+    _check_replay(SHAPES[shape], T)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,T", [("mixtral_8x7b", 1024), ("qwen3_30b_a3b", 8192)])
+def test_gpu_replays_rebuild_descriptors_over_internal_buffers(shape, T, tmp_path, monkeypatch):
+    """As above with buckets (KERNELHUB_MOE_CONFIG_DIR) whose down tile reads h by TMA from
+    persistent programs: the replay rebuilds that descriptor over its workspace every call."""
+    cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
+    data = json.loads((Path(cfgs.__file__).parent / "configs" / "sm90.json").read_text())
+    for bucket in data["buckets"] + [b for shape_buckets in data["shapes"].values() for b in shape_buckets]:
+        if bucket["block_m"] == 128 and not bucket.get("pair_m"):
+            bucket["down"].update(A_TMA=True, PERSISTENT=1)
+    (tmp_path / "sm90.json").write_text(json.dumps(data))
+    monkeypatch.setenv("KERNELHUB_MOE_CONFIG_DIR", str(tmp_path))
+    plan = _check_replay(SHAPES[shape], T)
+    if moe.select_variant(torch.device("cuda")) == "sm90":  # the A descriptor was recorded as a view
+        assert any(d is not None and type(d[1]) is tuple for launch in plan.launches for d in launch[4])
+
+
+def _check_replay(s: dict, T: int):
     rp = importlib.import_module(moe.__name__ + "._experts_replay")
-    s = SHAPES[shape]
     first = gpu_inputs(s["E"], s["H"], s["I"], s["K"], T)
     second = gpu_inputs(s["E"], s["H"], s["I"], s["K"], T)
     second = (second[0], first[1], first[2], second[3], second[4])  # same weights, new tokens and routing
@@ -1060,8 +1125,9 @@ def test_gpu_inference_replays_give_the_ordinary_paths_bits(shape, T):
         key = rp.replay_key(*second, None)
         assert key is not None and rp._REPLAYS.get(key) is rp._SEEN
         moe.fused_experts(*first)  # recorded
-        assert isinstance(rp._REPLAYS.get(key), rp._Replay), "the inference call was not recorded"
-        assert rp.replay(rp.recorded(key), second) is not None
+        plan = rp._REPLAYS.get(key)
+        assert isinstance(plan, rp._Replay), "the inference call was not recorded"
+        assert rp.replay(plan, second) is not None
         replayed = moe.fused_experts(*second)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -1080,6 +1146,7 @@ def test_gpu_inference_replays_give_the_ordinary_paths_bits(shape, T):
     del first, second
     gc.collect()
     assert ref() is None, "a kept replay holds the weights"
+    return plan
 
 
 @pytest.mark.gpu

@@ -46,7 +46,9 @@ class _Replay:
     __slots__ = ("launches", "workspace_bytes", "out_shape")
 
     def __init__(self, launches: list, workspace_bytes: int, out_shape: tuple[int, int]) -> None:
-        # (hit, grid, device index, address slots, (descriptor class, base, fields) or None, ints + constexprs)
+        # (hit, grid, device index, address slots, descriptors, ints + constexprs); a descriptor is
+        # None or (class, source, fields): source the index of an external, or (workspace byte
+        # offset, dtype, shape, strides) of a view of an internal buffer (e.g. the down GEMM's h)
         self.launches = launches
         self.workspace_bytes = workspace_bytes
         self.out_shape = out_shape
@@ -101,9 +103,17 @@ def replay(plan: _Replay, externals: tuple[torch.Tensor, ...]) -> torch.Tensor |
     for hit, grid, index, slots, descriptors, suffix in plan.launches:
         args = tuple([ptrs[base] + offset for base, offset in slots])
         if descriptors:
-            args += tuple([None if d is None else d[0](base=externals[d[1]], **d[2]) for d in descriptors])
+            args += tuple([None if d is None else d[0](base=_descriptor_base(d[1], externals, workspace), **d[2])
+                           for d in descriptors])
         CachedLaunch.run_hit(hit, grid, index, args + suffix)
     return out
+
+
+def _descriptor_base(source, externals: tuple[torch.Tensor, ...], workspace: torch.Tensor) -> torch.Tensor:
+    if type(source) is int:
+        return externals[source]
+    offset, dtype, shape, strides = source
+    return workspace[offset:].view(dtype).as_strided(shape, strides)
 
 
 def should_record(key: tuple) -> bool:
@@ -158,27 +168,39 @@ def _plan(calls: list, externals: tuple[torch.Tensor, ...], out: torch.Tensor) -
         if hit is None:
             return None
         slots = []
+
+        def workspace_offset(start: int, nbytes: int) -> int:
+            nonlocal size
+            if start not in workspace:
+                workspace[start] = size
+                size += -(-nbytes // _ALIGN) * _ALIGN
+            return workspace[start]
+
         for t in call.tensors:
             start, nbytes = _storage(t)
             base = next((i for i, (s, _) in enumerate(spans) if s == start), None)
             if base is not None:
                 slots.append((base, t.data_ptr() - named[base].data_ptr()))
                 continue
-            if start not in workspace:
-                workspace[start] = size
-                size += -(-nbytes // _ALIGN) * _ALIGN
-            slots.append((ws_base, workspace[start] + t.data_ptr() - start))
+            slots.append((ws_base, workspace_offset(start, nbytes) + t.data_ptr() - start))
         descriptors = []
         for e in call.extras:
             if e is None:
                 descriptors.append(None)
                 continue
-            base = next((i for i, t in enumerate(externals) if getattr(e, "base", None) is t), None)
-            if base is None or not dataclasses.is_dataclass(e):
-                return None  # a descriptor over a buffer of the call: not replayed
+            t = getattr(e, "base", None)
+            if not isinstance(t, torch.Tensor) or not dataclasses.is_dataclass(e):
+                return None
+            source = next((i for i, x in enumerate(externals) if x is t), None)
+            if source is None:  # a view of an internal buffer: rebuilt over the workspace each call
+                start, nbytes = _storage(t)
+                if any(s == start for s, _ in spans) or (t.data_ptr() - start) % 16:
+                    return None  # over the output, or a view inside an external: not replayed
+                source = (workspace_offset(start, nbytes) + t.data_ptr() - start, t.dtype, tuple(t.shape),
+                          tuple(t.stride()))
             # its fields but the tensor: a kept descriptor would keep the model's weight alive
             fields = {f.name: getattr(e, f.name) for f in dataclasses.fields(e) if f.name != "base"}
-            descriptors.append((type(e), base, fields))
+            descriptors.append((type(e), source, fields))
         launches.append((hit, call.grid, call.device_index, tuple(slots), tuple(descriptors),
                          call.ints + call.constexprs))
     return _Replay(launches, max(size, 1), tuple(out.shape))
