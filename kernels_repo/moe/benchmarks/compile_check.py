@@ -184,6 +184,11 @@ def main() -> None:
                 failures += gemm(cap, b[stage], b["block_m"], epi, tma, ncontig, pair=b.get("pair_m", False)) is None
                 if PAIR_TOO and b["block_m"] == 128:  # the same tiles as 64-row blocks paired (pair_m)
                     failures += gemm(cap, b[stage], 64, epi, tma, ncontig, pair=True) is None
+                if tma and stage == "down" and not b.get("pair_m") and b["block_m"] >= 64:
+                    # the down tile as tune_moe.py may write it: h by TMA from persistent programs
+                    keys = {"A_TMA": True, "PERSISTENT": 1}
+                    if {**b[stage], **keys} != b[stage]:
+                        failures += gemm(cap, {**b[stage], **keys}, b["block_m"], epi, tma, ncontig) is None
             for gather_a in (True, False):
                 failures += wgrad(cap, b["wgrad"], gather_a) is None
                 if tma:  # the optional TMA operand (wgrad stage key "TMA")

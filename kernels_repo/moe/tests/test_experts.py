@@ -780,6 +780,12 @@ def test_stages_fit_the_shared_memory_of_each_device_index(fake_gpus):
     (lambda c: c["wgrad"].update(PERSISTENT=-1), ValueError, "['wgrad']['PERSISTENT'] must be an int >= 0"),
     (lambda c: c["wgrad"].update(FLAT_STEPS=4), ValueError, "set 'PERSISTENT' (programs per SM) >= 1 too"),
     (lambda c: c["wgrad"].update(PERSISTENT=1, FLAT_STEPS=-2), ValueError, "['FLAT_STEPS'] must be an int >= 0"),
+    (lambda c: c["down"].update(PERSISTENT=-1), ValueError, "['down']['PERSISTENT'] must be an int >= 0"),
+    (lambda c: c["gate_up"].update(A_TMA=1), TypeError, "['gate_up']['A_TMA'] must be true or false"),
+    (lambda c: (c.update(pair_m=True), c["down"].update(A_TMA=True)), ValueError,
+     "['down']: ['A_TMA'] cannot run with 'pair_m'"),
+    (lambda c: (c.update(pair_m=True), c["dgrad"].update(PERSISTENT=1)), ValueError,
+     "['dgrad']: ['PERSISTENT'] cannot run with 'pair_m'"),
 ])
 def test_a_bad_pinned_config_is_a_clear_error(edit, error, words):
     cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
