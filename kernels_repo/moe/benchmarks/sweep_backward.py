@@ -21,7 +21,7 @@ import os
 from functools import partial
 
 import torch
-from tune_moe import DEV, SHAPES, ex, moe, rt, timed  # same directory
+from tune_moe import DEV, SHAPES, ex, rt, sweep_points, timed  # same directory
 
 
 def _tile(bn: int, bk: int, warps: int, stages: int) -> dict:
@@ -199,12 +199,7 @@ def sweep_point(name: str, T: int, variant: str) -> None:
 
 
 def main() -> None:
-    points = os.environ.get("POINTS", "mixtral_8x7b:16384,deepseek_v3:16384,qwen3_30b_a3b:16384")
-    variant = moe.select_variant(DEV)
-    for point in points.split(","):
-        name, T = point.split(":")
-        sweep_point(name, int(T), variant)
-        torch.cuda.empty_cache()
+    sweep_points(sweep_point, "mixtral_8x7b:16384,deepseek_v3:16384,qwen3_30b_a3b:16384")
 
 
 if __name__ == "__main__":

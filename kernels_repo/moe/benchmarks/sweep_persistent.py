@@ -17,7 +17,7 @@ import os
 import statistics
 
 import torch
-from tune_moe import DEV, SHAPES, ex, moe, rt, timed  # same directory
+from tune_moe import DEV, SHAPES, ex, rt, sweep_points, timed  # same directory
 
 # Candidates: extra keys for the stages they name (measured in s10 call 2, sequentially: persistent
 # gate_up 13-52% slower with 255 registers and spills; persistent dgrad under its 128-register cap
@@ -106,11 +106,7 @@ def sweep_point(name: str, T: int, variant: str) -> None:
 
 
 def main() -> None:
-    points = os.environ.get("POINTS", "qwen3_30b_a3b:4096,deepseek_v3:4096")
-    variant = moe.select_variant(DEV)
-    for point in points.split(","):
-        name, T = point.split(":")
-        sweep_point(name, int(T), variant)
+    sweep_points(sweep_point, "qwen3_30b_a3b:4096,deepseek_v3:4096")
 
 
 if __name__ == "__main__":

@@ -100,6 +100,16 @@ def wgrad_space(full: bool, tma: bool):
                     yield {**cfg, **extra}
 
 
+def sweep_points(sweep_point, default: str) -> None:
+    """sweep_point(name, T, variant) for each "shape:T" of $POINTS (default: `default`), freeing the
+    allocator's cache between points (the sweep scripts share this)."""
+    variant = moe.select_variant(DEV)
+    for point in os.environ.get("POINTS", default).split(","):
+        name, T = point.split(":")
+        sweep_point(name, int(T), variant)
+        torch.cuda.empty_cache()
+
+
 def timed(fn) -> float:
     try:
         fn()
