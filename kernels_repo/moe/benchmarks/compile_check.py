@@ -81,12 +81,12 @@ def compile_one(fn, signature, constexprs, cap, num_warps, num_stages, label):
 
 def gemm(cap, cfg, bm, epilogue, tma, ncontig, dtype="bf16", pair=False):
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    # as experts._gemm: A by TMA only where it is not gathered (epilogue 0), never with pair_m
-    a_tma = bool(tma and cfg.get("A_TMA", False) and epilogue == 0 and not pair)
+    # as experts._gemm: A by TMA only where it is not gathered (epilogue 0)
+    a_tma = bool(tma and cfg.get("A_TMA", False) and epilogue == 0)
     sig = {
         "a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "c_ptr": f"*{dtype}", "aux_ptr": f"*{dtype}",
         "rows_ptr": "*i32", "row_expert_ptr": "*i32", "scale_ptr": f"*{dtype}", "dscale_ptr": "*fp32",
-        "h_ptr": f"*{dtype}", "expert_start_ptr": "*i32", "expert_count_ptr": "*i32",
+        "h_ptr": f"*{dtype}", "expert_start_ptr": "*i32", "expert_count_ptr": "*i32", "pair_tiles_ptr": "*i32",
     }
     for name in ("P", "N", "K", "B_N_TOTAL", "E", "stride_am", "stride_ak", "stride_be", "stride_bn", "stride_bk",
                  "stride_cm", "stride_cn", "stride_xm", "stride_hm"):
@@ -101,7 +101,11 @@ def gemm(cap, cfg, bm, epilogue, tma, ncontig, dtype="bf16", pair=False):
         sig["a_desc"] = f"tensordesc<{dtype}[{bm}, {bk}]>"
     else:
         const["a_desc"] = None
-    persistent = bool(cfg.get("PERSISTENT", 0)) and not pair
+    if a_tma and pair:
+        sig["a_desc_tall"] = f"tensordesc<{dtype}[{2 * bm}, {bk}]>"
+    else:
+        const["a_desc_tall"] = None
+    persistent = bool(cfg.get("PERSISTENT", 0))
     const.update(
         EPILOGUE=epilogue, SAVE_AUX=epilogue == 1, SAVE_H=epilogue == 2,
         GATHER_A=epilogue != 0, TOPK=8, B_TMA=tma,
@@ -159,6 +163,9 @@ def others(cap):
     full = {n: sig.get(n, "constexpr") for n in k80._gather_rows_kernel.arg_names}
     compile_one(k80._gather_rows_kernel, full, dict(stride_sh=1, TOPK=8, ALIGN=128, BLOCK_R=16, BLOCK_H=512),
                 cap, 4, 3, "gather_rows")
+    sig = {"start_ptr": "*i32", "count_ptr": "*i32", "tiles_ptr": "*i32", "E": I32, "P": I32}
+    full = {n: sig.get(n, "constexpr") for n in k80._pair_tiles_kernel.arg_names}
+    compile_one(k80._pair_tiles_kernel, full, dict(BLOCK_M=64, BLOCK_E=128), cap, 4, 3, "pair_tiles")
     sig = {"idx_ptr": "*i64", "rows_ptr": "*i32", "row_expert_ptr": "*i32", "start_ptr": "*i32",
            "count_ptr": "*i32", "pos_ptr": "*i32", "n": I32, "E": I32, "P": I32}
     full = {n: sig.get(n, "constexpr") for n in rt._align_small_kernel.arg_names}
@@ -184,11 +191,12 @@ def main() -> None:
                 failures += gemm(cap, b[stage], b["block_m"], epi, tma, ncontig, pair=b.get("pair_m", False)) is None
                 if PAIR_TOO and b["block_m"] == 128:  # the same tiles as 64-row blocks paired (pair_m)
                     failures += gemm(cap, b[stage], 64, epi, tma, ncontig, pair=True) is None
-                if tma and stage == "down" and not b.get("pair_m") and b["block_m"] >= 64:
+                if tma and stage == "down" and b["block_m"] >= 64:
                     # the down tile as tune_moe.py may write it: h by TMA from persistent programs
                     keys = {"A_TMA": True, "PERSISTENT": 1}
                     if {**b[stage], **keys} != b[stage]:
-                        failures += gemm(cap, {**b[stage], **keys}, b["block_m"], epi, tma, ncontig) is None
+                        failures += gemm(cap, {**b[stage], **keys}, b["block_m"], epi, tma, ncontig,
+                                         pair=b.get("pair_m", False)) is None
             for gather_a in (True, False):
                 failures += wgrad(cap, b["wgrad"], gather_a) is None
                 if tma:  # the optional TMA operand (wgrad stage key "TMA")

@@ -4,8 +4,8 @@ Per (shape, T) point and stage (STAGES: gate_up with its SwiGLU epilogue, down, 
 SwiGLU-backward epilogue, dx = dL/dx, which runs with the "down" tile), each candidate bucket is
 timed in ROUNDS interleaved rounds and the median is printed: within one call the same kernel read
 up to 30% slower late in a long sequential sweep (s10 call 2), so candidates are never timed in
-blocks. A shipped bucket with "pair_m" is also timed at twice its block_m unpaired (persistent tiles
-have one height; A_TMA one box height).
+blocks. A shipped bucket with "pair_m" is also timed at twice its block_m unpaired, and each
+candidate on both layouts (paired persistent programs read the tile lists of `_pair_tiles`).
 Usage (repo root, GPU): PYTHONPATH=src python kernels_repo/moe/benchmarks/sweep_persistent.py
   env: POINTS=qwen3_30b_a3b:4096,deepseek_v3:4096  STAGES=down,dx  ROUNDS=3
 """
@@ -41,11 +41,12 @@ def _buckets(cfg: dict) -> list[tuple[str, dict]]:
         runs.append(("unpaired", base))
     wanted = [c for c in os.environ.get("CANDIDATES", ",".join(CANDIDATES)).split(",") if c]
     for label in wanted:
-        b = copy.deepcopy(base)
-        for stage, extra in CANDIDATES[label].items():
-            b[stage].update(extra)
-        ex.check_bucket(b, label)
-        runs.append((label, b))
+        for suffix, start in (("", cfg), ("_unpaired", base)) if base is not cfg else (("", cfg),):
+            b = copy.deepcopy(start)
+            for stage, extra in CANDIDATES[label].items():
+                b[stage].update(extra)
+            ex.check_bucket(b, label)
+            runs.append((label + suffix, b))
     return runs
 
 

@@ -65,13 +65,13 @@ def gemm_space(full: bool, rows_per_expert: float):
             yield {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3, "maxnreg": cap}
 
 
-def stage_space(stage: str, full: bool, rows_per_expert: float, tma: bool, pair: bool) -> list[dict]:
-    """gemm_space, plus for the down tile on sm90 (tma) without pair_m the same wide tiles reading h
-    (and dL/dx's d[gate|up]) by TMA from persistent programs (stage keys "A_TMA", "PERSISTENT": one
-    tile height, so not with pair_m): 6-21% off down and dL/dx at block_m=128 on an H200
-    (docs/performance.md, tenth session; gate_up and dgrad lost with them)."""
+def stage_space(stage: str, full: bool, rows_per_expert: float, tma: bool) -> list[dict]:
+    """gemm_space, plus for the down tile on sm90 (tma) the same wide tiles reading h (and dL/dx's
+    d[gate|up]) by TMA from persistent programs (stage keys "A_TMA", "PERSISTENT"): 6-21% off down
+    and dL/dx at block_m=128 on an H200 (docs/performance.md, tenth session; gate_up and dgrad
+    lost with them)."""
     space = list(gemm_space(full, rows_per_expert))
-    if stage == "down" and tma and not pair and rows_per_expert > 32:
+    if stage == "down" and tma and rows_per_expert > 32:
         space += [{**c, "A_TMA": True, "PERSISTENT": 1} for c in space if c["BLOCK_N"] >= 128 and "maxnreg" not in c]
     return space
 
@@ -170,7 +170,7 @@ def tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, tma, full, training, 
     total = 0.0
     label = f"block_m={bm}{' pair_m' if pair else ''}"
     for stage, run in stages.items():
-        ms, c = best_of(f"{stage} T={T} {label}", run, stage_space(stage, full, rpe, tma, pair))
+        ms, c = best_of(f"{stage} T={T} {label}", run, stage_space(stage, full, rpe, tma))
         bucket[stage] = c
         total += ms
     if training:

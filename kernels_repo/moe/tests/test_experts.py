@@ -251,20 +251,25 @@ def test_paired_row_blocks_match_the_float64_loop(variant, one_program_alignment
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("pair", [False, True])
 @pytest.mark.parametrize("one_program_alignment", [True, False])
-def test_persistent_and_tma_a_gemms_match_one_program_per_tile(monkeypatch, one_program_alignment):
+def test_persistent_and_tma_a_gemms_match_one_program_per_tile(monkeypatch, one_program_alignment, pair):
     """GEMM stage keys "PERSISTENT" (programs loop over the tiles of the used rows, counted on the
-    device from the last expert's start and count) and "A_TMA" (down's h and dL/dx's d[gate|up] by
-    TMA): output and every gradient equal the one-program-per-tile pointer path's bits. Experts of
-    0 to 4 blocks with the last one empty (the used-row count must not stop short or run past),
-    a dropped pair; both alignment paths, whose expert starts and counts the kernel reads."""
+    device from the last expert's start and count; under "pair_m" over the tall-tile and lone-block
+    lists of `_pair_tiles_kernel`) and "A_TMA" (down's h and dL/dx's d[gate|up] by TMA; under pair_m
+    a second descriptor for tall tiles): output and every gradient equal the one-program-per-tile
+    pointer path's bits. Experts of 0 to 4 blocks with the last one empty (the used-row count must
+    not stop short or run past), a dropped pair; both alignment paths, whose expert starts and
+    counts the kernel reads; under pair_m both tile heights must run."""
     cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
     ex = importlib.import_module(moe.__name__ + ".experts")
+    k80 = importlib.import_module(moe.__name__ + "._experts_sm80")
     if not one_program_alignment:
         monkeypatch.setattr(importlib.import_module(moe.__name__ + "._experts_routing"), "SMALL_PAIRS", 0)
     descriptors = _count_row_descriptors(monkeypatch)
-    grids = []
-    real = ex._gemm_launch
+    grids, heights = [], []
+    real, real_tile = ex._gemm_launch, k80._gemm_tile
+    monkeypatch.setattr(k80, "_gemm_tile", lambda *a: heights.append(int(a[-3])) or real_tile(*a))
 
     class Recording:  # the GEMM launcher, noting (grid, PERSISTENT) of each launch
         kernel = real.kernel
@@ -282,18 +287,23 @@ def test_persistent_and_tma_a_gemms_match_one_program_per_tile(monkeypatch, one_
     for name, extra in (("plain", {}), ("persistent", {"PERSISTENT": 1}), ("a_tma", {"A_TMA": True}),
                         ("both", {"PERSISTENT": 1, "A_TMA": True})):
         cfg = copy.deepcopy(cfgs.INTERPRETER_CONFIG)
+        assert cfg["block_m"] == 16
+        if pair:
+            cfg["pair_m"] = True
         for stage in ("gate_up", "down", "dgrad"):
             cfg[stage].update(extra)
         grids.clear()
         descriptors.clear()
+        heights.clear()
         results[name] = run_with_grads(lambda *a, cfg=cfg: moe.fused_experts(*a, variant="sm90", config=cfg), x,
                                        gu, dn, idx, w, dy, torch.float32)
         persistent = [p for _, p in grids]
         assert len(grids) == 4 and all(p == ("PERSISTENT" in extra) for p in persistent), (name, grids)
         if "PERSISTENT" in extra:  # 3 "SMs" in the interpreter: fewer programs than tiles
             assert all(g == 3 for g, _ in grids), grids
-        # A by TMA: forward down and dL/dx (the gathering GEMMs keep pointer loads)
-        assert len(descriptors) == (2 if "A_TMA" in extra else 0), (name, descriptors)
+        # A by TMA: forward down and dL/dx (the gathering GEMMs keep pointer loads); pair: 2 each
+        assert len(descriptors) == ((4 if pair else 2) if "A_TMA" in extra else 0), (name, descriptors)
+        assert set(heights) == ({16, 32} if pair else {16}), (name, set(heights))
     out0, grads0 = results["plain"]
     for name in ("persistent", "a_tma", "both"):
         out, grads = results[name]
@@ -302,6 +312,23 @@ def test_persistent_and_tma_a_gemms_match_one_program_per_tile(monkeypatch, one_
             torch.testing.assert_close(g, b, rtol=0, atol=0, msg=lambda m, n=name, w=what: f"{n} {w}: {m}")
     ref, _ = run_with_grads(loop_reference, x, gu, dn, idx, w, dy, torch.float64)
     torch.testing.assert_close(out0.double(), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_pair_tiles_list_every_tall_tile_and_lone_block():
+    """`_pair_tiles_kernel` (one program): counts, then the first rows of the tall tiles expert by
+    expert, then (after the room for P // (2 block_m) tall tiles) those of the lone last blocks."""
+    ex = importlib.import_module(moe.__name__ + ".experts")
+    rt = importlib.import_module(moe.__name__ + "._experts_routing")
+    counts = [36, 50, 0, 40, 0, 16, 34]  # 3, 4, 0, 3, 0, 1, 3 blocks of 16
+    idx = _routing_with_block_counts(counts, K=2)
+    r = rt.align_rows(idx, len(counts), 16)
+    tiles = ex._pair_tiles(r).tolist()
+    start = r.expert_start.tolist()
+    tall = [start[e] + 32 * j for e, c in enumerate(counts) for j in range(-(-c // 16) // 2)]
+    lone = [start[e] + 16 * (-(-c // 16) - 1) for e, c in enumerate(counts) if -(-c // 16) % 2]
+    cap = r.num_rows // 32
+    assert tiles[:2] == [len(tall), len(lone)] == [5, 4]
+    assert tiles[2:2 + len(tall)] == tall and tiles[2 + cap:2 + cap + len(lone)] == lone
 
 
 def test_a_register_cap_gets_its_own_cached_launcher():
@@ -782,10 +809,6 @@ def test_stages_fit_the_shared_memory_of_each_device_index(fake_gpus):
     (lambda c: c["wgrad"].update(PERSISTENT=1, FLAT_STEPS=-2), ValueError, "['FLAT_STEPS'] must be an int >= 0"),
     (lambda c: c["down"].update(PERSISTENT=-1), ValueError, "['down']['PERSISTENT'] must be an int >= 0"),
     (lambda c: c["gate_up"].update(A_TMA=1), TypeError, "['gate_up']['A_TMA'] must be true or false"),
-    (lambda c: (c.update(pair_m=True), c["down"].update(A_TMA=True)), ValueError,
-     "['down']: ['A_TMA'] cannot run with 'pair_m'"),
-    (lambda c: (c.update(pair_m=True), c["dgrad"].update(PERSISTENT=1)), ValueError,
-     "['dgrad']: ['PERSISTENT'] cannot run with 'pair_m'"),
 ])
 def test_a_bad_pinned_config_is_a_clear_error(edit, error, words):
     cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
@@ -1104,14 +1127,15 @@ def test_gpu_inference_replays_give_the_ordinary_paths_bits(shape, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape,T", [("mixtral_8x7b", 1024), ("qwen3_30b_a3b", 8192)])
+@pytest.mark.parametrize("shape,T", [("mixtral_8x7b", 1024), ("qwen3_30b_a3b", 8192), ("qwen3_30b_a3b", 4096)])
 def test_gpu_replays_rebuild_descriptors_over_internal_buffers(shape, T, tmp_path, monkeypatch):
     """As above with buckets (KERNELHUB_MOE_CONFIG_DIR) whose down tile reads h by TMA from
-    persistent programs: the replay rebuilds that descriptor over its workspace every call."""
+    persistent programs (Qwen3 T=4096: paired, with the tile-list launch): the replay rebuilds
+    those descriptors over its workspace every call."""
     cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
     data = json.loads((Path(cfgs.__file__).parent / "configs" / "sm90.json").read_text())
     for bucket in data["buckets"] + [b for shape_buckets in data["shapes"].values() for b in shape_buckets]:
-        if bucket["block_m"] == 128 and not bucket.get("pair_m"):
+        if bucket["block_m"] >= 64:
             bucket["down"].update(A_TMA=True, PERSISTENT=1)
     (tmp_path / "sm90.json").write_text(json.dumps(data))
     monkeypatch.setenv("KERNELHUB_MOE_CONFIG_DIR", str(tmp_path))
@@ -1195,11 +1219,13 @@ def test_gpu_wgrad_tma_matches_the_pointer_path(shape, T, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape,T", [("qwen3_30b_a3b", 4096), ("deepseek_v3", 4096), ("mixtral_8x7b", 1024)])
-def test_gpu_persistent_and_tma_a_gemms_give_the_one_tile_bits(shape, T, monkeypatch):
-    """At real sizes, in bf16, with the shipped tiles unpaired: "PERSISTENT" programs (1 per SM, and
-    2 for the register-capped dgrad) and "A_TMA" give the one-program-per-tile pointer path's
-    output and gradients bit for bit (topk_weights: fp32 atomics in varying order)."""
+@pytest.mark.parametrize("shape,T,pair", [("qwen3_30b_a3b", 4096, True), ("qwen3_30b_a3b", 4096, False),
+                                          ("deepseek_v3", 4096, False), ("mixtral_8x7b", 1024, False)])
+def test_gpu_persistent_and_tma_a_gemms_give_the_one_tile_bits(shape, T, pair, monkeypatch):
+    """At real sizes, in bf16, with the shipped tiles (paired as shipped, or unpaired):
+    "PERSISTENT" programs (1 per SM, and 2 for the register-capped dgrad) and "A_TMA" give the
+    one-program-per-tile pointer path's output and gradients bit for bit (topk_weights: fp32
+    atomics in varying order)."""
     if moe.select_variant(torch.device("cuda")) != "sm90":
         pytest.skip("TMA needs a capability 9.x GPU")
     ex = importlib.import_module(moe.__name__ + ".experts")
@@ -1212,7 +1238,8 @@ def test_gpu_persistent_and_tma_a_gemms_give_the_one_tile_bits(shape, T, monkeyp
     for extra, dgrad_per_sm in (({}, 0), ({"PERSISTENT": 1, "A_TMA": True}, 1), ({"PERSISTENT": 1}, 2)):
         calls.clear()
         cfg = copy.deepcopy(shipped)
-        if cfg.pop("pair_m", False):
+        assert cfg.get("pair_m", False) == (shape == "qwen3_30b_a3b")  # as shipped at these points
+        if not pair and cfg.pop("pair_m", False):
             cfg["block_m"] *= 2
         for stage in ("gate_up", "down", "dgrad"):
             cfg[stage].pop("PERSISTENT", None)
@@ -1233,8 +1260,8 @@ def test_gpu_persistent_and_tma_a_gemms_give_the_one_tile_bits(shape, T, monkeyp
             else:
                 assert torch.equal(a, b), name
         del out, grads
-    # A by TMA: two more row descriptors (down and dL/dx) than the weight gradients build anyway
-    assert descriptors[1] == descriptors[0] + 2 and descriptors[2] == descriptors[0], descriptors
+    # A by TMA: two more row descriptors (down and dL/dx; paired: two each) than the wgrads build anyway
+    assert descriptors[1] == descriptors[0] + (4 if pair else 2) and descriptors[2] == descriptors[0], descriptors
 
 
 @pytest.mark.gpu

@@ -35,16 +35,15 @@ def test_every_gemm_candidate_is_a_valid_stage(tune, full, rows_per_expert):
 @pytest.mark.parametrize("pair", [False, True])
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("rows_per_expert", [16, 256])
-def test_down_candidates_read_h_by_tma_from_persistent_programs_only_where_they_can(tune, rows_per_expert, tma,
-                                                                                    pair):
-    """The down tile's space adds "A_TMA" + "PERSISTENT" variants on sm90 (tma), above 32 rows per
-    expert, without pair_m (which check_bucket refuses with them); every candidate loads."""
+def test_down_candidates_read_h_by_tma_from_persistent_programs_on_sm90(tune, rows_per_expert, tma, pair):
+    """The down tile's space adds "A_TMA" + "PERSISTENT" variants on sm90 (tma) above 32 rows per
+    expert; every candidate loads, with or without pair_m."""
     wgrad = next(tune.wgrad_space(False, True))
     base = next(tune.gemm_space(False, rows_per_expert))
     for stage in ("gate_up", "down", "dgrad"):
-        space = tune.stage_space(stage, False, rows_per_expert, tma, pair)
+        space = tune.stage_space(stage, False, rows_per_expert, tma)
         persistent = [c for c in space if c.get("PERSISTENT")]
-        assert bool(persistent) == (stage == "down" and tma and not pair and rows_per_expert > 32)
+        assert bool(persistent) == (stage == "down" and tma and rows_per_expert > 32)
         assert all(c.get("A_TMA") and c["BLOCK_N"] >= 128 for c in persistent)
         for c in space:
             bucket = {"block_m": 64, "gate_up": base, "down": base, "dgrad": base, "wgrad": wgrad, stage: c}

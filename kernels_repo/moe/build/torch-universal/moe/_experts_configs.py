@@ -36,8 +36,8 @@ _GEMM_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 _WGRAD_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 # "maxnreg" (any stage): ptx .maxnreg, a register cap per thread so that more CTAs share an SM.
 _GEMM_OPTIONAL = {"maxnreg": int}
-# gate_up / down / dgrad only (sm90, not with "pair_m"): "A_TMA" a non-gathered A by TMA (down, dL/dx),
-# "PERSISTENT" programs per SM looping over the tiles in one flattened loop (experts._gemm).
+# gate_up / down / dgrad only (sm90): "A_TMA" a non-gathered A by TMA (down, dL/dx), "PERSISTENT"
+# programs per SM looping over the tiles in one flattened loop (experts._gemm).
 _GEMM_ONLY = {"A_TMA": bool, "PERSISTENT": int}
 _WGRAD_OPTIONAL = {"GROUP_M": int, "ROWS_PARTS": int, "ROWS": bool, "TMA": bool, "TMA_STORE": bool,
                    "PERSISTENT": int, "FLAT_STEPS": int, **_GEMM_OPTIONAL}
@@ -97,10 +97,6 @@ def check_bucket(bucket: object, where: str) -> None:
             raise TypeError(f"{where}[{flag!r}] must be true or false, got {bucket[flag]!r}")
     for stage in _GEMM_STAGES:
         _check_stage(f"{where}[{stage!r}]", bucket[stage], _GEMM_KEYS, {**_GEMM_OPTIONAL, **_GEMM_ONLY})
-        mixed = [key for key in _GEMM_ONLY if bucket[stage].get(key)]
-        if mixed and bucket.get("pair_m", False):
-            raise ValueError(f"{where}[{stage!r}]: {mixed} cannot run with 'pair_m' (tiles of two heights); "
-                             f"drop one of them")
     _check_stage(f"{where}['wgrad']", bucket["wgrad"], _WGRAD_KEYS, _WGRAD_OPTIONAL)
     if bucket["wgrad"].get("FLAT_STEPS") and not bucket["wgrad"].get("PERSISTENT"):
         raise ValueError(f"{where}['wgrad']['FLAT_STEPS'] flattens the persistent tile loop; "

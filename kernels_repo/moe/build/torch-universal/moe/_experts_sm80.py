@@ -52,8 +52,8 @@ def _load_b_tile(b_ptr, b_desc, e, offs_k, offs_n, k_limit, n_limit, stride_be, 
 def _grouped_gemm_kernel(
     # pointers
     a_ptr, b_ptr, c_ptr, aux_ptr, rows_ptr, row_expert_ptr, scale_ptr, dscale_ptr, h_ptr,
-    expert_start_ptr, expert_count_ptr,
-    b_desc, a_desc,  # after the pointers: CachedLaunch.split's order (tensors, extras, ints, constexprs)
+    expert_start_ptr, expert_count_ptr, pair_tiles_ptr,
+    b_desc, a_desc, a_desc_tall,  # after the pointers: CachedLaunch.split's order (tensors, extras, ints, constexprs)
     # sizes
     P, N, K, B_N_TOTAL, E,
     # strides
@@ -69,7 +69,7 @@ def _grouped_gemm_kernel(
     UPCAST: tl.constexpr,       # interpreter: bf16 tl.dot is wrong there, compute in fp32
     PRECISION: tl.constexpr,
     PAIR: tl.constexpr,         # two BLOCK_M blocks of one expert as one 2*BLOCK_M tile (see below)
-    A_TMA: tl.constexpr,        # A (not gathered: rows in buffer order) through a 2-D TensorDescriptor
+    A_TMA: tl.constexpr,        # A (not gathered: rows in buffer order) by TMA (PAIR: a_desc_tall for tall tiles)
     PERSISTENT: tl.constexpr,   # programs loop over the tiles in one flattened loop (see below)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -80,12 +80,35 @@ def _grouped_gemm_kernel(
     BLOCK_M=64 an expert of 262 rows costs 320 rows of MMA work instead of 384 at BLOCK_M=128,
     while most of its tiles keep the taller shape's MMA rate.
 
-    PERSISTENT (not with PAIR): a grid of a few programs per SM, each looping over the tiles of the
-    rows actually used (their count read on the device: start + aligned count of the last expert,
-    so no host sync), with the tile loop and the fixed-length K loop flattened into one software-
-    pipelined loop: the next tile's loads are in flight during this tile's last MMAs and epilogue,
-    which a one-tile program cannot overlap (one 8-warp CTA per SM at these tiles' shared memory).
+    PERSISTENT: a grid of a few programs per SM, each looping over the tiles of the rows actually
+    used (their count read on the device: start + aligned count of the last expert, so no host
+    sync), with the tile loop and the fixed-length K loop flattened into one software-pipelined
+    loop: the next tile's loads are in flight during this tile's last MMAs and epilogue, which a
+    one-tile program cannot overlap (one 8-warp CTA per SM at these tiles' shared memory). With
+    PAIR, one such loop over the tall tiles, then one over the lone blocks, each reading the first
+    rows of its tiles from the list `_pair_tiles_kernel` wrote (one tile height per loop).
     """
+    if PERSISTENT and PAIR:
+        num_n = tl.cdiv(N, BLOCK_N)
+        cap = P // (2 * BLOCK_M)  # the lone blocks' first rows follow the room for the tall tiles
+        for tile in tl.range(tl.program_id(0), tl.load(pair_tiles_ptr) * num_n, tl.num_programs(0), flatten=True):
+            t, pid_n = _grouped_tile(tile, tl.load(pair_tiles_ptr), num_n, GROUP_M)
+            m0 = tl.load(pair_tiles_ptr + 2 + t).to(tl.int64)
+            e = tl.load(row_expert_ptr + m0).to(tl.int64)
+            _gemm_tile(m0, e, pid_n, a_ptr, b_ptr, b_desc, a_desc_tall, c_ptr, aux_ptr, rows_ptr, scale_ptr,
+                       dscale_ptr, h_ptr, P, N, K, B_N_TOTAL, stride_am, stride_ak, stride_be, stride_bn,
+                       stride_bk, stride_cm, stride_cn, stride_xm, stride_hm, EPILOGUE, SAVE_AUX, SAVE_H,
+                       GATHER_A, TOPK, B_TMA, B_NCONTIG, A_TMA, UPCAST, PRECISION, 2 * BLOCK_M, BLOCK_N, BLOCK_K)
+        for tile in tl.range(tl.program_id(0), tl.load(pair_tiles_ptr + 1) * num_n, tl.num_programs(0),
+                             flatten=True):
+            t, pid_n = _grouped_tile(tile, tl.load(pair_tiles_ptr + 1), num_n, GROUP_M)
+            m0 = tl.load(pair_tiles_ptr + 2 + cap + t).to(tl.int64)
+            e = tl.load(row_expert_ptr + m0).to(tl.int64)
+            _gemm_tile(m0, e, pid_n, a_ptr, b_ptr, b_desc, a_desc, c_ptr, aux_ptr, rows_ptr, scale_ptr,
+                       dscale_ptr, h_ptr, P, N, K, B_N_TOTAL, stride_am, stride_ak, stride_be, stride_bn,
+                       stride_bk, stride_cm, stride_cn, stride_xm, stride_hm, EPILOGUE, SAVE_AUX, SAVE_H,
+                       GATHER_A, TOPK, B_TMA, B_NCONTIG, A_TMA, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        return
     if PERSISTENT:
         used = tl.load(expert_start_ptr + E - 1) + tl.cdiv(tl.load(expert_count_ptr + E - 1), BLOCK_M) * BLOCK_M
         num_m = tl.cdiv(used, BLOCK_M)
@@ -114,7 +137,7 @@ def _grouped_gemm_kernel(
         tall = blk + 1 < tl.cdiv(tl.load(expert_count_ptr + e).to(tl.int64), BLOCK_M)
     if run:
         if PAIR and tall:  # (PAIR first: without it the tall tile is not even compiled)
-            _gemm_tile(m0, e, pid_n, a_ptr, b_ptr, b_desc, a_desc, c_ptr, aux_ptr, rows_ptr, scale_ptr, dscale_ptr,
+            _gemm_tile(m0, e, pid_n, a_ptr, b_ptr, b_desc, a_desc_tall, c_ptr, aux_ptr, rows_ptr, scale_ptr, dscale_ptr,
                        h_ptr, P, N, K, B_N_TOTAL, stride_am, stride_ak, stride_be, stride_bn, stride_bk,
                        stride_cm, stride_cn, stride_xm, stride_hm, EPILOGUE, SAVE_AUX, SAVE_H, GATHER_A,
                        TOPK, B_TMA, B_NCONTIG, A_TMA, UPCAST, PRECISION, 2 * BLOCK_M, BLOCK_N, BLOCK_K)
@@ -123,6 +146,27 @@ def _grouped_gemm_kernel(
                        h_ptr, P, N, K, B_N_TOTAL, stride_am, stride_ak, stride_be, stride_bn, stride_bk,
                        stride_cm, stride_cn, stride_xm, stride_hm, EPILOGUE, SAVE_AUX, SAVE_H, GATHER_A,
                        TOPK, B_TMA, B_NCONTIG, A_TMA, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _pair_tiles_kernel(start_ptr, count_ptr, tiles_ptr, E, P, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The first row of every tile of a PAIR layout, for persistent programs: tiles[0] tall tiles
+    (two blocks of one expert) and tiles[1] lone blocks (an expert's odd last block); the tall
+    tiles' first rows from tiles[2], expert by expert, the lone blocks' from tiles[2 + P // (2 *
+    BLOCK_M)] (a bound on the tall tiles). One program; no host sync."""
+    offs = tl.arange(0, BLOCK_E)
+    real = offs < E
+    blocks = tl.cdiv(tl.load(count_ptr + offs, mask=real, other=0), BLOCK_M)
+    start = tl.load(start_ptr + offs, mask=real, other=0)
+    tall = blocks // 2
+    lone = blocks % 2
+    tall_first = tl.cumsum(tall, 0) - tall
+    tl.store(tiles_ptr, tl.sum(tall, 0))
+    tl.store(tiles_ptr + 1, tl.sum(lone, 0))
+    for j in range(0, tl.max(tall, 0)):
+        tl.store(tiles_ptr + 2 + tall_first + j, start + 2 * BLOCK_M * j, mask=real & (j < tall))
+    tl.store(tiles_ptr + 2 + P // (2 * BLOCK_M) + tl.cumsum(lone, 0) - lone, start + (blocks - 1) * BLOCK_M,
+             mask=real & (lone == 1))
 
 
 @triton.jit

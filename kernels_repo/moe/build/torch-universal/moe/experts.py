@@ -25,7 +25,13 @@ from . import _experts_replay as _replay
 from . import _experts_sm90 as sm90
 from ._experts_configs import INTERPRETER_CONFIG, check_bucket, pick_config, picked_config
 from ._experts_routing import ExpertRows, align_rows
-from ._experts_sm80 import _combine_kernel, _gather_rows_kernel, _grouped_gemm_kernel, _grouped_wgrad_kernel
+from ._experts_sm80 import (
+    _combine_kernel,
+    _gather_rows_kernel,
+    _grouped_gemm_kernel,
+    _grouped_wgrad_kernel,
+    _pair_tiles_kernel,
+)
 from .reference_experts import fused_experts_reference
 
 __all__ = ["fused_experts", "select_variant", "VARIANTS"]
@@ -134,6 +140,7 @@ _gemm_launch = CachedLaunch(_grouped_gemm_kernel)
 _wgrad_launch = CachedLaunch(_grouped_wgrad_kernel)
 _combine_launch = CachedLaunch(_combine_kernel)
 _gather_launch = CachedLaunch(_gather_rows_kernel)
+_pair_tiles_launch = CachedLaunch(_pair_tiles_kernel)
 # (launcher, register cap) -> launcher compiled with ptx .maxnreg: a stage's "maxnreg" key. Why:
 # ptxas gives the 8-warp dgrad tile ~180 registers, one CTA per SM, so its SwiGLU-backward epilogue
 # runs with no MMA beside it; at 128 two CTAs fit and one's epilogue overlaps the other's K loop.
@@ -167,9 +174,10 @@ def _gemm(a, weight, out, routing: ExpertRows, cfg: dict, *, n: int, k: int, epi
 
     pair (the bucket's "pair_m"): an expert's row blocks run two at a time as one tile of twice
     the height, so rows are padded to block_m while most tiles are 2 * block_m tall.
-    Stage keys (sm90, not with pair_m; `check_bucket` refuses the mix): "A_TMA" reads a non-gathered
-    A (the down GEMM's h, dL/dx's d[gate|up]) by TMA; "PERSISTENT": n programs per SM loop over the
-    tiles of the used rows in one flattened, software-pipelined loop (see the kernel)."""
+    Stage keys (sm90): "A_TMA" reads a non-gathered A (the down GEMM's h, dL/dx's d[gate|up]) by TMA
+    (with pair, tall tiles through a second descriptor of twice the box height); "PERSISTENT": n
+    programs per SM loop over the tiles of the used rows in one flattened, software-pipelined loop
+    (with pair, two loops over the tile lists of `_pair_tiles`; see the kernel)."""
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     bm = routing.block_m
     P = routing.num_rows
@@ -178,20 +186,22 @@ def _gemm(a, weight, out, routing: ExpertRows, cfg: dict, *, n: int, k: int, epi
         stride_bn, stride_bk = sw[2], sw[1]
     else:  # weight stored [E, N, K]
         stride_bn, stride_bk = sw[1], sw[2]
-    desc = a_desc = None
+    desc = a_desc = a_desc_tall = None
     if use_tma:
         desc = sm90.weight_descriptor(weight, bk, bn) if b_ncontig else sm90.weight_descriptor(weight, bn, bk)
-        if cfg.get("A_TMA", False) and not gather_a and not pair and sm90.tma_ok(a):
+        if cfg.get("A_TMA", False) and not gather_a and sm90.tma_ok(a):
             a_desc = sm90.rows_descriptor(a, bm, bk)
+            a_desc_tall = sm90.rows_descriptor(a, 2 * bm, bk) if pair else None
     tiles = _cdiv(P, bm) * _cdiv(n, bn)
-    per_sm = 0 if pair else int(cfg.get("PERSISTENT", 0))  # programs per SM; 0: one program per tile
+    per_sm = int(cfg.get("PERSISTENT", 0))  # programs per SM; 0: one program per tile
     programs = min(tiles, per_sm * _sm_count(a.device)) if per_sm else tiles
+    pair_tiles = _pair_tiles(routing) if pair and per_sm else routing.expert_count
     aux_t = aux if aux is not None else out
     h_t = h if h is not None else out
     _launcher(_gemm_launch, cfg).split(
         (programs,), _index(a),
         (a, weight, out, aux_t, routing.rows, routing.row_expert, scale if scale is not None else out,
-         dscale if dscale is not None else out, h_t, routing.expert_start, routing.expert_count),
+         dscale if dscale is not None else out, h_t, routing.expert_start, routing.expert_count, pair_tiles),
         (P, n, k, weight.shape[1], weight.shape[0], sa[0], sa[1], sw[0], stride_bn, stride_bk, so[0], so[1],
          so[0] if aux is None else aux.stride(0), so[0] if h is None else h.stride(0)),
         # EPILOGUE, SAVE_AUX, SAVE_H, GATHER_A, TOPK, B_TMA, B_NCONTIG, UPCAST, PRECISION, PAIR, A_TMA,
@@ -199,8 +209,19 @@ def _gemm(a, weight, out, routing: ExpertRows, cfg: dict, *, n: int, k: int, epi
         (epilogue, bool(save_aux), h is not None, bool(gather_a), topk, bool(use_tma), bool(b_ncontig),
          _interpreting(), _precision(a.dtype), bool(pair), a_desc is not None, per_sm > 0, bm, bn, bk,
          cfg["GROUP_M"]),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], extras=(desc, a_desc),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], extras=(desc, a_desc, a_desc_tall),
     )
+
+
+def _pair_tiles(routing: ExpertRows) -> torch.Tensor:
+    """int32 [2 + P // (2 block_m) + E]: the tile lists persistent programs read under pair_m."""
+    E, bm, P = routing.expert_count.shape[0], routing.block_m, routing.num_rows
+    tiles = torch.empty(2 + P // (2 * bm) + E, device=routing.rows.device, dtype=torch.int32)
+    _pair_tiles_launch.split(
+        (1,), _index(routing.rows), (routing.expert_start, routing.expert_count, tiles), (E, P),
+        (bm, max(16, _next_pow2(E))), num_warps=4,  # BLOCK_M, BLOCK_E
+    )
+    return tiles
 
 
 def _wgrad(a, b, out, routing: ExpertRows, cfg: dict, *, gather_a: bool, gather_b: bool,
