@@ -189,7 +189,8 @@ def _gemm(a, weight, out, routing: ExpertRows, cfg: dict, *, n: int, k: int, epi
     desc = a_desc = a_desc_tall = None
     if use_tma:
         desc = sm90.weight_descriptor(weight, bk, bn) if b_ncontig else sm90.weight_descriptor(weight, bn, bk)
-        if cfg.get("A_TMA", False) and not gather_a and sm90.tma_ok(a):
+        # (a TMA box has at most 256 rows: a taller tile keeps the pointer loads)
+        if cfg.get("A_TMA", False) and not gather_a and (2 if pair else 1) * bm <= 256 and sm90.tma_ok(a):
             a_desc = sm90.rows_descriptor(a, bm, bk)
             a_desc_tall = sm90.rows_descriptor(a, 2 * bm, bk) if pair else None
     tiles = _cdiv(P, bm) * _cdiv(n, bn)
