@@ -152,8 +152,7 @@ def test_a_replay_rebuilds_descriptors_over_weights_and_internal_buffers(monkeyp
             return "hit"
 
     def externals():
-        x, gu, dn, idx, w = make_inputs(6, 32, 16, 4, 2, dtype=torch.bfloat16, seed=81)
-        return x, gu, dn, idx, w
+        return make_inputs(6, 32, 16, 4, 2, dtype=torch.bfloat16, seed=81)
 
     ext = externals()
     out = torch.empty(6, 32, dtype=torch.bfloat16)
