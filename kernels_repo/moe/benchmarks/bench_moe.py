@@ -166,6 +166,7 @@ def stage_breakdown(base, x, idx, w, dy, sname, T, variant) -> None:
     P = r.num_rows
     tma = ex._use_tma(variant, cfg, gu, dn)
     pair = bool(cfg.get("pair_m", False))  # as _forward / _backward run the GEMMs
+    rows = bool(cfg["gate_up"].get("ROWS", False))
     h = torch.empty(P, inter, device=DEV, dtype=x.dtype)
     aux = torch.empty(P, two_i, device=DEV, dtype=x.dtype)
     y = torch.empty(P, H, device=DEV, dtype=x.dtype)
@@ -178,8 +179,10 @@ def stage_breakdown(base, x, idx, w, dy, sname, T, variant) -> None:
     dwgu = torch.empty_like(gu)
     stages = {
         "align": lambda: rt.align_rows(idx, E, cfg["block_m"]),
-        "gate_up": lambda: ex._gemm(x, gu, h, r, cfg["gate_up"], n=inter, k=H, epilogue=1, gather_a=True,
-                                    b_ncontig=False, topk=K, use_tma=tma, aux=aux, save_aux=True, pair=pair),
+        # (gate_up "ROWS": timed with its row copy of x, as _forward runs it)
+        "gate_up": lambda: ex._gemm(ex._gather_rows(x, r, K) if rows else x, gu, h, r, cfg["gate_up"], n=inter,
+                                    k=H, epilogue=1, gather_a=not rows, b_ncontig=False, topk=K, use_tma=tma,
+                                    aux=aux, save_aux=True, pair=pair),
         "down": lambda: ex._gemm(h, dn, y, r, cfg["down"], n=H, k=inter, epilogue=0, gather_a=False,
                                  b_ncontig=False, topk=K, use_tma=tma, pair=pair),
         "combine": lambda: ex._combine(y, r.token_topk_to_pos, w, out),

@@ -81,8 +81,9 @@ def compile_one(fn, signature, constexprs, cap, num_warps, num_stages, label):
 
 def gemm(cap, cfg, bm, epilogue, tma, ncontig, dtype="bf16", pair=False):
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    # as experts._gemm: A by TMA only where it is not gathered (epilogue 0)
-    a_tma = bool(tma and cfg.get("A_TMA", False) and epilogue == 0)
+    # as experts._gemm: A by TMA only where it is not gathered (epilogue 0; gate_up under "ROWS")
+    gather = epilogue == 2 or (epilogue == 1 and not cfg.get("ROWS", False))
+    a_tma = bool(tma and cfg.get("A_TMA", False) and not gather)
     sig = {
         "a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "c_ptr": f"*{dtype}", "aux_ptr": f"*{dtype}",
         "rows_ptr": "*i32", "row_expert_ptr": "*i32", "scale_ptr": f"*{dtype}", "dscale_ptr": "*fp32",
@@ -108,14 +109,15 @@ def gemm(cap, cfg, bm, epilogue, tma, ncontig, dtype="bf16", pair=False):
     persistent = bool(cfg.get("PERSISTENT", 0))
     const.update(
         EPILOGUE=epilogue, SAVE_AUX=epilogue == 1, SAVE_H=epilogue == 2,
-        GATHER_A=epilogue != 0, TOPK=8, B_TMA=tma,
+        GATHER_A=gather, TOPK=8, B_TMA=tma,
         B_NCONTIG=ncontig, UPCAST=False, PRECISION="ieee" if dtype == "fp32" else None, PAIR=pair, A_TMA=a_tma,
         PERSISTENT=persistent, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
     )
     # ASTSource wants every argument in the signature; constexprs are marked "constexpr".
     order = k80._grouped_gemm_kernel.arg_names
     full = {n: sig.get(n, "constexpr") for n in order}
-    label = (f"gemm epi={epilogue} tma={tma} ncontig={ncontig} bm={bm}{' pair' if pair else ''}"
+    rows = " rows" if epilogue == 1 and not gather else ""
+    label = (f"gemm epi={epilogue} tma={tma} ncontig={ncontig} bm={bm}{' pair' if pair else ''}{rows}"
              f"{' a_tma' if a_tma else ''}{' persistent' if persistent else ''} {cfg} {dtype}")
     return compile_one(k80._grouped_gemm_kernel, full, const, cap, cfg["num_warps"], cfg["num_stages"], label)
 
@@ -191,9 +193,10 @@ def main() -> None:
                 failures += gemm(cap, b[stage], b["block_m"], epi, tma, ncontig, pair=b.get("pair_m", False)) is None
                 if PAIR_TOO and b["block_m"] == 128:  # the same tiles as 64-row blocks paired (pair_m)
                     failures += gemm(cap, b[stage], 64, epi, tma, ncontig, pair=True) is None
-                if tma and stage == "down" and b["block_m"] >= 64:
-                    # the down tile as tune_moe.py may write it: h by TMA from persistent programs
-                    keys = {"A_TMA": True, "PERSISTENT": 1}
+                if tma and stage in ("down", "gate_up") and b["block_m"] >= 64:
+                    # the down tile as tune_moe.py may write it (h by TMA from persistent programs),
+                    # and gate_up on a row copy of x the same way (sweep_persistent.py's candidate)
+                    keys = {"A_TMA": True, "PERSISTENT": 1, **({"ROWS": True} if stage == "gate_up" else {})}
                     if {**b[stage], **keys} != b[stage]:
                         failures += gemm(cap, {**b[stage], **keys}, b["block_m"], epi, tma, ncontig,
                                          pair=b.get("pair_m", False)) is None

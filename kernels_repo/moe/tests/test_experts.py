@@ -283,14 +283,18 @@ def test_persistent_and_tma_a_gemms_match_one_program_per_tile(monkeypatch, one_
     x, gu, dn, _, w = make_inputs(T, H, I, E, K, seed=71)
     dy = torch.randn(T, H, generator=torch.Generator().manual_seed(72))
     results = {}
-    for name, extra in (("plain", {}), ("persistent", {"PERSISTENT": 1}), ("a_tma", {"A_TMA": True}),
-                        ("both", {"PERSISTENT": 1, "A_TMA": True})):
+    both = {"PERSISTENT": 1, "A_TMA": True}
+    for name, extra, gate_up_rows in (("plain", {}, False), ("persistent", {"PERSISTENT": 1}, False),
+                                      ("a_tma", {"A_TMA": True}, False), ("both", both, False),
+                                      ("both_rows", both, True)):
         cfg = copy.deepcopy(cfgs.INTERPRETER_CONFIG)
         assert cfg["block_m"] == 16
         if pair:
             cfg["pair_m"] = True
         for stage in ("gate_up", "down", "dgrad"):
             cfg[stage].update(extra)
+        if gate_up_rows:  # gate_up reads a row-ordered copy of x: A by TMA there too
+            cfg["gate_up"]["ROWS"] = True
         grids.clear()
         descriptors.clear()
         heights.clear()
@@ -300,11 +304,13 @@ def test_persistent_and_tma_a_gemms_match_one_program_per_tile(monkeypatch, one_
         assert len(grids) == 4 and all(p == ("PERSISTENT" in extra) for p in persistent), (name, grids)
         if "PERSISTENT" in extra:  # 3 "SMs" in the interpreter: fewer programs than tiles
             assert all(g == 3 for g, _ in grids), grids
-        # A by TMA: forward down and dL/dx (the gathering GEMMs keep pointer loads); pair: 2 each
-        assert len(descriptors) == ((4 if pair else 2) if "A_TMA" in extra else 0), (name, descriptors)
+        # A by TMA: forward down and dL/dx, plus gate_up on its row copy (the gathering GEMMs keep
+        # pointer loads); pair: two descriptors each
+        a_tma = (3 if gate_up_rows else 2) if "A_TMA" in extra else 0
+        assert len(descriptors) == (2 if pair else 1) * a_tma, (name, descriptors)
         assert set(heights) == ({16, 32} if pair else {16}), (name, set(heights))
     out0, grads0 = results["plain"]
-    for name in ("persistent", "a_tma", "both"):
+    for name in ("persistent", "a_tma", "both", "both_rows"):
         out, grads = results[name]
         torch.testing.assert_close(out, out0, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
         for g, b, what in zip(grads, grads0, NAMES, strict=True):
@@ -808,6 +814,7 @@ def test_stages_fit_the_shared_memory_of_each_device_index(fake_gpus):
     (lambda c: c["wgrad"].update(PERSISTENT=1, FLAT_STEPS=-2), ValueError, "['FLAT_STEPS'] must be an int >= 0"),
     (lambda c: c["down"].update(PERSISTENT=-1), ValueError, "['down']['PERSISTENT'] must be an int >= 0"),
     (lambda c: c["gate_up"].update(A_TMA=1), TypeError, "['gate_up']['A_TMA'] must be true or false"),
+    (lambda c: c["down"].update(ROWS=True), ValueError, "['down']: 'ROWS' is a gate_up key"),
 ])
 def test_a_bad_pinned_config_is_a_clear_error(edit, error, words):
     cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
@@ -1222,9 +1229,9 @@ def test_gpu_wgrad_tma_matches_the_pointer_path(shape, T, monkeypatch):
                                           ("deepseek_v3", 4096, False), ("mixtral_8x7b", 1024, False)])
 def test_gpu_persistent_and_tma_a_gemms_give_the_one_tile_bits(shape, T, pair, monkeypatch):
     """At real sizes, in bf16, with the shipped tiles (paired as shipped, or unpaired):
-    "PERSISTENT" programs (1 per SM, and 2 for the register-capped dgrad) and "A_TMA" give the
-    one-program-per-tile pointer path's output and gradients bit for bit (topk_weights: fp32
-    atomics in varying order)."""
+    "PERSISTENT" programs (1 per SM, and 2 for the register-capped dgrad), "A_TMA" and gate_up's
+    "ROWS" give the one-program-per-tile pointer path's output and gradients bit for bit
+    (topk_weights: fp32 atomics in varying order)."""
     if moe.select_variant(torch.device("cuda")) != "sm90":
         pytest.skip("TMA needs a capability 9.x GPU")
     ex = importlib.import_module(moe.__name__ + ".experts")
@@ -1234,7 +1241,8 @@ def test_gpu_persistent_and_tma_a_gemms_give_the_one_tile_bits(shape, T, pair, m
     shipped = ex._config("sm90", s["E"], s["H"], s["I"], T * s["K"], None, x.device)
     calls = _count_row_descriptors(monkeypatch)
     base, descriptors = None, []
-    for extra, dgrad_per_sm in (({}, 0), ({"PERSISTENT": 1, "A_TMA": True}, 1), ({"PERSISTENT": 1}, 2)):
+    both = {"PERSISTENT": 1, "A_TMA": True}
+    for extra, dgrad_per_sm in (({}, 0), (both, 1), ({"PERSISTENT": 1}, 2), ({**both, "ROWS": True}, 1)):
         calls.clear()
         cfg = copy.deepcopy(shipped)
         assert cfg.get("pair_m", False) == (shape == "qwen3_30b_a3b")  # as shipped at these points
@@ -1243,7 +1251,8 @@ def test_gpu_persistent_and_tma_a_gemms_give_the_one_tile_bits(shape, T, pair, m
         for stage in ("gate_up", "down", "dgrad"):
             cfg[stage].pop("PERSISTENT", None)
             cfg[stage].pop("A_TMA", None)
-            cfg[stage].update(extra)
+            cfg[stage].pop("ROWS", None)
+            cfg[stage].update({k: v for k, v in extra.items() if k != "ROWS" or stage == "gate_up"})
         if dgrad_per_sm:
             cfg["dgrad"]["PERSISTENT"] = dgrad_per_sm
         out, grads = run_with_grads(lambda *a, c=cfg: moe.fused_experts(*a, variant="sm90", config=c), x, gu, dn,
@@ -1259,8 +1268,10 @@ def test_gpu_persistent_and_tma_a_gemms_give_the_one_tile_bits(shape, T, pair, m
             else:
                 assert torch.equal(a, b), name
         del out, grads
-    # A by TMA: two more row descriptors (down and dL/dx; paired: two each) than the wgrads build anyway
-    assert descriptors[1] == descriptors[0] + (4 if pair else 2) and descriptors[2] == descriptors[0], descriptors
+    # A by TMA: two more row descriptors (down and dL/dx), three with gate_up's row copy (paired: two
+    # each) than the weight gradients build anyway
+    per = 2 if pair else 1
+    assert descriptors[1:] == [descriptors[0] + 2 * per, descriptors[0], descriptors[0] + 3 * per], descriptors
 
 
 @pytest.mark.gpu

@@ -174,7 +174,8 @@ def _gemm(a, weight, out, routing: ExpertRows, cfg: dict, *, n: int, k: int, epi
 
     pair (the bucket's "pair_m"): an expert's row blocks run two at a time as one tile of twice
     the height, so rows are padded to block_m while most tiles are 2 * block_m tall.
-    Stage keys (sm90): "A_TMA" reads a non-gathered A (the down GEMM's h, dL/dx's d[gate|up]) by TMA
+    Stage keys (sm90): "A_TMA" reads a non-gathered A (the down GEMM's h, dL/dx's d[gate|up], gate_up's
+    row copy of x under its "ROWS") by TMA
     (with pair, tall tiles through a second descriptor of twice the box height); "PERSISTENT": n
     programs per SM loop over the tiles of the used rows in one flattened, software-pipelined loop
     (with pair, two loops over the tile lists of `_pair_tiles`; see the kernel)."""
@@ -371,8 +372,11 @@ def _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, s
     pair = bool(cfg.get("pair_m", False))
     h = torch.empty(P, inter, device=dev, dtype=x.dtype)
     aux = torch.empty(P, two_i, device=dev, dtype=x.dtype) if save else None
-    _gemm(x, gate_up_proj, h, routing, cfg["gate_up"], n=inter, k=H, epilogue=1, gather_a=True,
-          b_ncontig=False, topk=K, use_tma=tma, aux=aux, save_aux=save, pair=pair)
+    # gate_up "ROWS": x's rows copied into the aligned order first, so the GEMM reads A without a
+    # gather (by TMA with "A_TMA"; a persistent gathering gate_up needs 255 registers, ptxas sm90)
+    rows = cfg["gate_up"].get("ROWS", False)
+    _gemm(_gather_rows(x, routing, K) if rows else x, gate_up_proj, h, routing, cfg["gate_up"], n=inter, k=H,
+          epilogue=1, gather_a=not rows, b_ncontig=False, topk=K, use_tma=tma, aux=aux, save_aux=save, pair=pair)
     y = torch.empty(P, H, device=dev, dtype=x.dtype)
     _gemm(h, down_proj, y, routing, cfg["down"], n=H, k=inter, epilogue=0, gather_a=False,
           b_ncontig=False, topk=K, use_tma=tma, pair=pair)
