@@ -111,12 +111,13 @@ def gemm(cap, cfg, bm, epilogue, tma, ncontig, dtype="bf16", pair=False):
         EPILOGUE=epilogue, SAVE_AUX=epilogue == 1, SAVE_H=epilogue == 2,
         GATHER_A=gather, TOPK=8, B_TMA=tma,
         B_NCONTIG=ncontig, UPCAST=False, PRECISION="ieee" if dtype == "fp32" else None, PAIR=pair, A_TMA=a_tma,
-        PERSISTENT=persistent, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
+        PERSISTENT=persistent, EPI_HALVES=bool(cfg.get("EPI_HALVES", False)),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
     )
     # ASTSource wants every argument in the signature; constexprs are marked "constexpr".
     order = k80._grouped_gemm_kernel.arg_names
     full = {n: sig.get(n, "constexpr") for n in order}
-    rows = " rows" if epilogue == 1 and not gather else ""
+    rows = (" rows" if epilogue == 1 and not gather else "") + (" halves" if cfg.get("EPI_HALVES") else "")
     label = (f"gemm epi={epilogue} tma={tma} ncontig={ncontig} bm={bm}{' pair' if pair else ''}{rows}"
              f"{' a_tma' if a_tma else ''}{' persistent' if persistent else ''} {cfg} {dtype}")
     return compile_one(k80._grouped_gemm_kernel, full, const, cap, cfg["num_warps"], cfg["num_stages"], label)
@@ -200,6 +201,9 @@ def main() -> None:
                     if {**b[stage], **keys} != b[stage]:
                         failures += gemm(cap, {**b[stage], **keys}, b["block_m"], epi, tma, ncontig,
                                          pair=b.get("pair_m", False)) is None
+                if stage == "gate_up" and not b[stage].get("EPI_HALVES"):  # the training epilogue in halves
+                    failures += gemm(cap, {**b[stage], "EPI_HALVES": True}, b["block_m"], epi, tma, ncontig,
+                                     pair=b.get("pair_m", False)) is None
             for gather_a in (True, False):
                 failures += wgrad(cap, b["wgrad"], gather_a) is None
                 if tma:  # the optional TMA operand (wgrad stage key "TMA")

@@ -1,6 +1,7 @@
 """Time grouped GEMM stages with the stage keys "PERSISTENT" and "A_TMA" against the shipped tiles.
 
-Per (shape, T) point and stage (STAGES: gate_up with its SwiGLU epilogue, down, dgrad with the
+Per (shape, T) point and stage (STAGES: gate_up with its SwiGLU epilogue, gate_up_train (the same,
+saving [g | u] as training does), down, dgrad with the
 SwiGLU-backward epilogue, dx = dL/dx, which runs with the "down" tile), each candidate bucket is
 timed in ROUNDS interleaved rounds and the median is printed: within one call the same kernel read
 up to 30% slower late in a long sequential sweep (s10 call 2), so candidates are never timed in
@@ -32,6 +33,9 @@ CANDIDATES = {
     # sm90 gives this persistent tile 168 registers and no spills in inference (255 when gathering)
     "gate_up_rows": {"gate_up": {"ROWS": True, "A_TMA": True, "PERSISTENT": 1}},
     "gate_up_rows_plain": {"gate_up": {"ROWS": True, "A_TMA": True}},
+    # the training gate_up (it saves [g | u]) with its epilogue in two column halves: ptxas sm90
+    # 174-176 registers and no spills against 254-255 and 40 bytes of spills (stage gate_up_train)
+    "gate_up_halves": {"gate_up": {"EPI_HALVES": True}},
 }
 
 
@@ -71,6 +75,9 @@ def _stage_runs(b: dict, x, gu, dn, idx, wf, dy, K: int, tma: bool) -> dict:
         "gate_up": lambda: ex._gemm(ex._gather_rows(x, r, K) if b["gate_up"].get("ROWS") else x, gu, h, r,
                                     b["gate_up"], n=I, k=H, epilogue=1, gather_a=not b["gate_up"].get("ROWS"),
                                     b_ncontig=False, **common),
+        "gate_up_train": lambda: ex._gemm(ex._gather_rows(x, r, K) if b["gate_up"].get("ROWS") else x, gu, h, r,
+                                          b["gate_up"], n=I, k=H, epilogue=1, gather_a=not b["gate_up"].get("ROWS"),
+                                          b_ncontig=False, aux=aux, save_aux=True, **common),
         "down": lambda: ex._gemm(h, dn, y, r, b["down"], n=H, k=I, epilogue=0, gather_a=False, b_ncontig=False,
                                  **common),
         "dgrad": lambda: ex._gemm(dy, dn, dgu, r, b["dgrad"], n=I, k=H, epilogue=2, gather_a=True, b_ncontig=True,
@@ -104,7 +111,7 @@ def sweep_point(name: str, T: int, variant: str) -> None:
     for label, b in buckets:
         for stage in stages:
             got = times[(label, stage)]
-            c = b["down" if stage == "dx" else stage]
+            c = b[{"dx": "down", "gate_up_train": "gate_up"}.get(stage, stage)]
             print(f"persist {name} T={T} {label} {stage} ms={statistics.median(got):.4f} "
                   f"rounds={','.join(f'{v:.4f}' for v in got)} {c}", flush=True)
     del runs

@@ -286,7 +286,7 @@ def test_persistent_and_tma_a_gemms_match_one_program_per_tile(monkeypatch, one_
     both = {"PERSISTENT": 1, "A_TMA": True}
     for name, extra, gate_up_rows in (("plain", {}, False), ("persistent", {"PERSISTENT": 1}, False),
                                       ("a_tma", {"A_TMA": True}, False), ("both", both, False),
-                                      ("both_rows", both, True)):
+                                      ("both_rows", both, True), ("halves", {}, False)):
         cfg = copy.deepcopy(cfgs.INTERPRETER_CONFIG)
         assert cfg["block_m"] == 16
         if pair:
@@ -295,6 +295,8 @@ def test_persistent_and_tma_a_gemms_match_one_program_per_tile(monkeypatch, one_
             cfg[stage].update(extra)
         if gate_up_rows:  # gate_up reads a row-ordered copy of x: A by TMA there too
             cfg["gate_up"]["ROWS"] = True
+        if name == "halves":  # gate_up's training epilogue (it saves [g | u]) in two column halves
+            cfg["gate_up"]["EPI_HALVES"] = True
         grids.clear()
         descriptors.clear()
         heights.clear()
@@ -310,7 +312,7 @@ def test_persistent_and_tma_a_gemms_match_one_program_per_tile(monkeypatch, one_
         assert len(descriptors) == (2 if pair else 1) * a_tma, (name, descriptors)
         assert set(heights) == ({16, 32} if pair else {16}), (name, set(heights))
     out0, grads0 = results["plain"]
-    for name in ("persistent", "a_tma", "both", "both_rows"):
+    for name in ("persistent", "a_tma", "both", "both_rows", "halves"):
         out, grads = results[name]
         torch.testing.assert_close(out, out0, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
         for g, b, what in zip(grads, grads0, NAMES, strict=True):
@@ -815,6 +817,7 @@ def test_stages_fit_the_shared_memory_of_each_device_index(fake_gpus):
     (lambda c: c["down"].update(PERSISTENT=-1), ValueError, "['down']['PERSISTENT'] must be an int >= 0"),
     (lambda c: c["gate_up"].update(A_TMA=1), TypeError, "['gate_up']['A_TMA'] must be true or false"),
     (lambda c: c["down"].update(ROWS=True), ValueError, "['down']: 'ROWS' is a gate_up key"),
+    (lambda c: c["dgrad"].update(EPI_HALVES=True), ValueError, "['dgrad']: 'EPI_HALVES' is a gate_up key"),
 ])
 def test_a_bad_pinned_config_is_a_clear_error(edit, error, words):
     cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
@@ -1230,8 +1233,8 @@ def test_gpu_wgrad_tma_matches_the_pointer_path(shape, T, monkeypatch):
 def test_gpu_persistent_and_tma_a_gemms_give_the_one_tile_bits(shape, T, pair, monkeypatch):
     """At real sizes, in bf16, with the shipped tiles (paired as shipped, or unpaired):
     "PERSISTENT" programs (1 per SM, and 2 for the register-capped dgrad), "A_TMA" and gate_up's
-    "ROWS" give the one-program-per-tile pointer path's output and gradients bit for bit
-    (topk_weights: fp32 atomics in varying order)."""
+    "ROWS" and "EPI_HALVES" give the one-program-per-tile pointer path's output and gradients bit
+    for bit (topk_weights: fp32 atomics in varying order)."""
     if moe.select_variant(torch.device("cuda")) != "sm90":
         pytest.skip("TMA needs a capability 9.x GPU")
     ex = importlib.import_module(moe.__name__ + ".experts")
@@ -1242,7 +1245,8 @@ def test_gpu_persistent_and_tma_a_gemms_give_the_one_tile_bits(shape, T, pair, m
     calls = _count_row_descriptors(monkeypatch)
     base, descriptors = None, []
     both = {"PERSISTENT": 1, "A_TMA": True}
-    for extra, dgrad_per_sm in (({}, 0), (both, 1), ({"PERSISTENT": 1}, 2), ({**both, "ROWS": True}, 1)):
+    for extra, dgrad_per_sm in (({}, 0), (both, 1), ({"PERSISTENT": 1}, 2), ({**both, "ROWS": True}, 1),
+                                ({"EPI_HALVES": True}, 0)):
         calls.clear()
         cfg = copy.deepcopy(shipped)
         assert cfg.get("pair_m", False) == (shape == "qwen3_30b_a3b")  # as shipped at these points
@@ -1252,7 +1256,8 @@ def test_gpu_persistent_and_tma_a_gemms_give_the_one_tile_bits(shape, T, pair, m
             cfg[stage].pop("PERSISTENT", None)
             cfg[stage].pop("A_TMA", None)
             cfg[stage].pop("ROWS", None)
-            cfg[stage].update({k: v for k, v in extra.items() if k != "ROWS" or stage == "gate_up"})
+            cfg[stage].pop("EPI_HALVES", None)
+            cfg[stage].update({k: v for k, v in extra.items() if k not in ("ROWS", "EPI_HALVES") or stage == "gate_up"})
         if dgrad_per_sm:
             cfg["dgrad"]["PERSISTENT"] = dgrad_per_sm
         out, grads = run_with_grads(lambda *a, c=cfg: moe.fused_experts(*a, variant="sm90", config=c), x, gu, dn,
@@ -1271,7 +1276,8 @@ def test_gpu_persistent_and_tma_a_gemms_give_the_one_tile_bits(shape, T, pair, m
     # A by TMA: two more row descriptors (down and dL/dx), three with gate_up's row copy (paired: two
     # each) than the weight gradients build anyway
     per = 2 if pair else 1
-    assert descriptors[1:] == [descriptors[0] + 2 * per, descriptors[0], descriptors[0] + 3 * per], descriptors
+    assert descriptors[1:] == [descriptors[0] + 2 * per, descriptors[0], descriptors[0] + 3 * per,
+                               descriptors[0]], descriptors
 
 
 @pytest.mark.gpu

@@ -38,8 +38,10 @@ _WGRAD_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 _GEMM_OPTIONAL = {"maxnreg": int}
 # gate_up / down / dgrad only (sm90): "A_TMA" a non-gathered A by TMA (down, dL/dx), "PERSISTENT"
 # programs per SM looping over the tiles in one flattened loop (experts._gemm); gate_up only: "ROWS"
-# (the forward reads a row-ordered copy of x instead of gathering it, so A_TMA applies there too).
-_GEMM_ONLY = {"A_TMA": bool, "PERSISTENT": int, "ROWS": bool}
+# (the forward reads a row-ordered copy of x instead of gathering it, so A_TMA applies there too) and
+# "EPI_HALVES" (the training epilogue, which also saves [g | u], in two column halves).
+_GEMM_ONLY = {"A_TMA": bool, "PERSISTENT": int, "ROWS": bool, "EPI_HALVES": bool}
+_GATE_UP_ONLY = ("ROWS", "EPI_HALVES")
 _WGRAD_OPTIONAL = {"GROUP_M": int, "ROWS_PARTS": int, "ROWS": bool, "TMA": bool, "TMA_STORE": bool,
                    "PERSISTENT": int, "FLAT_STEPS": int, **_GEMM_OPTIONAL}
 _BUCKET_OPTIONAL = {"max_rows_per_expert", "tma", "pair_m"}
@@ -98,8 +100,9 @@ def check_bucket(bucket: object, where: str) -> None:
             raise TypeError(f"{where}[{flag!r}] must be true or false, got {bucket[flag]!r}")
     for stage in _GEMM_STAGES:
         _check_stage(f"{where}[{stage!r}]", bucket[stage], _GEMM_KEYS, {**_GEMM_OPTIONAL, **_GEMM_ONLY})
-        if stage != "gate_up" and "ROWS" in bucket[stage]:
-            raise ValueError(f"{where}[{stage!r}]: 'ROWS' is a gate_up key (a row-ordered copy of x)")
+        for key in _GATE_UP_ONLY:
+            if stage != "gate_up" and key in bucket[stage]:
+                raise ValueError(f"{where}[{stage!r}]: {key!r} is a gate_up key")
     _check_stage(f"{where}['wgrad']", bucket["wgrad"], _WGRAD_KEYS, _WGRAD_OPTIONAL)
     if bucket["wgrad"].get("FLAT_STEPS") and not bucket["wgrad"].get("PERSISTENT"):
         raise ValueError(f"{where}['wgrad']['FLAT_STEPS'] flattens the persistent tile loop; "

@@ -71,6 +71,7 @@ def _grouped_gemm_kernel(
     PAIR: tl.constexpr,         # two BLOCK_M blocks of one expert as one 2*BLOCK_M tile (see below)
     A_TMA: tl.constexpr,        # A (not gathered: rows in buffer order) by TMA (PAIR: a_desc_tall for tall tiles)
     PERSISTENT: tl.constexpr,   # programs loop over the tiles in one flattened loop (see below)
+    EPI_HALVES: tl.constexpr,   # EPILOGUE 1 with SAVE_AUX: the epilogue in two column halves
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile (PAIR: [2*BLOCK_M, BLOCK_N] where it can) of a grouped GEMM.
@@ -98,7 +99,8 @@ def _grouped_gemm_kernel(
             _gemm_tile(m0, e, pid_n, a_ptr, b_ptr, b_desc, a_desc_tall, c_ptr, aux_ptr, rows_ptr, scale_ptr,
                        dscale_ptr, h_ptr, P, N, K, B_N_TOTAL, stride_am, stride_ak, stride_be, stride_bn,
                        stride_bk, stride_cm, stride_cn, stride_xm, stride_hm, EPILOGUE, SAVE_AUX, SAVE_H,
-                       GATHER_A, TOPK, B_TMA, B_NCONTIG, A_TMA, UPCAST, PRECISION, 2 * BLOCK_M, BLOCK_N, BLOCK_K)
+                       GATHER_A, TOPK, B_TMA, B_NCONTIG, A_TMA, EPI_HALVES, UPCAST, PRECISION, 2 * BLOCK_M, BLOCK_N,
+                       BLOCK_K)
         for tile in tl.range(tl.program_id(0), tl.load(pair_tiles_ptr + 1) * num_n, tl.num_programs(0),
                              flatten=True):
             t, pid_n = _grouped_tile(tile, tl.load(pair_tiles_ptr + 1), num_n, GROUP_M)
@@ -107,7 +109,8 @@ def _grouped_gemm_kernel(
             _gemm_tile(m0, e, pid_n, a_ptr, b_ptr, b_desc, a_desc, c_ptr, aux_ptr, rows_ptr, scale_ptr,
                        dscale_ptr, h_ptr, P, N, K, B_N_TOTAL, stride_am, stride_ak, stride_be, stride_bn,
                        stride_bk, stride_cm, stride_cn, stride_xm, stride_hm, EPILOGUE, SAVE_AUX, SAVE_H,
-                       GATHER_A, TOPK, B_TMA, B_NCONTIG, A_TMA, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                       GATHER_A, TOPK, B_TMA, B_NCONTIG, A_TMA, EPI_HALVES, UPCAST, PRECISION, BLOCK_M, BLOCK_N,
+                       BLOCK_K)
         return
     if PERSISTENT:
         used = tl.load(expert_start_ptr + E - 1) + tl.cdiv(tl.load(expert_count_ptr + E - 1), BLOCK_M) * BLOCK_M
@@ -120,7 +123,8 @@ def _grouped_gemm_kernel(
             _gemm_tile(m0, e, pid_n, a_ptr, b_ptr, b_desc, a_desc, c_ptr, aux_ptr, rows_ptr, scale_ptr,
                        dscale_ptr, h_ptr, P, N, K, B_N_TOTAL, stride_am, stride_ak, stride_be, stride_bn,
                        stride_bk, stride_cm, stride_cn, stride_xm, stride_hm, EPILOGUE, SAVE_AUX, SAVE_H,
-                       GATHER_A, TOPK, B_TMA, B_NCONTIG, A_TMA, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                       GATHER_A, TOPK, B_TMA, B_NCONTIG, A_TMA, EPI_HALVES, UPCAST, PRECISION, BLOCK_M, BLOCK_N,
+                       BLOCK_K)
         return
     pid_m, pid_n = _grouped_tile(tl.program_id(0), tl.cdiv(P, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
@@ -140,12 +144,12 @@ def _grouped_gemm_kernel(
             _gemm_tile(m0, e, pid_n, a_ptr, b_ptr, b_desc, a_desc_tall, c_ptr, aux_ptr, rows_ptr, scale_ptr, dscale_ptr,
                        h_ptr, P, N, K, B_N_TOTAL, stride_am, stride_ak, stride_be, stride_bn, stride_bk,
                        stride_cm, stride_cn, stride_xm, stride_hm, EPILOGUE, SAVE_AUX, SAVE_H, GATHER_A,
-                       TOPK, B_TMA, B_NCONTIG, A_TMA, UPCAST, PRECISION, 2 * BLOCK_M, BLOCK_N, BLOCK_K)
+                       TOPK, B_TMA, B_NCONTIG, A_TMA, EPI_HALVES, UPCAST, PRECISION, 2 * BLOCK_M, BLOCK_N, BLOCK_K)
         else:
             _gemm_tile(m0, e, pid_n, a_ptr, b_ptr, b_desc, a_desc, c_ptr, aux_ptr, rows_ptr, scale_ptr, dscale_ptr,
                        h_ptr, P, N, K, B_N_TOTAL, stride_am, stride_ak, stride_be, stride_bn, stride_bk,
                        stride_cm, stride_cn, stride_xm, stride_hm, EPILOGUE, SAVE_AUX, SAVE_H, GATHER_A,
-                       TOPK, B_TMA, B_NCONTIG, A_TMA, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                       TOPK, B_TMA, B_NCONTIG, A_TMA, EPI_HALVES, UPCAST, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -185,7 +189,8 @@ def _gemm_tile(
     P, N, K, B_N_TOTAL,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_xm, stride_hm,
     EPILOGUE: tl.constexpr, SAVE_AUX: tl.constexpr, SAVE_H: tl.constexpr, GATHER_A: tl.constexpr,
-    TOPK: tl.constexpr, B_TMA: tl.constexpr, B_NCONTIG: tl.constexpr, A_TMA: tl.constexpr, UPCAST: tl.constexpr,
+    TOPK: tl.constexpr, B_TMA: tl.constexpr, B_NCONTIG: tl.constexpr, A_TMA: tl.constexpr, EPI_HALVES: tl.constexpr,
+    UPCAST: tl.constexpr,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Rows [m0, m0 + BLOCK_M) of the buffer (all expert e's or padding) x column tile pid_n."""
@@ -231,12 +236,22 @@ def _gemm_tile(
     if EPILOGUE == 0:
         tl.store(c_ptrs, _to(acc, c_ptr.dtype.element_ty, UPCAST), mask=c_mask)
     elif EPILOGUE == 1:
-        if SAVE_AUX:
-            x_ptrs = aux_ptr + offs_m[:, None] * stride_xm + offs_n[None, :]
-            tl.store(x_ptrs, _to(acc, aux_ptr.dtype.element_ty, UPCAST), mask=c_mask)
-            tl.store(x_ptrs + N, _to(acc_u, aux_ptr.dtype.element_ty, UPCAST), mask=c_mask)
-        h = acc * tl.sigmoid(acc) * acc_u
-        tl.store(c_ptrs, _to(h, c_ptr.dtype.element_ty, UPCAST), mask=c_mask)
+        if SAVE_AUX and EPI_HALVES:
+            # Two column halves, as the dgrad epilogue: with both [g | u] tiles stored whole, ptxas
+            # (sm90, 128x128 / 8 warps) takes 255 registers and spills; in halves 176 and none.
+            g0, g1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            u0, u1 = tl.split(tl.permute(tl.reshape(acc_u, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
+            _swiglu_fwd_epilogue(g0, u0, n0 + tl.arange(0, BLOCK_N // 2), offs_m, m_mask, N, aux_ptr, c_ptr,
+                                 stride_xm, stride_cm, stride_cn, UPCAST)
+            _swiglu_fwd_epilogue(g1, u1, n0 + BLOCK_N // 2 + tl.arange(0, BLOCK_N // 2), offs_m, m_mask, N,
+                                 aux_ptr, c_ptr, stride_xm, stride_cm, stride_cn, UPCAST)
+        else:
+            if SAVE_AUX:
+                x_ptrs = aux_ptr + offs_m[:, None] * stride_xm + offs_n[None, :]
+                tl.store(x_ptrs, _to(acc, aux_ptr.dtype.element_ty, UPCAST), mask=c_mask)
+                tl.store(x_ptrs + N, _to(acc_u, aux_ptr.dtype.element_ty, UPCAST), mask=c_mask)
+            h = acc * tl.sigmoid(acc) * acc_u
+            tl.store(c_ptrs, _to(h, c_ptr.dtype.element_ty, UPCAST), mask=c_mask)
     else:
         # acc = dY[tok] @ Wd[e] = dL/dh before the routing weight; aux holds [g | u] of the forward.
         # scale = topk_weights and dscale = its fp32 gradient, both flat [T*K], indexed by rows[p].
@@ -251,6 +266,18 @@ def _gemm_tile(
         _swiglu_bwd_epilogue(acc1, n0 + BLOCK_N // 2 + tl.arange(0, BLOCK_N // 2), w, flat, row_valid,
                              offs_m, m_mask, N, aux_ptr, c_ptr, dscale_ptr, h_ptr, stride_xm, stride_cm,
                              stride_cn, stride_hm, SAVE_H, UPCAST)
+
+
+@triton.jit
+def _swiglu_fwd_epilogue(g, u, cols, offs_m, m_mask, N, aux_ptr, c_ptr, stride_xm, stride_cm, stride_cn,
+                         UPCAST: tl.constexpr):
+    mask = m_mask[:, None] & (cols[None, :] < N)
+    x_ptrs = aux_ptr + offs_m[:, None] * stride_xm + cols[None, :]
+    tl.store(x_ptrs, _to(g, aux_ptr.dtype.element_ty, UPCAST), mask=mask)
+    tl.store(x_ptrs + N, _to(u, aux_ptr.dtype.element_ty, UPCAST), mask=mask)
+    h = g * tl.sigmoid(g) * u
+    tl.store(c_ptr + offs_m[:, None] * stride_cm + cols[None, :] * stride_cn, _to(h, c_ptr.dtype.element_ty, UPCAST),
+             mask=mask)
 
 
 @triton.jit

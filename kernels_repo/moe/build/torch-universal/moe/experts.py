@@ -178,7 +178,8 @@ def _gemm(a, weight, out, routing: ExpertRows, cfg: dict, *, n: int, k: int, epi
     row copy of x under its "ROWS") by TMA
     (with pair, tall tiles through a second descriptor of twice the box height); "PERSISTENT": n
     programs per SM loop over the tiles of the used rows in one flattened, software-pipelined loop
-    (with pair, two loops over the tile lists of `_pair_tiles`; see the kernel)."""
+    (with pair, two loops over the tile lists of `_pair_tiles`; see the kernel). gate_up's
+    "EPI_HALVES": its training epilogue ([g | u] saved) in two column halves (fewer registers)."""
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
     bm = routing.block_m
     P = routing.num_rows
@@ -207,10 +208,10 @@ def _gemm(a, weight, out, routing: ExpertRows, cfg: dict, *, n: int, k: int, epi
         (P, n, k, weight.shape[1], weight.shape[0], sa[0], sa[1], sw[0], stride_bn, stride_bk, so[0], so[1],
          so[0] if aux is None else aux.stride(0), so[0] if h is None else h.stride(0)),
         # EPILOGUE, SAVE_AUX, SAVE_H, GATHER_A, TOPK, B_TMA, B_NCONTIG, UPCAST, PRECISION, PAIR, A_TMA,
-        # PERSISTENT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M (the kernel's order; one type per position)
+        # PERSISTENT, EPI_HALVES, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M (the kernel's order; one type per position)
         (epilogue, bool(save_aux), h is not None, bool(gather_a), topk, bool(use_tma), bool(b_ncontig),
-         _interpreting(), _precision(a.dtype), bool(pair), a_desc is not None, per_sm > 0, bm, bn, bk,
-         cfg["GROUP_M"]),
+         _interpreting(), _precision(a.dtype), bool(pair), a_desc is not None, per_sm > 0,
+         bool(cfg.get("EPI_HALVES", False)), bm, bn, bk, cfg["GROUP_M"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], extras=(desc, a_desc, a_desc_tall),
     )
 
