@@ -36,6 +36,7 @@ CANDIDATES = {
     # the training gate_up (it saves [g | u]) with its epilogue in two column halves: ptxas sm90
     # 174-176 registers and no spills against 254-255 and 40 bytes of spills (stage gate_up_train)
     "gate_up_halves": {"gate_up": {"EPI_HALVES": True}},
+    "gate_up_rows_halves": {"gate_up": {"ROWS": True, "A_TMA": True, "PERSISTENT": 1, "EPI_HALVES": True}},
 }
 
 
