@@ -20,9 +20,10 @@ import statistics
 import torch
 from tune_moe import DEV, SHAPES, ex, rt, sweep_points, timed  # same directory
 
-# Candidates: extra keys for the stages they name (measured in s10 call 2, sequentially: persistent
-# gate_up 13-52% slower with 255 registers and spills; persistent dgrad under its 128-register cap
-# 2-3.5x slower; so the list is about the down tile, which dL/dx shares).
+# Candidates: extra keys for the stages they name. Measured in s10 call 2 (sequentially, first version
+# of this script): the gathering persistent gate_up 17-52% slower than one program per tile (255
+# registers), persistent dgrad under its 128-register cap 2.1-3.7x slower; so the list is the down
+# tile (which dL/dx shares) and gate_up variants that need fewer registers (ROWS, EPI_HALVES).
 CANDIDATES = {
     "a_tma": {"down": {"A_TMA": True}},
     "down_both": {"down": {"A_TMA": True, "PERSISTENT": 1}},
