@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: versions, GPU tests, the demo, then the benchmarks.
 # Usage (device tool): bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [tiles] [profile] [moehost] [diag] [graphdiag] [sweep] [persist] [tune] [routing] [moe] [moeprof] [flatcheck] [ncu] [pairab] [cfgab] [dirab]
-# Env: CFG_A, CFG_B, AB_ROUNDS=2 (cfgab), GPU_TESTS (pytest paths for `tests`), GPU_K (its -k expression), MOE_TIMEOUT, SWEEP_TIMEOUT, PERSIST_TIMEOUT, TUNE_TIMEOUT, TUNE_ARGS, and the benchmarks' own (SHAPES, TOKENS...)
+# Env: CFG_A, CFG_B, AB_ROUNDS=2 (cfgab), GPU_TESTS (pytest paths for `tests`), GPU_K (its -k expression), TESTS_TIMEOUT, MOE_TIMEOUT, SWEEP_TIMEOUT, PERSIST_TIMEOUT, TUNE_TIMEOUT, TUNE_ARGS, and the benchmarks' own (SHAPES, TOKENS...)
 # Logs and JSON lines land in $OUT. The GPU image has torch/triton/transformers of its own; we
 # run from the source tree (PYTHONPATH=src) and bring Liger-Kernel as a wheel in .whl/.
 set -u
@@ -25,7 +25,7 @@ bench_ab() { # bench_moe.py once per NAME=CONFIG_DIR argument (empty dir: shippe
 for step in $steps; do
   echo "=== $step ($(date -u +%T))"
   case $step in
-    tests) timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short ${GPU_TESTS:-} ${GPU_K:+-k "$GPU_K"} > "$OUT/gpu_tests.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -30 ;;
+    tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short ${GPU_TESTS:-} ${GPU_K:+-k "$GPU_K"} > "$OUT/gpu_tests.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -30 ;;
     demo) timeout 120 python3 examples/demo.py 2>&1 | tee "$OUT/demo.log" | tail -40 ;;
     swiglu) timeout 200 python3 kernels_repo/swiglu/benchmarks/bench_swiglu.py 2>&1 | tee "$OUT/bench_swiglu.log" | tail -3 ;;
     tiles) timeout 150 python3 kernels_repo/swiglu/benchmarks/sweep_tiles.py 2>&1 | tee "$OUT/sweep_tiles.log" | grep "^sweep" ;;
