@@ -221,3 +221,85 @@ def test_report_renders_as_readable_table(fake_gpus):
     assert lines[4].split()[:6] == ["1", "MLP", "SwiGLUMLP", "cuda:1", "90", "ToyMLPSm90"]
     assert lines[5].split()[:6] == ["2", "MLP", "SwiGLUMLP", "cpu", "-", "eager"]
     assert "act_fn is GELU" in lines[5]
+
+
+class ScaledMLP(MLP):
+    """The shape of a SwiGLU MLP, not its maths (FalconH1MLP scales the gate and the output)."""
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x) * 0.5) * self.up_proj(x)) * 3.0
+
+
+class StepwiseMLP(MLP):
+    """SwiGLU written in steps, product commuted, input named as many transformers MLPs name it."""
+
+    def forward(self, hidden_state):
+        """Docstrings are skipped."""
+        up = self.up_proj(hidden_state)
+        gate = self.act_fn(self.gate_proj(hidden_state))
+        out = self.down_proj(up * gate)
+        return out
+
+
+def test_mlp_with_the_shape_but_other_maths_keeps_its_forward():
+    torch.manual_seed(0)
+    model = nn.Sequential(ScaledMLP())
+    x = torch.randn(3, 8)
+    ref = model(x)
+    (entry,) = kernelize(model).entries
+    assert entry.layer is None and "computes something other than" in entry.fallback_reason
+    assert "forward" not in model[0].__dict__
+    torch.testing.assert_close(model(x), ref)
+    assert CALLS == []
+
+
+def test_mlp_whose_input_has_another_name_is_kernelized_and_takes_it_by_keyword():
+    torch.manual_seed(0)
+    model = nn.Sequential(StepwiseMLP())
+    x = torch.randn(3, 8)
+    ref = model(x)
+    (entry,) = kernelize(model).entries
+    assert entry.layer == "ToyMLPCpu", entry.fallback_reason
+    torch.testing.assert_close(model[0](hidden_state=x), ref)
+    torch.testing.assert_close(model[0](x), ref)
+    assert [c[0] for c in CALLS] == ["ToyMLPCpu", "ToyMLPCpu"]
+
+
+def test_deepcopy_of_a_kernelized_model_runs_the_kernel_on_its_own_weights():
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(MLP(), nn.ReLU(), MLP())
+    kernelize(model)
+    x = torch.randn(3, 8)
+    ref = model(x)
+    clone = copy.deepcopy(model)
+    CALLS.clear()
+    torch.testing.assert_close(clone(x), ref)
+    assert [c[0] for c in CALLS] == ["ToyMLPCpu", "ToyMLPCpu"]  # the copy is still kernelized
+    with torch.no_grad():
+        clone[0].down_proj.weight.mul_(2.0)  # the copy's kernel reads the copy's weights ...
+    assert not torch.allclose(clone(x), ref)
+    torch.testing.assert_close(model(x), ref)  # ... and the original's its own
+    assert unkernelize(clone) == 2 and "forward" not in clone[0].__dict__
+
+
+def test_pickled_kernelized_model_loads_and_resolves_again():
+    import io
+
+    torch.manual_seed(0)
+    model = nn.Sequential(MLP())
+    kernelize(model)
+    x = torch.randn(3, 8)
+    ref = model(x)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    CALLS.clear()
+    torch.testing.assert_close(loaded(x), ref)
+    assert [c[0] for c in CALLS] == ["ToyMLPCpu"]  # resolved again on its first call
+    assert unkernelize(loaded) == 1
+    CALLS.clear()
+    torch.testing.assert_close(loaded(x), ref)
+    assert CALLS == []

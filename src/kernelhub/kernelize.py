@@ -8,6 +8,8 @@ and a kernelized forward re-resolves when its input arrives on another device.
 
 from __future__ import annotations
 
+import copy
+import functools
 import threading
 import types
 from collections.abc import Callable, Iterator
@@ -20,7 +22,7 @@ from torch import nn
 
 from kernelhub.config import KernelhubConfig, load_config
 from kernelhub.device import as_torch_device, device_capability, module_device
-from kernelhub.layer import layer_problem
+from kernelhub.layer import keyword_renames, layer_problem
 from kernelhub.matching import match_layer
 from kernelhub.mode import MODE_PRIORITY, Mode
 from kernelhub.registry import resolve_repository
@@ -182,8 +184,26 @@ def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
     return None
 
 
+def _renamed_call(fn: Callable, renames: dict[str, str], *args: Any, **kwargs: Any) -> Any:
+    if kwargs:
+        kwargs = {renames.get(k, k): v for k, v in kwargs.items()}
+    return fn(*args, **kwargs)
+
+
+def _bind_layer(layer: type[nn.Module], host: nn.Module) -> Callable:
+    """layer.forward with the host as `self`; keywords named as the host names them reach it too."""
+    fn = types.MethodType(layer.forward, host)
+    renames = keyword_renames(layer, host)
+    return functools.partial(_renamed_call, fn, renames) if renames else fn
+
+
 class _KernelizedForward:
-    """The forward installed on a kernelized module: one resolved forward per input device."""
+    """The forward installed on a kernelized module: one resolved forward per input device.
+
+    Copies: `copy.deepcopy(model)` keeps every binding, bound to the copy's modules. Pickling
+    (`torch.save(model)`) keeps the binding but not the kernels it resolved (layer classes of
+    dynamically loaded kernel packages): the loaded model resolves again on its first call.
+    """
 
     def __init__(self, host: nn.Module, layer_name: str, mode: Mode, config: Any, original: Callable,
                  had_instance_forward: bool, use_fallback: bool):
@@ -199,8 +219,11 @@ class _KernelizedForward:
         self._per_device: dict[torch.device, Callable] = {}
         self._lock = threading.Lock()
 
+    def _forward_for(self, choice: _Choice) -> Callable:
+        return self.original if choice.layer is None else _bind_layer(choice.layer, self.host_ref)
+
     def bind(self, choice: _Choice) -> None:
-        fn = self.original if choice.layer is None else types.MethodType(choice.layer.forward, self.host_ref)
+        fn = self._forward_for(choice)
         if choice.device is not None:
             self._per_device[choice.device] = fn
         self.device, self.fn = choice.device, fn
@@ -210,10 +233,11 @@ class _KernelizedForward:
         if fn is None:
             choice = _choose(self.host_ref, self.layer_name, device, self.mode, self.config)
             if choice.reason is not None and not self.use_fallback:
-                raise RuntimeError(
-                    f"kernelize: no kernel for {type(self.host_ref).__name__} on {device}: {choice.reason}"
+                raise ValueError(
+                    f"kernelize: no kernel for {type(self.host_ref).__name__} on {device} and "
+                    f"use_fallback=False: {choice.reason}"
                 )
-            fn = self.original if choice.layer is None else types.MethodType(choice.layer.forward, self.host_ref)
+            fn = self._forward_for(choice)
             with self._lock:
                 self._per_device[device] = fn
         return fn
@@ -223,6 +247,24 @@ class _KernelizedForward:
         if x is None or x.device == self.device:
             return self.fn(*args, **kwargs)
         return self._for_device(x.device)(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> _KernelizedForward:
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            if key != "_lock":  # the bound methods follow the host to its copy through `memo`
+                setattr(new, key, copy.deepcopy(value, memo))
+        new._lock = threading.Lock()
+        return new
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_per_device", "fn", "device")}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.device, self.fn, self._per_device = None, self.original, {}
+        self._lock = threading.Lock()
 
 
 def _check_mode(mode: Any) -> Mode:

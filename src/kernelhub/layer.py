@@ -10,7 +10,7 @@ from torch import nn
 
 from kernelhub.mode import Mode
 
-__all__ = ["use_kernel_forward_from_hub", "layer_problem"]
+__all__ = ["use_kernel_forward_from_hub", "layer_problem", "keyword_renames"]
 
 M = TypeVar("M", bound=type[nn.Module])
 
@@ -29,17 +29,32 @@ def use_kernel_forward_from_hub(layer_name: str) -> Callable[[M], M]:
     return decorate
 
 
-def _forward_params(fn: Callable) -> list[tuple[str, inspect._ParameterKind]]:
+def _forward_params(fn: Callable) -> list[inspect.Parameter]:
     fn = inspect.unwrap(fn)
-    params = list(inspect.signature(fn).parameters.values())[1:]  # drop self
-    return [(p.name, p.kind) for p in params]
+    return list(inspect.signature(fn).parameters.values())[1:]  # drop self
+
+
+def keyword_renames(layer: type, host: nn.Module) -> dict[str, str]:
+    """{host's parameter name: the layer's} where the two forwards name a parameter differently.
+
+    Layers are matched by their parameters' number and kinds, as Hugging Face `kernels` does
+    (transformers MLPs call their input x, hidden_state or hidden_states); a caller that passes
+    the input by the host's keyword still reaches the layer through this map.
+    """
+    try:
+        pairs = zip(_forward_params(type(host).forward), _forward_params(layer.forward))
+    except (TypeError, ValueError):
+        return {}
+    return {h.name: m.name for h, m in pairs
+            if h.name != m.name and h.kind is not inspect.Parameter.POSITIONAL_ONLY}
 
 
 def layer_problem(layer: object, host: nn.Module, mode: Mode) -> str | None:
     """Why `layer` cannot replace `host.forward` in `mode`, or None if it can.
 
     A layer must be a stateless nn.Module (its forward runs with the host as `self`, so any state
-    of its own would be silently missing), have the host's forward signature, declare
+    of its own would be silently missing), take the parameters of the host's forward (number and
+    kinds; names may differ, see `keyword_renames`), declare
     `has_backward = True` to be used for TRAINING and `can_torch_compile = True` for TORCH_COMPILE.
     """
     if not (isinstance(layer, type) and issubclass(layer, nn.Module)):
@@ -57,10 +72,10 @@ def layer_problem(layer: object, host: nn.Module, mode: Mode) -> str | None:
         theirs = _forward_params(type(host).forward)
     except (TypeError, ValueError):
         mine = theirs = []
-    if mine != theirs:
+    if [p.kind for p in mine] != [p.kind for p in theirs]:
         return (
-            f"layer {layer.__name__}.forward{[n for n, _ in mine]} does not match "
-            f"{type(host).__name__}.forward{[n for n, _ in theirs]}"
+            f"layer {layer.__name__}.forward{[p.name for p in mine]} does not match "
+            f"{type(host).__name__}.forward{[p.name for p in theirs]}"
         )
     if Mode.TRAINING in mode and getattr(layer, "has_backward", False) is not True:
         return f"layer {layer.__name__} has no backward (has_backward is not True), mode is {mode}"

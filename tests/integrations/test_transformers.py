@@ -165,3 +165,50 @@ def test_from_pretrained_with_experts_implementation_kernelhub(tmp_path):
         integration.register_experts_implementation()
     assert calls == ["Qwen3MoeExperts", "Qwen3MoeExperts"]
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def _mlp_with_other_maths(name: str) -> torch.nn.Module:
+    from types import SimpleNamespace
+
+    base = dict(hidden_size=16, intermediate_size=24, hidden_act="silu", mlp_bias=False)
+    if name == "FalconH1MLP":  # gate and output multipliers
+        from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1MLP
+
+        return FalconH1MLP(SimpleNamespace(**base, mlp_multipliers=(0.5, 3.0)))
+    if name == "Glm5NextTextMLP":  # gate and up clamped
+        from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextMLP
+
+        return Glm5NextTextMLP(SimpleNamespace(**base, swiglu_limit=0.05))
+    if name == "DeepseekV4MLP":  # gate and up clamped
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4MLP
+
+        return DeepseekV4MLP(SimpleNamespace(**base, swiglu_limit=0.05))
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize("name", ["FalconH1MLP", "Glm5NextTextMLP", "DeepseekV4MLP"])
+def test_transformers_mlps_with_the_shape_but_other_maths_keep_their_forward(name):
+    torch.manual_seed(0)
+    mlp = _mlp_with_other_maths(name).eval()
+    x = torch.randn(3, 16) * 4
+    with torch.no_grad():
+        ref = mlp(x)
+    (entry,) = kernelhub.kernelize(mlp, config={}).entries
+    assert entry.layer is None and f"{name}.forward computes something other than" in entry.fallback_reason
+    with torch.no_grad():
+        torch.testing.assert_close(mlp(x), ref)
+
+
+def test_transformers_mlp_with_input_named_hidden_state_is_kernelized():
+    from types import SimpleNamespace
+
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLMLP
+
+    torch.manual_seed(0)
+    mlp = Qwen2_5_VLMLP(SimpleNamespace(hidden_size=16, intermediate_size=24, hidden_act="silu"), bias=True).eval()
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        ref = mlp(x)
+        (entry,) = kernelhub.kernelize(mlp, config={}).entries
+        assert entry.layer == "SwiGLUMLPReference", entry.fallback_reason
+        torch.testing.assert_close(mlp(hidden_state=x), ref)
