@@ -145,7 +145,7 @@ class _Choice:
     reason: str | None
 
 
-def _choose(
+def choose_layer(
     host: nn.Module,
     layer_name: str,
     device: torch.device | None,
@@ -231,7 +231,7 @@ class _KernelizedForward:
     def _for_device(self, device: torch.device) -> Callable:
         fn = self._per_device.get(device)
         if fn is None:
-            choice = _choose(self.host_ref, self.layer_name, device, self.mode, self.config)
+            choice = choose_layer(self.host_ref, self.layer_name, device, self.mode, self.config)
             if choice.reason is not None and not self.use_fallback:
                 raise ValueError(
                     f"kernelize: no kernel for {type(self.host_ref).__name__} on {device} and "
@@ -318,7 +318,7 @@ def kernelize(
         if match.unsupported_reason is not None:
             choice = _Choice(dev, None, None, None, match.unsupported_reason)
         else:
-            choice = _choose(module, match.layer_name, dev, mode, cfg)
+            choice = choose_layer(module, match.layer_name, dev, mode, cfg)
         if (
             not use_fallback
             and match.unsupported_reason is None

@@ -30,6 +30,7 @@ __all__ = [
     "register_kernel_mapping",
     "use_kernel_mapping",
     "get_kernel_mapping",
+    "mapping_in_effect",
     "resolve_repository",
 ]
 
@@ -150,6 +151,12 @@ def use_kernel_mapping(mapping: Mapping[str, Any], *, inherit_mapping: bool = Tr
         yield
     finally:
         _KERNEL_MAPPING.reset(token)
+
+
+def mapping_in_effect() -> object:
+    """The mapping object in effect here: a new object whenever the mapping changes, so a cache
+    of resolutions can tell, by identity, that it was made under another mapping."""
+    return _current()
 
 
 def get_kernel_mapping() -> KernelMapping:

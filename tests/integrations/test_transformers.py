@@ -212,3 +212,75 @@ def test_transformers_mlp_with_input_named_hidden_state_is_kernelized():
         (entry,) = kernelhub.kernelize(mlp, config={}).entries
         assert entry.layer == "SwiGLUMLPReference", entry.fallback_reason
         torch.testing.assert_close(mlp(hidden_state=x), ref)
+
+
+class _SpyExperts(torch.nn.Module):
+    """An MoEExperts layer that records its calls and runs the host's eager forward."""
+
+    has_backward = True
+    can_torch_compile = True
+    calls: list = []
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        _SpyExperts.calls.append(type(self).__name__)
+        from kernelhub.integrations.transformers import _eager_forward
+
+        return _eager_forward(self)(self, hidden_states, top_k_index, top_k_weights)
+
+
+class _Repo:
+    def __init__(self, layer=None, error=None):
+        self.layer_name, self.layer, self.error = "MoEExperts", layer, error
+
+    def load(self):
+        if self.error is not None:
+            raise self.error
+        return self.layer
+
+
+def _loaded_with_kernelhub_experts(tmp_path):
+    torch.manual_seed(0)
+    tiny_model("qwen3_moe").save_pretrained(tmp_path)
+    return transformers.AutoModelForCausalLM.from_pretrained(tmp_path, experts_implementation="kernelhub").eval()
+
+
+def test_experts_implementation_follows_the_mapping_in_effect(tmp_path):
+    model = _loaded_with_kernelhub_experts(tmp_path)
+    ids = torch.randint(0, 64, (1, 4))
+    _SpyExperts.calls.clear()
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        assert _SpyExperts.calls == []
+        with kernelhub.use_kernel_mapping({"MoEExperts": {"cpu": _Repo(_SpyExperts)}}):
+            torch.testing.assert_close(model(input_ids=ids).logits, ref)
+        assert _SpyExperts.calls == ["Qwen3MoeExperts"] * 2
+        model(input_ids=ids)  # the block has ended: its kernel is no longer used
+    assert _SpyExperts.calls == ["Qwen3MoeExperts"] * 2
+
+
+def test_experts_implementation_runs_eager_with_a_warning_when_the_kernel_cannot_load(tmp_path):
+    model = _loaded_with_kernelhub_experts(tmp_path)
+    ids = torch.randint(0, 64, (1, 4))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        broken = {kernelhub.Mode.INFERENCE: _Repo(error=OSError("hub unreachable"))}
+        with kernelhub.use_kernel_mapping({"MoEExperts": {"cpu": broken}}):
+            with pytest.warns(RuntimeWarning, match="runs eager: could not load .*hub unreachable"):
+                out = model(input_ids=ids).logits
+    torch.testing.assert_close(out, ref)
+
+
+def test_experts_implementation_applies_the_config_pins(tmp_path, monkeypatch):
+    from kernelhub.integrations import transformers as integration
+
+    model = _loaded_with_kernelhub_experts(tmp_path / "model")
+    experts = next(m for m in model.modules() if type(m).__name__ == "Qwen3MoeExperts")
+    (tmp_path / "kernelhub.toml").write_text('[layers.MoEExperts]\nlayer = "MoEExpertsSm80"\n')
+    monkeypatch.chdir(tmp_path)
+    integration._cache.clear()  # the config is read when a (class, device, mode) is first resolved
+    forward = integration._layer_for(experts, torch.device("cpu"), kernelhub.Mode.INFERENCE)
+    assert forward.__qualname__ == "MoEExpertsSm80.forward"
+    monkeypatch.chdir(tmp_path / "model")
+    integration._cache.clear()
+    forward = integration._layer_for(experts, torch.device("cpu"), kernelhub.Mode.INFERENCE)
+    assert forward.__qualname__ == "MoEExpertsReference.forward"

@@ -970,6 +970,52 @@ def test_gpt_oss_is_reported_unsupported_and_falls_back_to_eager():
     torch.testing.assert_close(moe.experts_forward(module, hidden, idx, w), module(hidden, idx, w))
 
 
+def _random_experts(module):
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn_like(p) * 0.1)
+    return module
+
+
+def test_experts_with_identity_experts_are_reported_unsupported():
+    # LongcatFlashExperts: gate_up_proj also covers "zero-compute" experts (ids >= n_routed_experts,
+    # which add w * x): [E + Z, 2I, H] against down_proj [E, H, I]
+    pytest.importorskip("transformers")
+    from transformers.models.longcat_flash.configuration_longcat_flash import LongcatFlashConfig
+    from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashExperts
+
+    cfg = LongcatFlashConfig()
+    cfg.hidden_size, cfg.expert_ffn_hidden_size, cfg.n_routed_experts, cfg.zero_expert_num = 16, 8, 4, 2
+    reason = moe.unsupported_reason(_random_experts(LongcatFlashExperts(cfg)))
+    assert reason is not None and "weight shapes (6, 16, 16), (4, 16, 8)" in reason
+
+
+def test_experts_activation_is_read_from_act_fn_first():
+    transformers = pytest.importorskip("transformers")
+    import torch.nn.functional as F
+    from transformers.models.lfm2_moe.modeling_lfm2_moe import Lfm2MoeExperts
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    # Lfm2MoeExperts calls F.silu and its config has no hidden_act: supported, and equal to eager
+    cfg = transformers.Lfm2MoeConfig()
+    cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts = 16, 8, 4
+    cfg._experts_implementation = "eager"
+    module = _random_experts(Lfm2MoeExperts(cfg))
+    assert module.act_fn is F.silu and moe.unsupported_reason(module) is None
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(5, 16, generator=g)
+    idx = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(5)])
+    w = torch.rand(5, 2, generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(moe.MoEExpertsReference.forward(module, hidden, idx, w), module(hidden, idx, w))
+    # a config that says silu does not hide an act_fn that is something else
+    cfg = transformers.MixtralConfig(hidden_size=16, intermediate_size=8, num_local_experts=4)
+    cfg._experts_implementation = "eager"
+    module = MixtralExperts(cfg)
+    module.act_fn = torch.nn.GELU()
+    assert "activation GELU is not SiLU" in moe.unsupported_reason(module)
+
+
 def test_registered_as_transformers_experts_implementation():
     pytest.importorskip("transformers")
     from transformers.integrations.moe import ExpertsInterface

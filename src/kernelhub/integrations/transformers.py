@@ -2,7 +2,10 @@
 
 `from_pretrained(..., experts_implementation="kernelhub")` routes every `*Experts` forward here;
 each call resolves the `MoEExperts` kernel for the device of *its* hidden states, so a model
-spread over GPUs of different generations gets the right kernel per layer.
+spread over GPUs of different generations gets the right kernel per layer. Resolution is
+kernelize's: the kernel mapping in effect at the call (a `use_kernel_mapping` block included), the
+pins of `kernelhub.toml` / `[tool.kernelhub]` in the working directory, the layer's own checks; a
+kernel that cannot be loaded or used leaves that module eager, with a warning.
 
 Importing transformers' MoE integration costs seconds, so `import kernelhub` does not do it: it
 registers at once if transformers is already imported and otherwise when it is imported.
@@ -15,22 +18,25 @@ import importlib.util
 import sys
 import threading
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from kernelhub.device import device_capability
-from kernelhub.layer import layer_problem
+from kernelhub.config import load_config
+from kernelhub.kernelize import choose_layer
 from kernelhub.mode import Mode
-from kernelhub.registry import resolve_repository
+from kernelhub.registry import mapping_in_effect
 
 __all__ = ["EXPERTS_IMPLEMENTATION", "kernelhub_experts_forward", "register_experts_implementation"]
 
 EXPERTS_IMPLEMENTATION = "kernelhub"
 _MOE_MODULE = "transformers.integrations.moe"
-_cache: dict[tuple[type, torch.device, Mode], Callable | None] = {}
+# (class, device, mode) -> (the mapping it was resolved under, layer forward or None for eager)
+_cache: dict[tuple[type, torch.device, Mode], tuple[object, Callable | None]] = {}
+_MAX_CACHED = 256  # each use_kernel_mapping block is a new mapping, so a new resolution
 _lock = threading.Lock()
 
 
@@ -40,18 +46,24 @@ def _eager_forward(module: nn.Module) -> Callable:
 
 
 def _layer_for(module: nn.Module, device: torch.device, mode: Mode) -> Callable | None:
+    """The MoEExperts layer forward for this class, device and mode, resolved as kernelize does
+    (mapping in effect, then the pins of the working directory's config, then the layer's checks);
+    None: eager. Resolved again when the mapping in effect changes."""
     key = (type(module), device, mode)
-    if key in _cache:
-        return _cache[key]
-    capability = device_capability(device) if device.type == "cuda" else None
-    resolution = resolve_repository("MoEExperts", device, capability, mode)
-    forward = None
-    if resolution.repository is not None:
-        layer = resolution.repository.load()
-        if layer_problem(layer, module, mode) is None:
-            forward = layer.forward
+    mapping = mapping_in_effect()
+    hit = _cache.get(key)
+    if hit is not None and hit[0] is mapping:
+        return hit[1]
+    choice = choose_layer(module, "MoEExperts", device, mode, load_config(None))
+    if choice.layer is None and choice.repository is not None:
+        # found but unusable (a failed download, a layer that does not fit): say so once, run eager
+        warnings.warn(f"kernelhub experts implementation: {type(module).__name__} on {device} runs "
+                      f"eager: {choice.reason}", RuntimeWarning, stacklevel=3)
+    forward = None if choice.layer is None else choice.layer.forward
     with _lock:
-        _cache[key] = forward
+        if len(_cache) >= _MAX_CACHED:
+            _cache.clear()
+        _cache[key] = (mapping, forward)
     return forward
 
 

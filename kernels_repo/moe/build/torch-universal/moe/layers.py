@@ -38,12 +38,18 @@ def unsupported_reason(module: nn.Module) -> str | None:
     apply_gate = getattr(type(module), "_apply_gate", None)
     if apply_gate is not None and getattr(apply_gate, "__name__", "") != "_default_apply_gate":
         return f"{name}: custom gating `_apply_gate` (e.g. clamped SwiGLU) is not supported"
-    act = getattr(getattr(module, "config", None), "hidden_act", None)
     act_fn = getattr(module, "act_fn", None)
-    silu_fn = isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
-    if act not in _SILU_NAMES and not silu_fn:
-        return f"{name}: activation {act!r} is not SiLU"
-    if gu.dim() != 3 or dn.dim() != 3 or gu.shape[1] != 2 * dn.shape[2] or gu.shape[2] != dn.shape[1]:
+    if act_fn is not None:  # the function the eager forward calls decides, whatever the config says
+        if not (isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
+                or act_fn is torch.nn.functional.silu):
+            return f"{name}: activation {type(act_fn).__name__} is not SiLU"
+    else:
+        act = getattr(getattr(module, "config", None), "hidden_act", None)
+        if act not in _SILU_NAMES:
+            return f"{name}: activation {act!r} is not SiLU"
+    if (gu.dim() != 3 or dn.dim() != 3 or gu.shape[0] != dn.shape[0] or gu.shape[1] != 2 * dn.shape[2]
+            or gu.shape[2] != dn.shape[1]):
+        # (LongcatFlashExperts: gate_up_proj also covers "zero-compute" identity experts, ids >= E)
         return f"{name}: weight shapes {tuple(gu.shape)}, {tuple(dn.shape)} are not [E, 2I, H], [E, H, I]"
     return None
 
