@@ -227,6 +227,40 @@ def test_reduce_fused_writes_into_out_and_validates_it(variant):
         moe.reduce_fused(z, w[:, :2], inv)
 
 
+def _bad_positions(bad: str):
+    idx = random_topk(12, 3, 5, drop=0.0, device=DEV)
+    p2e, _, _, inv, *_ = moe.get_fused_mapping(idx, 5, 0, 4)
+    z = torch.randn(p2e.numel(), 32, device=DEV)
+    inv = inv.clone()
+    if bad == "past_p":
+        inv[4, 1] = p2e.numel()
+    elif bad == "below_minus_one":
+        inv[4, 1] = -2
+    else:  # a pos_to_expert (and x) shorter than the positions need
+        p2e, z = p2e[:4], z[:4]
+    return torch.randn(12, 32, device=DEV), inv, p2e, z
+
+
+@pytest.mark.parametrize("bad", ["past_p", "below_minus_one", "short_pos_to_expert"])
+def test_expand_and_reduce_refuse_positions_out_of_range(variant, bad):
+    x, inv, p2e, z = _bad_positions(bad)
+    # graph-capturable path: an async assert after a launch that wrote nothing out of bounds
+    with pytest.raises(RuntimeError, match="expand_to_fused: `token_topk_to_pos` holds positions"):
+        moe.expand_to_fused(x, inv, p2e)
+    with pytest.raises(RuntimeError, match="reduce_fused: `token_topk_to_pos` holds positions"):
+        moe.reduce_fused(z, None, inv)
+
+
+@pytest.mark.parametrize("bad", ["past_p", "below_minus_one", "short_pos_to_expert"])
+def test_expand_and_reduce_reference_path_raise_value_errors_for_bad_positions(monkeypatch, bad):
+    monkeypatch.setattr(checks, "interpreting", lambda: False)
+    x, inv, p2e, z = _bad_positions(bad)
+    with pytest.raises(ValueError, match="expand_to_fused: `token_topk_to_pos` holds positions"):
+        moe.expand_to_fused(x, inv, p2e)
+    with pytest.raises(ValueError, match="reduce_fused: `token_topk_to_pos` holds positions"):
+        moe.reduce_fused(z, None, inv)
+
+
 def test_tensors_on_different_devices_are_named(fake_gpus):
     x = torch.randn(4, 8)
     inv = fake_cuda_tensor((4, 2), 1, dtype=torch.int32)
@@ -260,6 +294,14 @@ def test_topk_gate_matches_stable_sort_and_breaks_ties_to_smaller_index(variant)
             assert torch.equal(got, ref.topk_gate_ref(s, k))
     row = torch.zeros(1, 9, device=DEV)
     assert moe.topk_gate(row, 3).tolist() == [[0, 1, 2]]
+    # NaN ranks above every number, as torch.sort / topk rank it; ids always in [0, E)
+    nan = float("nan")
+    odd = torch.tensor([[nan, 1.0, 2.0, 3.0], [nan, nan, nan, nan], [1.0, nan, float("inf"), nan],
+                        [float("-inf")] * 4], device=DEV)
+    for k in (1, 2, 4):
+        got = moe.topk_gate(odd, k)
+        assert torch.equal(got, ref.topk_gate_ref(odd, k)), (k, got.tolist())
+    assert moe.topk_gate(odd, 3).tolist() == [[0, 3, 2], [0, 1, 2], [1, 3, 2], [0, 1, 2]]
     assert moe.topk_gate(torch.empty(0, 9, device=DEV), 2).shape == (0, 2)
     with pytest.raises(ValueError, match="topk_gate: `num_topk`"):
         moe.topk_gate(scores, 41)
@@ -402,14 +444,25 @@ def test_gpu_bad_inputs_on_the_host_sync_path():
         moe.expand_to_fused(x, idx[:10].int(), torch.zeros(8, dtype=torch.int32, device="cuda"))
 
 
+_BAD_CALLS = {
+    "too_small_p": "moe.get_fused_mapping(idx, 8, 100, 1)",
+    "expand_position_past_p":
+        "inv[3, 1] = p2e.numel(); moe.expand_to_fused(torch.randn(256, 64, device='cuda'), inv, p2e)",
+    "reduce_position_below_minus_one":
+        "inv[3, 1] = -2; moe.reduce_fused(torch.randn(p2e.numel(), 64, device='cuda'), None, inv)",
+}
+
+
 @pytest.mark.gpu
-def test_gpu_too_small_p_triggers_a_device_assert_in_a_subprocess():
+@pytest.mark.parametrize("bad", sorted(_BAD_CALLS))
+def test_gpu_bad_input_without_sync_triggers_a_device_assert_in_a_subprocess(bad):
     # A device-side assert poisons the CUDA context, so it runs in its own process.
     code = (
         "import sys, torch; from pathlib import Path; from kernelhub.hub import get_local_kernel;"
         f"moe = get_local_kernel(Path({str(Path(__file__).resolve().parents[1])!r}));"
         "idx = torch.randint(0, 8, (256, 4), device='cuda');"
-        "moe.get_fused_mapping(idx, 8, 100, 1); torch.cuda.synchronize(); print('NO ASSERT')"
+        "p2e, _, _, inv, *_ = moe.get_fused_mapping(idx, 8, 0, 1);"
+        f"{_BAD_CALLS[bad]}; torch.cuda.synchronize(); print('NO ASSERT')"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "TRITON_INTERPRET": "0"})
@@ -427,9 +480,9 @@ _COMPILE_JOBS = {  # kernel name: (pointer/int signature, constexprs) at the ben
         [_I64, _I32, _I32, _I32, _I32] + ["i32"] * 5, {"SUB": 128, "NB": 512, "FILL_BLOCK": 1024}),
     "_map_scan_kernel": ([_I32, _I32, "i32", "i32"], {"BLOCK_T": 128, "BLOCK_E": 16}),
     "_map_scatter_kernel": ([_I64] + [_I32] * 9 + ["i32"] * 6, {"SUB": 128, "NB": 512}),
-    "_expand_kernel": (["*bf16", "*bf16", _I32, _I32] + ["i32"] * 5,
+    "_expand_kernel": (["*bf16", "*bf16", _I32, _I32, _I32] + ["i32"] * 5,
                        {"K": 8, "BLOCK_H": 1024, "PAD_ROWS": 128, "PAD_R": 16, "SUB_H": 128}),
-    "_reduce_kernel": (["*bf16", "*fp32", _I32, "*bf16"] + ["i32"] * 7,
+    "_reduce_kernel": (["*bf16", "*fp32", _I32, "*bf16", _I32] + ["i32"] * 7,
                        {"K": 8, "HAS_W": True, "BLOCK_H": 1024}),
     "_topk_gate_kernel": (["*fp32", _I64] + ["i32"] * 4, {"K": 8, "BLOCK_T": 16, "E_POW2": 256}),
     "_normalize_weight_kernel": (["*fp32"] * 3 + ["i32"] * 3, {"K": 8, "BLOCK_T": 128}),

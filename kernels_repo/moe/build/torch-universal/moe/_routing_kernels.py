@@ -176,12 +176,13 @@ def _map_scatter_kernel(
 
 @triton.jit
 def _expand_kernel(
-    x_ptr, out_ptr, map_ptr, pos_to_expert_ptr,
+    x_ptr, out_ptr, map_ptr, pos_to_expert_ptr, valid_ptr,
     num_tokens, num_pos, hidden, stride_xm, stride_mt,
     K: tl.constexpr, BLOCK_H: tl.constexpr, PAD_ROWS: tl.constexpr, PAD_R: tl.constexpr,
     SUB_H: tl.constexpr,
 ):
-    """Programs < T copy token t's chunk to its K rows; the rest zero the padding rows."""
+    """Programs < T copy token t's chunk to its K rows; the rest zero the padding rows.
+    A position outside [-1, P) is not written and clears *valid_ptr (the caller asserts on it)."""
     pid = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cmask = cols < hidden
@@ -190,6 +191,7 @@ def _expand_kernel(
         for k in tl.static_range(K):
             pos = tl.load(map_ptr + pid * stride_mt + k).to(tl.int64)
             ok = (pos >= 0) & (pos < num_pos)
+            tl.store(valid_ptr, 0, mask=(pos < -1) | (pos >= num_pos))
             tl.store(out_ptr + pos * hidden + cols, v, mask=cmask & ok)
     else:
         # PAD_ROWS rows per program; most such blocks lie inside real rows and stop after one load.
@@ -211,11 +213,12 @@ def _expand_kernel(
 
 @triton.jit
 def _reduce_kernel(
-    x_ptr, w_ptr, map_ptr, out_ptr,
+    x_ptr, w_ptr, map_ptr, out_ptr, valid_ptr,
     num_pos, hidden, stride_xp, stride_wt, stride_wk, stride_mt, stride_ot,
     K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """out[t] = sum_k w[t, k] * x[pos[t, k]], accumulated in fp32 in k order."""
+    """out[t] = sum_k w[t, k] * x[pos[t, k]], accumulated in fp32 in k order.
+    A position outside [-1, P) is not read and clears *valid_ptr (the caller asserts on it)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cmask = cols < hidden
@@ -223,6 +226,7 @@ def _reduce_kernel(
     for k in tl.static_range(K):
         pos = tl.load(map_ptr + t * stride_mt + k).to(tl.int64)
         ok = (pos >= 0) & (pos < num_pos)
+        tl.store(valid_ptr, 0, mask=(pos < -1) | (pos >= num_pos))
         v = tl.load(x_ptr + pos * stride_xp + cols, mask=cmask & ok, other=0.0).to(tl.float32)
         if HAS_W:
             w = tl.load(w_ptr + t * stride_wt + k * stride_wk).to(tl.float32)
@@ -241,7 +245,8 @@ def _topk_gate_kernel(
     scores_ptr, out_ptr, num_tokens, num_experts, stride_st, stride_se,
     K: tl.constexpr, BLOCK_T: tl.constexpr, E_POW2: tl.constexpr,
 ):
-    """K rounds of (max, smallest index holding it); a taken column never competes again."""
+    """K rounds of (max, smallest index holding it); a taken column never competes again.
+    NaN ranks above every number, as in torch.sort / torch.topk: a row's NaNs are taken first."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, E_POW2)
     rmask = rows < num_tokens
@@ -249,8 +254,11 @@ def _topk_gate_kernel(
     s = tl.load(scores_ptr + rows[:, None] * stride_st + cols[None, :] * stride_se, mask=avail,
                 other=float("-inf"))
     for k in tl.static_range(K):
-        m = tl.max(tl.where(avail, s, float("-inf")), axis=1)
-        cand = tl.where(avail & (s == m[:, None]), cols[None, :], E_POW2)
+        nan = avail & (s != s)
+        has_nan = tl.max(nan.to(tl.int32), axis=1) > 0
+        m = tl.max(tl.where(avail & (s == s), s, float("-inf")), axis=1)
+        hit = tl.where(has_nan[:, None], nan, avail & (s == m[:, None]))
+        cand = tl.where(hit, cols[None, :], E_POW2)
         idx = tl.min(cand, axis=1)
         tl.store(out_ptr + rows * K + k, idx.to(tl.int64), mask=rmask)
         avail = avail & (cols[None, :] != idx[:, None])

@@ -61,7 +61,8 @@ def topk_gate(scores: Tensor, num_topk: int) -> Tensor:
     """int64 [T, K] indices of the K largest scores per row; ties go to the smaller index.
 
     Args:
-        scores: [T, E] float32, any strides. NaN scores are not supported.
+        scores: [T, E] float32, any strides. NaN ranks above every number (as in torch.topk),
+            so a row's NaN scores are picked first, by index; ids are always in [0, E).
         num_topk: 1 <= K <= E.
     """
     fn = "topk_gate"
@@ -397,13 +398,29 @@ def get_fused_mapping(
             host[:num_experts])
 
 
+def _positions_message(num_pos: int, what: str) -> str:
+    return f"`token_topk_to_pos` holds positions < -1 or >= {num_pos} ({what})"
+
+
+def _check_positions(fn: str, token_topk_to_pos: Tensor, num_pos: int, what: str) -> None:
+    """The reference path's check (CPU tensors: a host check costs nothing)."""
+    bad = (token_topk_to_pos < -1) | (token_topk_to_pos >= num_pos)
+    if bool(bad.any()):
+        raise ValueError(f"{fn}: {_positions_message(num_pos, what)}, e.g. "
+                         f"{int(token_topk_to_pos[bad][0])}")
+
+
 def expand_to_fused(x: Tensor, token_topk_to_pos: Tensor, pos_to_expert: Tensor) -> Tensor:
     """[P, H]: row pos[t, k] holds x[t] for every pos >= 0; padding rows (expert -1) are zero.
 
     Args:
         x: [T, H], any dtype; rows may be strided.
-        token_topk_to_pos: [T, K] int32/int64 from get_fused_mapping.
+        token_topk_to_pos: [T, K] int32/int64 from get_fused_mapping: positions in [0, P), or -1.
         pos_to_expert: [P] int32/int64 from get_fused_mapping (P = its length).
+
+    A position outside [-1, P) raises: ValueError on the reference path; on Triton's, without a
+    host sync, a device-side assert (RuntimeError in the interpreter), after a launch that wrote
+    nothing out of bounds.
     """
     fn = "expand_to_fused"
     _c.check_tensor(fn, "x", x, ndim=2)
@@ -416,10 +433,12 @@ def expand_to_fused(x: Tensor, token_topk_to_pos: Tensor, pos_to_expert: Tensor)
                          f"{tuple(token_topk_to_pos.shape)}")
     num_pos = pos_to_expert.shape[0]
     if not _c.use_triton(x):
+        _check_positions(fn, token_topk_to_pos, num_pos, "`pos_to_expert`'s length")
         return _ref.expand_to_fused_ref(x, token_topk_to_pos, num_pos)
     out = torch.empty((num_pos, h), dtype=x.dtype, device=x.device)
-    if num_pos == 0 or h == 0:
+    if t == 0 or h == 0:
         return out
+    valid = torch.ones(1, dtype=torch.int32, device=x.device)
     x = _c.row_major(x)
     mapping = _c.row_major(token_topk_to_pos)
     pte = pos_to_expert.contiguous()
@@ -429,10 +448,11 @@ def expand_to_fused(x: Tensor, token_topk_to_pos: Tensor, pos_to_expert: Tensor)
     grid = (t + _cdiv(num_pos, pad_rows), _cdiv(h, block_h))
     with device_guard(x):
         _launch["_expand_kernel"](
-            grid, _index(x), x, out, mapping, pte, t, num_pos, h, x.stride(0), mapping.stride(0),
+            grid, _index(x), x, out, mapping, pte, valid, t, num_pos, h, x.stride(0), mapping.stride(0),
             K=mapping.shape[1], BLOCK_H=block_h, PAD_ROWS=pad_rows, PAD_R=16, SUB_H=min(block_h, 128),
             num_warps=cfg.copy_warps,
         )
+    _c.assert_async(fn, valid, _positions_message(num_pos, "`pos_to_expert`'s length"))
     return out
 
 
@@ -443,7 +463,8 @@ def reduce_fused(x: Tensor, topk_weights: Tensor | None, token_topk_to_pos: Tens
     Args:
         x: [P, H] fp16/bf16/fp32 expert outputs; rows may be strided.
         topk_weights: [T, K] float weights, or None for a plain sum.
-        token_topk_to_pos: [T, K] int32/int64 from get_fused_mapping.
+        token_topk_to_pos: [T, K] int32/int64 from get_fused_mapping: positions in [0, P), or -1
+            (others raise as in `expand_to_fused`).
         out: optional [T, H] contiguous, dtype x.dtype or float32, on x's device; written in
             place and returned (never reallocated).
     """
@@ -467,6 +488,7 @@ def reduce_fused(x: Tensor, topk_weights: Tensor | None, token_topk_to_pos: Tens
         if not out.is_contiguous():
             raise ValueError(f"{fn}: `out` must be contiguous, got strides {out.stride()}")
     if not _c.use_triton(x):
+        _check_positions(fn, token_topk_to_pos, num_pos, "the rows of `x`")
         res = _ref.reduce_fused_ref(x, topk_weights, token_topk_to_pos)
         if out is None:
             return res.to(x.dtype)
@@ -475,17 +497,17 @@ def reduce_fused(x: Tensor, topk_weights: Tensor | None, token_topk_to_pos: Tens
         out = torch.empty((t, h), dtype=x.dtype, device=x.device)
     if t == 0 or h == 0:
         return out
-    if num_pos == 0:  # every pos must be -1: the sum is empty
-        return out.zero_()
     x = _c.row_major(x)
     mapping = _c.row_major(token_topk_to_pos)
     w = topk_weights if topk_weights is not None else mapping  # dummy pointer when unused
     cfg, _ = _c.select_config(x.device)
     block_h = min(cfg.reduce_block_h, _pow2(h))
+    valid = torch.ones(1, dtype=torch.int32, device=x.device)
     with device_guard(x):
         _launch["_reduce_kernel"](
-            (t, _cdiv(h, block_h)), _index(x), x, w, mapping, out, num_pos, h, x.stride(0),
+            (t, _cdiv(h, block_h)), _index(x), x, w, mapping, out, valid, num_pos, h, x.stride(0),
             w.stride(0), w.stride(1), mapping.stride(0), out.stride(0),
             K=k, HAS_W=topk_weights is not None, BLOCK_H=block_h, num_warps=cfg.reduce_warps,
         )
+    _c.assert_async(fn, valid, _positions_message(num_pos, "the rows of `x`"))
     return out
