@@ -203,7 +203,9 @@ def test_layer_repository_interface(hub, tmp_path):
         ({"repo_id": "a/b", "layer_name": "not an id"}, ValueError, "LayerRepository: `layer_name`"),
         ({"repo_id": "a/b", "layer_name": "X", "version": 1, "revision": "main"}, ValueError, "not both"),
         ({"repo_id": "a/b", "layer_name": "X", "version": "1"}, TypeError, "`version` must be an int"),
-        ({"repo_id": "a/b", "layer_name": "X", "revision": ""}, TypeError, "`revision` must be a non-empty"),
+        ({"repo_id": "a/b", "layer_name": "X", "version": 0}, ValueError, "`version` must be an int >= 1, got 0"),
+        ({"repo_id": "a/b", "layer_name": "X", "revision": 3}, TypeError, "`revision` must be a non-empty"),
+        ({"repo_id": "a/b", "layer_name": "X", "revision": ""}, ValueError, "`revision` must be a non-empty"),
     ],
 )
 def test_layer_repository_validates_arguments(kwargs, exc, pattern):

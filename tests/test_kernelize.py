@@ -303,3 +303,9 @@ def test_pickled_kernelized_model_loads_and_resolves_again():
     CALLS.clear()
     torch.testing.assert_close(loaded(x), ref)
     assert CALLS == []
+
+
+def test_unsupported_module_on_a_gpu_reports_that_gpus_capability(fake_gpus):
+    (entry,) = kernelize(nn.Sequential(on_fake_gpu(MLP(act=nn.GELU()), 1))).entries
+    assert entry.layer is None and "GELU" in entry.fallback_reason
+    assert entry.device == torch.device("cuda", 1) and entry.capability == 90

@@ -107,3 +107,12 @@ def test_mapping_device_key_must_be_a_device():
         register_kernel_mapping({"SwiGLUMLP": {"gpu0": repo("ToyMLPCpu")}})
     with pytest.raises(TypeError, match="device key"):
         register_kernel_mapping({"SwiGLUMLP": {3: repo("ToyMLPCpu")}})
+    with pytest.raises(ValueError, match="device key 'rocm:x'"):
+        register_kernel_mapping({"SwiGLUMLP": {"rocm:x": repo("ToyMLPCpu")}})
+
+
+def test_rocm_and_npu_string_keys_as_in_hf_kernels():
+    with use_kernel_mapping({"SwiGLUMLP": {"rocm": repo("ToyMLPSm90"), "npu:1": repo("ToyMLPCpu")}},
+                            inherit_mapping=False):
+        mapping = get_kernel_mapping()["SwiGLUMLP"]
+    assert set(mapping) == {Device("rocm"), Device("npu", 1)}

@@ -30,7 +30,7 @@ __all__ = [
 ]
 
 _GPU_TYPES = ("cuda",)
-_KNOWN_TYPES = ("cuda", "rocm", "cpu", "mps", "xpu", "meta")
+_KNOWN_TYPES = ("cuda", "rocm", "cpu", "mps", "xpu", "npu", "meta")
 
 
 def _check_int(owner: str, name: str, value: object) -> int:

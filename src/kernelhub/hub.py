@@ -81,10 +81,14 @@ def _check_repo_id(func: str, repo_id: object) -> str:
 
 
 def _check_ref(func: str, revision: object, version: object) -> None:
-    if revision is not None and (not isinstance(revision, str) or not revision):
+    if revision is not None and not isinstance(revision, str):
         raise TypeError(f"{func}: `revision` must be a non-empty str, got {revision!r}")
-    if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 1):
+    if revision == "":
+        raise ValueError(f"{func}: `revision` must be a non-empty str, got ''")
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
         raise TypeError(f"{func}: `version` must be an int >= 1, got {version!r}")
+    if version is not None and version < 1:
+        raise ValueError(f"{func}: `version` must be an int >= 1, got {version!r}")
     if revision is not None and version is not None:
         raise ValueError(f"{func}: give `revision` or `version`, not both (got {revision!r} and {version!r})")
 

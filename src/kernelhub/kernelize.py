@@ -316,7 +316,8 @@ def kernelize(
             continue
         _unbind(module)
         if match.unsupported_reason is not None:
-            choice = _Choice(dev, None, None, None, match.unsupported_reason)
+            capability = device_capability(dev) if dev is not None and dev.type == "cuda" else None
+            choice = _Choice(dev, capability, None, None, match.unsupported_reason)
         else:
             choice = choose_layer(module, match.layer_name, dev, mode, cfg)
         if (

@@ -69,6 +69,11 @@ def _parse_device_key(layer: str, key: object) -> Device:
     if isinstance(key, Device):
         return key
     if isinstance(key, str):
+        # "rocm" and "npu" are mapping keys as in Hugging Face `kernels`, though torch.device
+        # (without torch_npu) knows neither: "type" or "type:index" is parsed here.
+        kind, _, index = key.partition(":")
+        if kind in ("rocm", "npu") and (not index or index.isdigit()):
+            return Device(kind, int(index) if index else None)
         try:
             dev = torch.device(key)
         except RuntimeError as e:

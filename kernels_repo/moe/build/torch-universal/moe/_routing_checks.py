@@ -89,7 +89,7 @@ def check_tensor(fn: str, name: str, t: object, *, ndim: int | None = None,
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{fn}: `{name}` must be {ndim}-D, got shape {tuple(t.shape)}")
     if dtypes is not None and t.dtype not in dtypes:
-        want = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        want = ", ".join(dict.fromkeys(str(d).replace("torch.", "") for d in dtypes))
         raise TypeError(f"{fn}: `{name}` must be one of ({want}), got {t.dtype}")
     if t.device.type not in ("cuda", "cpu"):
         raise ValueError(f"{fn}: `{name}` must be on a CUDA device or the CPU, got {t.device}")
