@@ -108,7 +108,8 @@ def _forward_problem(cls: type) -> str | None:
             break
         break
     return (f"{cls.__name__}.forward computes something other than {expected} (scaling, clamping, "
-            "a norm or dropout on the way); kept as is")
+            "a norm or dropout on the way); kept as is (a class that is SwiGLU after all can say so "
+            "with @use_kernel_forward_from_hub('SwiGLUMLP'))")
 
 
 _forward_problems: dict[type, str | None] = {}
