@@ -241,12 +241,18 @@ class StepwiseMLP(MLP):
         return out
 
 
-def test_mlp_with_the_shape_but_other_maths_keeps_its_forward():
+def _kernelize_one(mlp: nn.Module):
+    """(model, input, eager output, the report's entry) for a one-MLP model."""
     torch.manual_seed(0)
-    model = nn.Sequential(ScaledMLP())
+    model = nn.Sequential(mlp)
     x = torch.randn(3, 8)
     ref = model(x)
     (entry,) = kernelize(model).entries
+    return model, x, ref, entry
+
+
+def test_mlp_with_the_shape_but_other_maths_keeps_its_forward():
+    model, x, ref, entry = _kernelize_one(ScaledMLP())
     assert entry.layer is None and "computes something other than" in entry.fallback_reason
     assert "forward" not in model[0].__dict__
     torch.testing.assert_close(model(x), ref)
@@ -254,11 +260,7 @@ def test_mlp_with_the_shape_but_other_maths_keeps_its_forward():
 
 
 def test_mlp_whose_input_has_another_name_is_kernelized_and_takes_it_by_keyword():
-    torch.manual_seed(0)
-    model = nn.Sequential(StepwiseMLP())
-    x = torch.randn(3, 8)
-    ref = model(x)
-    (entry,) = kernelize(model).entries
+    model, x, ref, entry = _kernelize_one(StepwiseMLP())
     assert entry.layer == "ToyMLPCpu", entry.fallback_reason
     torch.testing.assert_close(model[0](hidden_state=x), ref)
     torch.testing.assert_close(model[0](x), ref)
