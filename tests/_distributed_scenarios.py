@@ -62,6 +62,7 @@ def peer_reads_and_writes(rank: int, world: int, device: str = "cpu") -> dict[st
         heap.barrier()
         out["after_write"] = [t.cpu().clone() for t in ts]
     out["closed"] = heap.closed
+    out["holds_group"] = heap._group is not None  # it must not outlive destroy_process_group
     return out
 
 

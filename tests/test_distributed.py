@@ -30,7 +30,7 @@ def test_peer_reads_and_writes_land_in_the_same_allocation_on_the_peer(world):
             assert torch.equal(got, pattern(peer, 0, *LAYOUT[0])[1:, ::2])
         assert res["same_ptr"]
         assert all(off % 256 == 0 for off in res["offsets"])
-        assert res["closed"]
+        assert res["closed"] and not res["holds_group"]
         # Rank (rank - 1) wrote row (rank - 1) % 3 of allocation 0 here; nothing else changed.
         src = (rank - 1) % world
         want = [pattern(rank, i, *LAYOUT[i]) for i in range(len(LAYOUT))]

@@ -146,6 +146,14 @@ def test_untrusted_publisher_is_refused_before_any_download_when_asked(hub, tmp_
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a trusted publisher: no warning either
         assert _scale_of(get_kernel("someone/tiny", version=1)) == 2.0
+        trusted = LayerRepository("someone/tiny", layer_name="TinyScale", version=1)
+        assert trusted.load().__name__ == "TinyScale"
+    # imported (and cached) while trusted: the cache does not let a refusal through afterwards
+    monkeypatch.delenv("KERNELHUB_TRUSTED_PUBLISHERS")
+    with pytest.raises(UntrustedKernelError, match="trust_remote_code=False"):
+        LayerRepository("someone/tiny", layer_name="TinyScale", version=1, trust_remote_code=False).load()
+    with pytest.raises(UntrustedKernelError, match="KERNELHUB_REQUIRE_TRUSTED is set"):
+        trusted.load()
 
 
 def test_untrusted_publisher_by_default_imports_with_one_warning(hub, tmp_path, monkeypatch):

@@ -135,7 +135,9 @@ def _layer_from(kernel: ModuleType, layer_name: str, where: str) -> type[nn.Modu
     layers = getattr(kernel, "layers", None)
     layer = getattr(layers, layer_name, None) if layers is not None else None
     if layer is None:
-        found = sorted(n for n in dir(layers) if not n.startswith("_")) if layers is not None else []
+        found = sorted(n for n in dir(layers) if not n.startswith("_")
+                       and isinstance(getattr(layers, n), type) and issubclass(getattr(layers, n), nn.Module)
+                       ) if layers is not None else []
         raise AttributeError(f"kernel {where} has no layer {layer_name!r} in its `layers` (found {found})")
     return layer
 
@@ -246,6 +248,10 @@ class LayerRepository:
         self.revision, self.version, self.trust_remote_code = revision, version, trust_remote_code
 
     def load_kernel(self) -> ModuleType:
+        # every load decides trust anew: a kernel imported once (trusted then) must not reach a
+        # repository object that says trust_remote_code=False, or a process that since set
+        # KERNELHUB_REQUIRE_TRUSTED, through the cache
+        _check_trust(self.repo_id, self.trust_remote_code)
         key = (endpoint(), offline(), default_repo_type(), self.repo_id, self.revision, self.version)
         with _cache_lock:
             kernel = _kernel_cache.get(key)
