@@ -290,7 +290,7 @@ def _switch_device(tensor_or_device: object) -> Iterator[torch.device]:
 
 
 def __getattr__(name: str):
-    # Kernel repositories import only torch, triton and this module (DESIGN.md section 3): the
+    # Kernel repositories import only torch, triton and this module (docs/publishing.md): the
     # cached Triton launcher is reached from here, and imported (with triton) on first use only.
     if name == "CachedLaunch":
         from kernelhub.triton_launch import CachedLaunch

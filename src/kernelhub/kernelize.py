@@ -294,7 +294,8 @@ def kernelize(
         config: kernelhub config (path, dict or KernelhubConfig); None looks for `kernelhub.toml`
             or `[tool.kernelhub]` in `pyproject.toml` in the working directory.
         use_fallback: keep a module's own forward when no kernel fits (reason in the report);
-            when False, raise instead.
+            when False, raise instead (ValueError). Modules that only look like a layer (an MLP
+            with another activation or other maths) are reported and kept either way.
 
     Returns:
         A KernelizeReport: one KernelizeEntry per kernelizable module.
