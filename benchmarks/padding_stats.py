@@ -17,10 +17,13 @@ import torch
 SHAPES = {"qwen3_30b_a3b": (128, 8), "mixtral_8x7b": (8, 2), "deepseek_v3": (256, 8)}  # (E, K)
 
 
-def padded_fraction(T: int, E: int, K: int, block_m: int, gen: torch.Generator) -> float:
+def expert_counts(T: int, E: int, K: int, gen: torch.Generator) -> torch.Tensor:
     logits = torch.randn(T, E, generator=gen)
     idx = torch.topk(torch.softmax(logits, -1), K, dim=-1).indices
-    counts = torch.bincount(idx.flatten(), minlength=E)
+    return torch.bincount(idx.flatten(), minlength=E)
+
+
+def padded_fraction(counts: torch.Tensor, block_m: int) -> float:
     padded = ((counts + block_m - 1) // block_m * block_m).sum().item()
     return 1 - counts.sum().item() / padded
 
@@ -29,7 +32,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
     for name, (E, K) in SHAPES.items():
         for T in (512, 4096, 16384):
-            fracs = ", ".join(f"block_m={bm}: {padded_fraction(T, E, K, bm, gen):.3f}" for bm in (32, 64, 128))
+            counts = expert_counts(T, E, K, gen)  # one routing for every block_m: comparable columns
+            fracs = ", ".join(f"block_m={bm}: {padded_fraction(counts, bm):.3f}" for bm in (32, 64, 128))
             print(f"{name} T={T} rows per expert {T * K / E:.0f}: padded fraction {fracs}")
 
 
