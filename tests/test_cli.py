@@ -112,6 +112,15 @@ def test_upload_refuses_a_broken_repository(hub, tmp_path, capsys):
     assert not hub.store.repos  # nothing was created
 
 
+@pytest.mark.parametrize("command", [["upload", str(TINY), "--repo-id", "tiny"], ["download", "tiny"],
+                                     ["variants", "no spaces/allowed"]])
+def test_a_bad_repo_id_is_named_before_any_request(hub, capsys, command):
+    before = len(hub.store.requests)
+    assert main(command) == 1
+    assert "`repo_id` must look like 'org/name'" in capsys.readouterr().err
+    assert len(hub.store.requests) == before and not hub.store.repos
+
+
 def test_upload_private_model_type(hub, tmp_path, capsys):
     assert main(["upload", str(TINY), "--repo-id", "org/tiny", "--private", "--repo-type", "model"]) == 0
     repo = hub.store.repos[("model", "org/tiny")]

@@ -209,10 +209,21 @@ def _variants_online(repo_id: str, repo_type: str, commit: str) -> list[str]:
             return []
 
 
+_REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def check_repo_id(func: str, repo_id: object) -> str:
+    """A Hub id "org/name", checked before any request (a bad one would come back as a 404)."""
+    if not isinstance(repo_id, str) or not _REPO_ID_RE.match(repo_id):
+        raise ValueError(f"{func}: `repo_id` must look like 'org/name', got {repo_id!r}")
+    return repo_id
+
+
 def list_variants(
     repo_id: str, *, revision: str | None = None, version: int | None = None, repo_type: str | None = None
 ) -> tuple[str, str, list[str]]:
     """(ref, commit, variant names) of a kernel revision, from the Hub or (offline) the cache."""
+    check_repo_id("list_variants", repo_id)
     repo_type = repo_type or default_repo_type()
     if offline():
         ref, commit = _resolve_cached(repo_id, repo_type, revision, version)

@@ -7,7 +7,6 @@ Every repository kind has the same interface, used by the registry and `kerneliz
 from __future__ import annotations
 
 import os
-import re
 import threading
 import warnings
 from pathlib import Path
@@ -21,6 +20,7 @@ from kernelhub._fetch import (
     KernelVariantNotFoundError,
     KernelVersionNotFoundError,
     ResolvedKernel,
+    check_repo_id,
     default_repo_type,
     endpoint,
     list_variants,
@@ -48,7 +48,6 @@ __all__ = [
 ]
 
 DEFAULT_TRUSTED_PUBLISHERS = ("kernels-community",)
-_REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _kernel_cache: dict[tuple, ModuleType] = {}
 _cache_lock = threading.Lock()
 
@@ -75,9 +74,7 @@ def trusted_publishers() -> frozenset[str]:
 
 
 def _check_repo_id(func: str, repo_id: object) -> str:
-    if not isinstance(repo_id, str) or not _REPO_ID_RE.match(repo_id):
-        raise ValueError(f"{func}: `repo_id` must look like 'org/name', got {repo_id!r}")
-    return repo_id
+    return check_repo_id(func, repo_id)
 
 
 def _check_ref(func: str, revision: object, version: object) -> None:

@@ -13,7 +13,7 @@ import re
 import sys
 from pathlib import Path
 
-from kernelhub._fetch import api, default_repo_type
+from kernelhub._fetch import api, check_repo_id, default_repo_type
 from kernelhub.cli._common import add_subcommand
 from kernelhub.cli.check import check_kernel_dir
 
@@ -32,6 +32,7 @@ def upload_kernel(
     repo_type: str | None = None,
 ) -> tuple[str, str, str]:
     """Publish `directory` to branch `vN` of `repo_id`; returns (branch, tag, commit)."""
+    check_repo_id("upload_kernel", repo_id)
     manifest, problems = check_kernel_dir(directory)
     if problems:
         raise ValueError("upload_kernel: `directory` fails `kernelhub check`:\n  " + "\n  ".join(problems))
