@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hub_server import TINY, hub_fixture, tiny_copy  # noqa: F401 - hub_fixture provides `hub`
 from huggingface_hub import HfApi
 
@@ -193,6 +194,30 @@ def test_report_prints_what_each_module_gets_per_device(tmp_path, capsys):
     assert "== cpu ==" in out
     assert out.count("mlp") >= 2  # both decoder layers' MLPs are listed
     assert "TinyScale" in out  # the config's choice reached kernelize
+
+
+def test_report_for_a_capability_this_machine_need_not_have(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    config = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 128}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    pins = tmp_path / "kernelhub.toml"
+    pins.write_text('[layers.SwiGLUMLP.capability."9.0"]\nlayer = "SwiGLUMLPReference"\n')
+    argv = ["report", "--config", str(tmp_path / "config.json"), "--kernelhub-config", str(pins)]
+    assert main([*argv, "--capability", "9.0", "--capability", "8.6"]) == 0
+    out = capsys.readouterr().out
+    sm90, sm86 = out.split("== a CUDA GPU of capability 8.6 ==")
+    assert "== a CUDA GPU of capability 9.0 ==" in sm90
+    rows90 = [line.split() for line in sm90.splitlines() if ".mlp" in line]
+    rows86 = [line.split() for line in sm86.splitlines() if ".mlp" in line]
+    assert len(rows90) == len(rows86) == 2
+    assert all(r[4:6] == ["90", "SwiGLUMLPReference"] for r in rows90)  # the capability pin
+    assert all(r[4:6] == ["86", "SwiGLUMLPSm80"] for r in rows86)  # the default mapping
+    assert main([*argv, "--capability", "9"]) == 1
+    assert "`--capability` must look like '9.0'" in capsys.readouterr().err
+    absent = f"cuda:{torch.cuda.device_count() if torch.cuda.is_available() else 0}"
+    assert main([*argv, "--device", absent]) == 1
+    assert "--capability 9.0` reports for a GPU of that capability" in capsys.readouterr().err
 
 
 KERNELS_REPO = Path(__file__).resolve().parents[1] / "kernels_repo"

@@ -5,13 +5,18 @@ The model is built on the meta device (no weights, no memory) from a transformer
 `--checkpoint DIR` (a local checkpoint directory; only its config.json is read). For each device
 (`--device cuda:1`, repeatable; default every visible GPU, else cpu) it runs kernelize's resolution
 for that device and prints the report: per module the device, capability, chosen repository and
-layer, or why it falls back. The kernelhub config (`--kernelhub-config`, default searched in the
-current directory) applies as it would in `kernelize(model, config=...)`.
+layer, or why it falls back. `--capability 9.0` (repeatable) reports for a CUDA GPU of that
+compute capability instead, which this machine need not have (so a CPU machine can answer "what
+would an H100 get"). The kernelhub config (`--kernelhub-config`, default searched in the current
+directory) applies as it would in `kernelize(model, config=...)`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -72,10 +77,38 @@ def report_model(model: torch.nn.Module, devices: list[torch.device], *, mode, c
 
 def _devices(args) -> list[torch.device]:
     if args.device:
-        return [torch.device(d) for d in args.device]
+        devices = [torch.device(d) for d in args.device]
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        for d in devices:
+            if d.type == "cuda" and (d.index or 0) >= gpus:
+                raise ValueError(f"report: `--device` {d}: this machine has {gpus} CUDA device(s); "
+                                 "`--capability 9.0` reports for a GPU of that capability instead")
+        return devices
     if torch.cuda.is_available() and torch.cuda.device_count() > 0:
         return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
     return [torch.device("cpu")]
+
+
+def _capability(text: str) -> int:
+    match = re.fullmatch(r"(\d+)\.(\d)", text.strip())
+    if match is None:
+        raise ValueError(f"report: `--capability` must look like '9.0' or '8.6', got {text!r}")
+    return int(match[1]) * 10 + int(match[2])
+
+
+@contextlib.contextmanager
+def _assumed_gpu(capability: int) -> Iterator[torch.device]:
+    """A cuda device whose capability kernelize's resolution reads as `capability`: an index no
+    real GPU has, answered from the device module's capability cache, forgotten afterwards."""
+    from kernelhub import device as device_module
+
+    key = ("cuda", 127)  # torch's largest device index (int8)
+    with device_module._lock:
+        device_module._capability_cache[key] = capability
+    try:
+        yield torch.device(*key)
+    finally:
+        device_module.clear_device_caches()
 
 
 def add_parser(sub) -> None:
@@ -84,7 +117,10 @@ def add_parser(sub) -> None:
     src.add_argument("--config", help="transformers config.json")
     src.add_argument("--model-type", help="a transformers model type, e.g. llama, qwen3_moe, mixtral")
     src.add_argument("--checkpoint", help="local checkpoint directory (its config.json)")
-    p.add_argument("--device", action="append", help="device to report for, e.g. cuda:1 (repeatable)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--device", action="append", help="device to report for, e.g. cuda:1 (repeatable)")
+    where.add_argument("--capability", action="append",
+                       help="report for a CUDA GPU of this compute capability, e.g. 9.0 (repeatable)")
     p.add_argument("--mode", choices=["inference", "training"], default="inference")
     p.add_argument("--compile", action="store_true", help="add Mode.TORCH_COMPILE")
     p.add_argument("--kernelhub-config", help="kernelhub.toml / pyproject.toml with [tool.kernelhub]")
@@ -94,12 +130,21 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from kernelhub.config import load_config
 
+    capabilities = [_capability(c) for c in args.capability or []]
     model = build_meta_model(_transformers_config(args))
     config = load_config(args.kernelhub_config)
+    mode = _mode(args.mode, args.compile)
+    for capability in capabilities:
+        with _assumed_gpu(capability) as device:
+            ((_, report),) = report_model(model, [device], mode=mode, config=config)
+        print(f"== a CUDA GPU of capability {capability // 10}.{capability % 10} ==")
+        print(report)
+    if capabilities:
+        return 0
     devices = _devices(args)
     if not args.device and devices == [torch.device("cpu")]:
         print("no GPU visible: reporting for cpu")
-    for device, report in report_model(model, devices, mode=_mode(args.mode, args.compile), config=config):
+    for device, report in report_model(model, devices, mode=mode, config=config):
         print(f"== {device} ==")
         print(report)
     return 0
