@@ -843,6 +843,17 @@ def test_a_bad_config_file_names_the_file_and_the_bucket(tmp_path, monkeypatch):
         cfgs.clear_config_cache()
 
 
+def test_a_config_dir_that_does_not_exist_is_named(tmp_path, monkeypatch):
+    cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
+    monkeypatch.setenv("KERNELHUB_MOE_CONFIG_DIR", str(tmp_path / "tunde"))  # a typo
+    cfgs.clear_config_cache()
+    try:
+        with pytest.raises(ValueError, match=r"KERNELHUB_MOE_CONFIG_DIR=.*tunde' is not a directory"):
+            cfgs.pick_config(80, 8, 64, 64, 16)
+    finally:
+        cfgs.clear_config_cache()
+
+
 def test_the_shipped_configs_are_valid():
     cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
     for name in ("sm80.json", "sm90.json"):

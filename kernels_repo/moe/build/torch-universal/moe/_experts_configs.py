@@ -121,6 +121,9 @@ def _load(capability: int) -> dict:
 
 def _read(capability: int) -> dict:
     directory = Path(os.environ.get("KERNELHUB_MOE_CONFIG_DIR", _DIR))
+    if not directory.is_dir():  # a typo would otherwise fall back to the shipped tiles silently
+        raise ValueError(f"KERNELHUB_MOE_CONFIG_DIR={str(directory)!r} is not a directory "
+                         "(it should hold the sm<capability>.json files tune_moe.py writes)")
     path = directory / f"sm{capability}.json"
     if not path.exists():
         # Unknown capability: the sm80 tiles are the safe generic choice (smaller shared memory).
