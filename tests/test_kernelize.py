@@ -1,3 +1,4 @@
+import warnings
 from pathlib import Path
 
 import pytest
@@ -311,3 +312,14 @@ def test_unsupported_module_on_a_gpu_reports_that_gpus_capability(fake_gpus):
     (entry,) = kernelize(nn.Sequential(on_fake_gpu(MLP(act=nn.GELU()), 1))).entries
     assert entry.layer is None and "GELU" in entry.fallback_reason
     assert entry.device == torch.device("cuda", 1) and entry.capability == 90
+
+
+def test_a_config_entry_for_a_layer_nothing_knows_is_warned_about():
+    model = nn.Sequential(MLP())
+    typo = r"names layer\(s\) \['SwiGLUMlp'\] that neither .*known layers: \['SwiGLUMLP'\]"
+    with pytest.warns(UserWarning, match=typo):
+        kernelize(model, config={"layers": {"SwiGLUMlp": {"layer": "ToyMLPSm80"}}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (entry,) = kernelize(model, config={"layers": {"SwiGLUMLP": {"layer": "ToyMLPSm80"}}}).entries
+    assert entry.layer == "ToyMLPSm80"

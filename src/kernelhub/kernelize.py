@@ -12,6 +12,7 @@ import copy
 import functools
 import threading
 import types
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,7 @@ from kernelhub.device import as_torch_device, device_capability, module_device
 from kernelhub.layer import keyword_renames, layer_problem
 from kernelhub.matching import match_layer
 from kernelhub.mode import MODE_PRIORITY, Mode
-from kernelhub.registry import resolve_repository
+from kernelhub.registry import get_kernel_mapping, resolve_repository
 
 __all__ = ["KernelizeEntry", "KernelizeReport", "kernelize", "unkernelize", "describe_repository"]
 
@@ -350,7 +351,25 @@ def kernelize(
                 fallback_reason=choice.reason,
             )
         )
+    _warn_unknown_layers(cfg, entries)
     return KernelizeReport(entries, mode)
+
+
+def _warn_unknown_layers(cfg: Any, entries: list[KernelizeEntry]) -> None:
+    """A config entry for a layer that nothing knows is most likely a typo (`SwiGLUMlp`): say so,
+    since it would otherwise change nothing without a word."""
+    named = getattr(cfg, "layers", None)
+    if not isinstance(named, dict) or not named:
+        return
+    known = set(get_kernel_mapping()) | {e.layer_name for e in entries}
+    unknown = sorted(set(named) - known)
+    if unknown:
+        warnings.warn(
+            f"kernelize: the kernelhub config names layer(s) {unknown} that neither the kernel mapping "
+            f"nor any module of this model has (a typo?); known layers: {sorted(known)}",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _unbind(module: nn.Module) -> bool:
