@@ -16,6 +16,7 @@ from hub_server import TINY, hub_fixture, tiny_copy  # noqa: F401 - hub_fixture 
 import kernelhub.hub as hubmod
 from kernelhub.cli.upload import upload_kernel
 from kernelhub.hub import (
+    KernelHubError,
     KernelNotFoundError,
     KernelVariantNotFoundError,
     KernelVersionNotFoundError,
@@ -167,6 +168,9 @@ def test_untrusted_publisher_by_default_imports_with_one_warning(hub, tmp_path, 
         warnings.simplefilter("error")
         get_kernel("stranger/tiny", version=1)  # once per repository
         get_kernel("stranger/tiny", version=1, trust_remote_code=True)
+        # a repository that does not exist: its not-found error, no warning first
+        with pytest.raises(KernelNotFoundError):
+            get_kernel("stranger/absent", version=1)
 
 
 def test_concurrent_processes_share_one_download(hub, tmp_path):
@@ -302,3 +306,16 @@ def test_offline_resolves_versions_and_default_from_cached_refs(hub, tmp_path, m
     assert get_kernel("org/tiny", trust_remote_code=True) is v2  # newest cached vN
     assert get_kernel("org/tiny", revision=v1.__kernelhub_source__.commit, trust_remote_code=True) is v1
     assert has_kernel("org/tiny", version=2) and not has_kernel("org/tiny", version=3)
+
+
+def test_an_unreachable_hub_is_named(monkeypatch, tmp_path):
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    with pytest.raises(KernelHubError, match=rf"could not reach the Hub at http://127.0.0.1:{port} .*'org/tiny'"):
+        get_kernel("org/tiny", version=1, trust_remote_code=True)

@@ -126,6 +126,20 @@ def _versions(branches) -> list[int]:
     return sorted(int(m.group(1)) for b in branches if (m := _VERSION_BRANCH_RE.match(b)))
 
 
+def _transport_errors() -> tuple[type[Exception], ...]:
+    """The "could not connect" errors of whichever HTTP client this huggingface_hub uses (httpx2
+    for 2.x, httpx for 1.x, requests before)."""
+    import importlib
+
+    found: list[type[Exception]] = []
+    for module, name in (("httpx2", "TransportError"), ("httpx", "TransportError"), ("requests", "ConnectionError")):
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except (ImportError, AttributeError):
+            continue
+    return tuple(found)
+
+
 @contextlib.contextmanager
 def _hub_errors(repo_id: str, repo_type: str, revision: str | None) -> Iterator[None]:
     """Turn the Hub client's missing-repo/revision errors into ours, naming what was asked for."""
@@ -133,6 +147,11 @@ def _hub_errors(repo_id: str, repo_type: str, revision: str | None) -> Iterator[
 
     try:
         yield
+    except _transport_errors() as e:
+        raise KernelHubError(
+            f"could not reach the Hub at {endpoint()} for kernel repository {repo_id!r}: {e} "
+            "(HF_HUB_OFFLINE=1 loads what the local cache holds)"
+        ) from e
     except RepositoryNotFoundError as e:
         raise KernelNotFoundError(
             f"kernel repository {repo_id!r} ({repo_type}) not found on {endpoint()}"

@@ -96,16 +96,18 @@ def _check_layer_name(func: str, layer_name: object) -> str:
     return layer_name
 
 
-def _check_trust(repo_id: str, trust_remote_code: bool | None) -> None:
+def _check_trust(repo_id: str, trust_remote_code: bool | None) -> str | None:
     """True: import. A trusted publisher: import. False, or KERNELHUB_REQUIRE_TRUSTED=1: refuse.
     None (the default, so that `get_kernel(repo_id)` works for any publisher, as in HF `kernels`):
-    import with an UntrustedKernelWarning the first time this process imports the repository."""
+    import with an UntrustedKernelWarning the first time this process imports the repository.
+    Returns that warning's text, for `_warn_untrusted` once the import succeeded (a repository
+    that does not exist gets its not-found error alone)."""
     if trust_remote_code:
-        return
+        return None
     publisher = repo_id.split("/", 1)[0]
     trusted = trusted_publishers()
     if publisher in trusted:
-        return
+        return None
     advice = (
         "Code from the Hub runs in this process: pass trust_remote_code=True, add the publisher to "
         "KERNELHUB_TRUSTED_PUBLISHERS (or `trusted_publishers` in the kernelhub config), or load it "
@@ -118,14 +120,16 @@ def _check_trust(repo_id: str, trust_remote_code: bool | None) -> None:
             f"get_kernel: {repo_id!r} is from publisher {publisher!r}, which is not trusted "
             f"(trusted: {sorted(trusted)}) and {why}. {advice}"
         )
-    if repo_id not in _warned_untrusted:
+    if repo_id in _warned_untrusted:
+        return None
+    return (f"get_kernel: importing {repo_id!r} from publisher {publisher!r}, which is not trusted "
+            f"(trusted: {sorted(trusted)}). {advice} KERNELHUB_REQUIRE_TRUSTED=1 refuses such imports.")
+
+
+def _warn_untrusted(repo_id: str, message: str | None) -> None:
+    if message is not None and repo_id not in _warned_untrusted:
         _warned_untrusted.add(repo_id)
-        warnings.warn(
-            f"get_kernel: importing {repo_id!r} from publisher {publisher!r}, which is not trusted "
-            f"(trusted: {sorted(trusted)}). {advice} KERNELHUB_REQUIRE_TRUSTED=1 refuses such imports.",
-            UntrustedKernelWarning,
-            stacklevel=3,
-        )
+        warnings.warn(message, UntrustedKernelWarning, stacklevel=4)
 
 
 def _layer_from(kernel: ModuleType, layer_name: str, where: str) -> type[nn.Module]:
@@ -164,9 +168,11 @@ def get_kernel(
     """
     _check_repo_id("get_kernel", repo_id)
     _check_ref("get_kernel", revision, version)
-    _check_trust(repo_id, trust_remote_code)
+    untrusted = _check_trust(repo_id, trust_remote_code)
     resolved = resolve_kernel(repo_id, revision=revision, version=version)
-    return _import_resolved(resolved)
+    kernel = _import_resolved(resolved)
+    _warn_untrusted(repo_id, untrusted)
+    return kernel
 
 
 def _import_resolved(resolved: ResolvedKernel) -> ModuleType:
@@ -248,6 +254,7 @@ class LayerRepository:
         # every load decides trust anew: a kernel imported once (trusted then) must not reach a
         # repository object that says trust_remote_code=False, or a process that since set
         # KERNELHUB_REQUIRE_TRUSTED, through the cache
+        # (a cache miss goes through get_kernel, which warns where the import is untrusted)
         _check_trust(self.repo_id, self.trust_remote_code)
         key = (endpoint(), offline(), default_repo_type(), self.repo_id, self.revision, self.version)
         with _cache_lock:
