@@ -323,3 +323,79 @@ def test_a_config_entry_for_a_layer_nothing_knows_is_warned_about():
         warnings.simplefilter("error")
         (entry,) = kernelize(model, config={"layers": {"SwiGLUMLP": {"layer": "ToyMLPSm80"}}}).entries
     assert entry.layer == "ToyMLPSm80"
+
+
+class _OffloadHook:
+    """Hugging Face accelerate's offloading hook (AlignDevicesHook with offload=True), reduced to
+    the protocol kernelize relies on: the module's weights stay on "meta" between calls, and
+    `pre_forward` puts them on `execution_device` for the duration of one forward."""
+
+    no_grad = False
+
+    def __init__(self, module: nn.Module, device: torch.device):
+        self.execution_device = device
+        self.weights = {n: p.detach().clone() for n, p in module.named_parameters()}
+        self._place(module, lambda w: w.to("meta"))
+
+    def _place(self, module, how):
+        for name, w in self.weights.items():
+            owner, _, leaf = name.rpartition(".")
+            module.get_submodule(owner)._parameters[leaf] = nn.Parameter(how(w), requires_grad=False)
+
+    def pre_forward(self, module, *args, **kwargs):
+        self._place(module, lambda w: w.to(self.execution_device))
+        return args, kwargs
+
+    def post_forward(self, module, output):
+        self._place(module, lambda w: w.to("meta"))
+        return output
+
+
+def _add_offload_hook(module: nn.Module) -> None:
+    """As accelerate's add_hook_to_module does it."""
+    import functools
+
+    module._hf_hook = _OffloadHook(module, torch.device("cpu"))
+    module._old_forward = module.forward
+
+    def new_forward(module, *args, **kwargs):
+        args, kwargs = module._hf_hook.pre_forward(module, *args, **kwargs)
+        return module._hf_hook.post_forward(module, module._old_forward(*args, **kwargs))
+
+    module.forward = functools.update_wrapper(functools.partial(new_forward, module), module._old_forward)
+
+
+def test_an_offloaded_module_is_kernelized_inside_its_accelerate_hook():
+    torch.manual_seed(0)
+    mlp = MLP()
+    x = torch.randn(3, 8)
+    ref = mlp(x)
+    _add_offload_hook(mlp)  # as accelerate hooks a module with parameters of its own (experts)
+    hooked_forward = mlp.forward
+    assert mlp.gate_proj.weight.device.type == "meta"
+    torch.testing.assert_close(mlp(x), ref)
+    (entry,) = kernelize(nn.Sequential(mlp)).entries
+    # resolved for the hook's execution device, not the weights' "meta"; bound under the hook
+    assert entry.device == torch.device("cpu") and entry.layer == "ToyMLPCpu", entry.fallback_reason
+    assert mlp.forward is hooked_forward
+    torch.testing.assert_close(mlp(x), ref)
+    assert [c[0] for c in CALLS] == ["ToyMLPCpu"]
+    assert mlp.gate_proj.weight.device.type == "meta"  # the hook offloaded again after the kernel
+    assert unkernelize(mlp) == 1 and mlp.forward is hooked_forward
+    assert mlp._old_forward == MLP.forward.__get__(mlp)  # the module's own forward, under the hook
+    CALLS.clear()
+    torch.testing.assert_close(mlp(x), ref)
+    assert CALLS == []
+
+
+def test_a_module_whose_offloaded_layers_are_hooked_resolves_for_their_execution_device():
+    torch.manual_seed(0)
+    mlp = MLP()
+    x = torch.randn(3, 8)
+    ref = mlp(x)
+    for linear in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):  # as accelerate hooks a Llama MLP
+        _add_offload_hook(linear)
+    (entry,) = kernelize(nn.Sequential(mlp)).entries
+    assert entry.device == torch.device("cpu") and entry.layer == "ToyMLPCpu", entry.fallback_reason
+    torch.testing.assert_close(mlp(x), ref)
+    assert [c[0] for c in CALLS] == ["ToyMLPCpu"]

@@ -310,7 +310,7 @@ def kernelize(
     inherited: dict[str, torch.device | None] = {}
     for name, module in model.named_modules():
         parent = name.rpartition(".")[0]
-        own = module_device(module) if explicit is None else explicit
+        own = (_execution_device(module) or module_device(module)) if explicit is None else explicit
         dev = own if own is not None else inherited.get(parent)
         inherited[name] = dev
         match = match_layer(module)
@@ -333,12 +333,12 @@ def kernelize(
                 f"{choice.device} and use_fallback=False: {choice.reason}"
             )
         if match.unsupported_reason is None:
-            had_instance = "forward" in module.__dict__
+            attr = _forward_attribute(module)
             binding = _KernelizedForward(
-                module, match.layer_name, mode, cfg, module.forward, had_instance, use_fallback
+                module, match.layer_name, mode, cfg, getattr(module, attr), attr in module.__dict__, use_fallback
             )
             binding.bind(choice)
-            module.forward = binding
+            setattr(module, attr, binding)
         entries.append(
             KernelizeEntry(
                 module_name=name,
@@ -372,15 +372,40 @@ def _warn_unknown_layers(cfg: Any, entries: list[KernelizeEntry]) -> None:
         )
 
 
+# Hugging Face accelerate (device_map with offloading, cpu_offload, ...) hooks a module by
+# replacing its forward with one that runs the hook's pre_forward (load offloaded weights onto the
+# execution device, move the inputs there), then `module._old_forward`, then post_forward. A
+# kernel bound over that forward would skip the hook and meet weights on "meta"; bound as
+# `_old_forward` it runs inside the hook, as the module's own forward did.
+
+
+def _forward_attribute(module: nn.Module) -> str:
+    hooked = "_old_forward" in module.__dict__ and getattr(module, "_hf_hook", None) is not None
+    return "_old_forward" if hooked else "forward"
+
+
+def _execution_device(module: nn.Module) -> torch.device | None:
+    """The device accelerate's hooks run the module on (its weights may sit on "meta"): its own
+    hook's, else the first in its subtree (a Llama MLP's hooks sit on its Linear layers)."""
+    for sub in module.modules():
+        hook = sub.__dict__.get("_hf_hook")
+        for h in getattr(hook, "hooks", None) or ([hook] if hook is not None else []):
+            device = getattr(h, "execution_device", None)
+            if device is not None:
+                return as_torch_device(device)
+    return None
+
+
 def _unbind(module: nn.Module) -> bool:
-    binding = module.__dict__.get("forward")
-    if not isinstance(binding, _KernelizedForward):
-        return False
-    if binding.had_instance_forward:
-        module.forward = binding.original
-    else:
-        del module.forward
-    return True
+    for attr in ("forward", "_old_forward"):  # accelerate may have moved it since (remove_hook...)
+        binding = module.__dict__.get(attr)
+        if isinstance(binding, _KernelizedForward):
+            if binding.had_instance_forward:
+                setattr(module, attr, binding.original)
+            else:
+                delattr(module, attr)
+            return True
+    return False
 
 
 def unkernelize(model: nn.Module) -> int:

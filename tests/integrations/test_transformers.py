@@ -284,3 +284,25 @@ def test_experts_implementation_applies_the_config_pins(tmp_path, monkeypatch):
     integration._cache.clear()
     forward = integration._layer_for(experts, torch.device("cpu"), kernelhub.Mode.INFERENCE)
     assert forward.__qualname__ == "MoEExpertsReference.forward"
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "llama"])
+def test_kernelize_a_model_offloaded_by_accelerate(kind):
+    """accelerate's cpu_offload keeps the weights on "meta" and loads them in a hook around each
+    module's forward: kernelize resolves for the hook's execution device and runs inside the hook.
+    (accelerate is not among CI's pins: this runs where it is installed; the hook protocol itself
+    is tested without it in tests/test_kernelize.py.)"""
+    accelerate = pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    model = tiny_model(kind).eval()
+    ids = torch.randint(0, 64, (2, 5))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
+    with kernelhub.use_kernel_mapping(_triton_on_cpu_mapping()):
+        report = kernelhub.kernelize(model, config={})
+    assert len(report.kernelized) == sum(EXPECTED[kind]) and not report.fallbacks
+    assert {e.device for e in report.entries} == {torch.device("cpu")}
+    with torch.no_grad():
+        out = model(input_ids=ids).logits
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
