@@ -175,12 +175,16 @@ def test_ep_dispatch_rejects_bad_arguments_before_any_collective(change, exc, fr
         ep_dispatch(**args)
 
 
-def test_reference_experts_rejects_int32_routing():
+def test_reference_experts_rejects_int32_routing_and_weights_on_another_device():
     case = moe_case(2)
     r = case["ranks"][0]
     with pytest.raises(TypeError, match="reference_experts: `topk_idx` must be int64"):
         reference_experts(
             r["x"], case["gate_up_proj"], case["down_proj"], r["topk_idx"].int(), r["topk_weights"]
+        )
+    with pytest.raises(ValueError, match="reference_experts: `down_proj` must be on cpu like `x`, got meta"):
+        reference_experts(
+            r["x"], case["gate_up_proj"], case["down_proj"].to("meta"), r["topk_idx"], r["topk_weights"]
         )
 
 

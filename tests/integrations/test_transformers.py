@@ -306,3 +306,22 @@ def test_kernelize_a_model_offloaded_by_accelerate(kind):
     with torch.no_grad():
         out = model(input_ids=ids).logits
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_experts_implementation_checks_each_module_not_only_the_first_of_its_class(tmp_path):
+    from kernelhub.integrations import transformers as integration
+
+    model = _loaded_with_kernelhub_experts(tmp_path)
+    first, second = (m for m in model.modules() if type(m).__name__ == "Qwen3MoeExperts")
+    second.act_fn = torch.nn.GELU()  # this one the SwiGLU kernel cannot serve
+    integration._cache.clear()
+    cpu, mode = torch.device("cpu"), kernelhub.Mode.INFERENCE
+    assert integration._layer_for(first, cpu, mode) is not None  # resolved for the class with `first`
+    assert integration._layer_for(second, cpu, mode) is None  # ... and still checked for `second`
+    torch.manual_seed(0)
+    h = torch.randn(5, first.gate_up_proj.shape[2])
+    idx = torch.stack([torch.randperm(first.gate_up_proj.shape[0])[:2] for _ in range(5)])
+    w = torch.rand(5, 2)
+    with torch.no_grad():
+        got = integration.kernelhub_experts_forward(second, h, idx, w)
+        torch.testing.assert_close(got, integration._eager_forward(second)(second, h, idx, w))

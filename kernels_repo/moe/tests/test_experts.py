@@ -862,6 +862,20 @@ def test_the_shipped_configs_are_valid():
             cfgs.check_bucket(bucket, f"{name}: buckets[{i}]")
 
 
+def test_graph_capture_is_asked_of_the_inputs_device_not_the_current_one(fake_gpus, monkeypatch):
+    # the index check (one host sync) is skipped while x's device captures a CUDA graph; torch
+    # answers is_current_stream_capturing for the current device only
+    from conftest import fake_cuda_tensor
+
+    ex = importlib.import_module(moe.__name__ + ".experts")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: fake_gpus.current == 1)
+    x = fake_cuda_tensor((4, 8), 1)
+    fake_gpus.current = 0
+    assert ex._capturing(x) is True
+    assert fake_gpus.current == 0  # the caller's device, restored
+    assert ex._capturing(fake_cuda_tensor((4, 8), 0)) is False
+
+
 def test_variant_follows_the_capability_of_each_device_index(fake_gpus):
     assert moe.select_variant(torch.device("cuda", 0)) == "sm80"
     assert moe.select_variant(torch.device("cuda", 1)) == "sm90"

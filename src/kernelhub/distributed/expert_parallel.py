@@ -343,6 +343,9 @@ def _check_experts_args(fn: str, x, gate_up_proj, down_proj, topk_idx, topk_weig
     E, I2, H = gate_up_proj.shape
     if tuple(down_proj.shape) != (E, H, I2 // 2):
         raise ValueError(f"{fn}: `down_proj` must be [{E}, {H}, {I2 // 2}], got {tuple(down_proj.shape)}")
+    for name, t in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+        if t.device != x.device:
+            raise ValueError(f"{fn}: `{name}` must be on {x.device} like `x`, got {t.device}")
     if topk_idx.dtype != torch.int64:
         raise TypeError(f"{fn}: `topk_idx` must be int64, got {topk_idx.dtype}")
     if topk_idx.dim() != 2 or topk_idx.shape[0] != x.shape[0] or topk_weights.shape != topk_idx.shape:

@@ -27,6 +27,7 @@ from torch import nn
 
 from kernelhub.config import load_config
 from kernelhub.kernelize import choose_layer
+from kernelhub.layer import layer_problem
 from kernelhub.mode import Mode
 from kernelhub.registry import mapping_in_effect
 
@@ -34,9 +35,12 @@ __all__ = ["EXPERTS_IMPLEMENTATION", "kernelhub_experts_forward", "register_expe
 
 EXPERTS_IMPLEMENTATION = "kernelhub"
 _MOE_MODULE = "transformers.integrations.moe"
-# (class, device, mode) -> (the mapping it was resolved under, layer forward or None for eager)
-_cache: dict[tuple[type, torch.device, Mode], tuple[object, Callable | None]] = {}
+# (class, device, mode) -> (the mapping it was resolved under, layer class or None for eager)
+_cache: dict[tuple[type, torch.device, Mode], tuple[object, type[nn.Module] | None]] = {}
 _MAX_CACHED = 256  # each use_kernel_mapping block is a new mapping, so a new resolution
+# in a module's __dict__: (id of the layer class, mode, whether it may serve the module); the id,
+# not the class, so that pickling the model does not reference a dynamically loaded kernel module
+_FITS = "_kernelhub_experts_fits"
 _lock = threading.Lock()
 
 
@@ -52,19 +56,28 @@ def _layer_for(module: nn.Module, device: torch.device, mode: Mode) -> Callable 
     key = (type(module), device, mode)
     mapping = mapping_in_effect()
     hit = _cache.get(key)
-    if hit is not None and hit[0] is mapping:
-        return hit[1]
-    choice = choose_layer(module, "MoEExperts", device, mode, load_config(None))
-    if choice.layer is None and choice.repository is not None:
-        # found but unusable (a failed download, a layer that does not fit): say so once, run eager
-        warnings.warn(f"kernelhub experts implementation: {type(module).__name__} on {device} runs "
-                      f"eager: {choice.reason}", RuntimeWarning, stacklevel=3)
-    forward = None if choice.layer is None else choice.layer.forward
-    with _lock:
-        if len(_cache) >= _MAX_CACHED:
-            _cache.clear()
-        _cache[key] = (mapping, forward)
-    return forward
+    if hit is None or hit[0] is not mapping:
+        choice = choose_layer(module, "MoEExperts", device, mode, load_config(None))
+        if choice.layer is None and choice.repository is not None:
+            # found but unusable (a failed download, a layer that does not fit): say so, run eager
+            warnings.warn(f"kernelhub experts implementation: {type(module).__name__} on {device} runs "
+                          f"eager: {choice.reason}", RuntimeWarning, stacklevel=3)
+        hit = (mapping, choice.layer)
+        with _lock:
+            if len(_cache) >= _MAX_CACHED:
+                _cache.clear()
+            _cache[key] = hit
+        if choice.layer is not None:  # the module it was resolved with fits: remember that too
+            module.__dict__[_FITS] = (id(choice.layer), mode, True)
+    layer = hit[1]
+    if layer is None:
+        return None
+    # The class-level answer was checked against one instance; another instance of the class may
+    # not fit (other weight shapes, say): each module's own verdict, kept in the module.
+    fits = module.__dict__.get(_FITS)
+    if fits is None or fits[0] != id(layer) or fits[1] is not mode:
+        fits = module.__dict__[_FITS] = (id(layer), mode, layer_problem(layer, module, mode) is None)
+    return layer.forward if fits[2] else None
 
 
 def kernelhub_experts_forward(

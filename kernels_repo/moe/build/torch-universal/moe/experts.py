@@ -127,9 +127,14 @@ def _check_ids(x: torch.Tensor, topk_idx: torch.Tensor, E: int) -> None:
 
 
 def _capturing(x: torch.Tensor) -> bool:
+    """Whether x's device's current stream is capturing a CUDA graph (asked with x's device current:
+    torch answers for the current device only)."""
     if torch.compiler.is_compiling():
         return True
-    return x.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if x.device.type != "cuda":
+        return False
+    with device_guard(x):
+        return torch.cuda.is_current_stream_capturing()
 
 
 # ---------------------------------------------------------------- launchers (inside device_guard)
