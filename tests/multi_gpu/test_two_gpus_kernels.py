@@ -90,12 +90,40 @@ def _moe_call(device, dtype, variant):
 def test_moe_kernels_run_on_their_inputs_device(variant, dtype, current, target):
     torch.cuda.set_device(target)
     expected = _moe_call(torch.device("cuda", target), dtype, variant)
+    torch.cuda.synchronize(target)
     torch.cuda.set_device(current)
-    got = _moe_call(torch.device("cuda", target), dtype, variant)
+    stream = torch.cuda.Stream(device=target)
+    with torch.cuda.stream(stream):  # forward *and backward* on a non-default stream of the target
+        got = _moe_call(torch.device("cuda", target), dtype, variant)
+    stream.synchronize()
     assert torch.cuda.current_device() == current
     for g, e in zip(got, expected, strict=True):
         assert g.device == torch.device("cuda", target)
         torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("variant", ["sm90", "sm80"])
+@pytest.mark.parametrize("current,target", [(0, 1), (1, 0)])
+def test_moe_inference_replay_runs_on_its_inputs_device_and_stream(variant, current, target):
+    # inference calls of one key are recorded on the second call and replayed from the third
+    # (_experts_replay): the replayed launches must follow the input's device and its current stream
+    dev = torch.device("cuda", target)
+    x, w1, w2, idx, w = (t.detach() for t in _moe_inputs(dev, torch.bfloat16))
+    torch.cuda.set_device(target)
+    with torch.no_grad():
+        expected = moe_k.fused_experts(x, w1, w2, idx, w, variant=variant, check_indices=False)
+    torch.cuda.synchronize(target)
+    torch.cuda.set_device(current)
+    stream = torch.cuda.Stream(device=target)
+    with torch.no_grad(), torch.cuda.stream(stream):
+        outs = [moe_k.fused_experts(x, w1, w2, idx, w, variant=variant, check_indices=False) for _ in range(4)]
+    stream.synchronize()
+    assert torch.cuda.current_device() == current
+    replay = moe_k._experts_replay
+    assert replay.recorded(replay.replay_key(x, w1, w2, idx, w, variant)) is not None  # it did replay
+    for out in outs:
+        assert out.device == dev
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
 def _small_moe_model():
