@@ -829,29 +829,32 @@ def test_a_bad_pinned_config_is_a_clear_error(edit, error, words):
     assert "fused_experts: `config`" in str(info.value) and words in str(info.value), str(info.value)
 
 
+@contextlib.contextmanager
+def _config_dir(monkeypatch, path: Path):
+    """The configs module reading KERNELHUB_MOE_CONFIG_DIR=path, its caches emptied around."""
+    cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
+    monkeypatch.setenv("KERNELHUB_MOE_CONFIG_DIR", str(path))
+    cfgs.clear_config_cache()
+    try:
+        yield cfgs
+    finally:
+        cfgs.clear_config_cache()
+
+
 def test_a_bad_config_file_names_the_file_and_the_bucket(tmp_path, monkeypatch):
     cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
     data = json.loads((Path(cfgs._DIR) / "sm80.json").read_text())
     data["buckets"][1]["wgrad"]["BLOCK_M"] = 100
     (tmp_path / "sm80.json").write_text(json.dumps(data))
-    monkeypatch.setenv("KERNELHUB_MOE_CONFIG_DIR", str(tmp_path))
-    cfgs.clear_config_cache()
-    try:
+    with _config_dir(monkeypatch, tmp_path) as cfgs:
         with pytest.raises(ValueError, match=r"sm80.json: buckets\[1\]\['wgrad'\]\['BLOCK_M'\] must be a power of two"):
             cfgs.pick_config(80, 8, 64, 64, 16)
-    finally:
-        cfgs.clear_config_cache()
 
 
 def test_a_config_dir_that_does_not_exist_is_named(tmp_path, monkeypatch):
-    cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
-    monkeypatch.setenv("KERNELHUB_MOE_CONFIG_DIR", str(tmp_path / "tunde"))  # a typo
-    cfgs.clear_config_cache()
-    try:
+    with _config_dir(monkeypatch, tmp_path / "tunde") as cfgs:  # a typo
         with pytest.raises(ValueError, match=r"KERNELHUB_MOE_CONFIG_DIR=.*tunde' is not a directory"):
             cfgs.pick_config(80, 8, 64, 64, 16)
-    finally:
-        cfgs.clear_config_cache()
 
 
 def test_the_shipped_configs_are_valid():
