@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -188,3 +189,15 @@ def test_kernelize_binds_what_the_config_pins_per_device(hub, tmp_path, fake_gpu
         "cpu": ("TinyScale", "hub:org/tiny@v1/TinyScale"),
     }
     assert float(model(torch.ones(1))[0]) == 2.0  # bound for cpu: v1's TinyScale ran
+
+
+def test_a_misspelt_tool_table_is_warned_about_not_silently_ignored(tmp_path, monkeypatch):
+    (tmp_path / "pyproject.toml").write_text('[tool.kernelhubb.layers.SwiGLUMLP]\nlayer = "SwiGLUMLPSm80"\n'
+                                             '[tool.ruff]\nline-length = 100\n')
+    monkeypatch.chdir(tmp_path)
+    with pytest.warns(UserWarning, match=r"has \[tool.kernelhubb\] but no \[tool.kernelhub\]"):
+        assert load_config(None) is None
+    (tmp_path / "pyproject.toml").write_text('[tool.ruff]\nline-length = 100\n')
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert load_config(None) is None

@@ -6,7 +6,9 @@ Read from `kernelhub.toml` (top level) or `pyproject.toml` (`[tool.kernelhub]`);
 
 from __future__ import annotations
 
+import difflib
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -262,8 +264,14 @@ def load_config(path: str | Path | None = None) -> KernelhubConfig | None:
         if (folder / "kernelhub.toml").is_file():
             return load_config(folder / "kernelhub.toml")
         pyproject = folder / "pyproject.toml"
-        if pyproject.is_file() and "kernelhub" in _read_toml(pyproject).get("tool", {}):
-            return load_config(pyproject)
+        if pyproject.is_file():
+            tools = _read_toml(pyproject).get("tool", {})
+            if "kernelhub" in tools:
+                return load_config(pyproject)
+            near = difflib.get_close_matches("kernelhub", [str(k) for k in tools], n=1, cutoff=0.8)
+            if near:  # `[tool.kernelhubb]` would otherwise be ignored without a word
+                warnings.warn(f"load_config: {pyproject} has [tool.{near[0]}] but no [tool.kernelhub]; "
+                              "a typo? It is not read.", UserWarning, stacklevel=2)
         return None
     path = Path(path)
     if not path.is_file():
