@@ -30,6 +30,7 @@ moe = load_kernel_from_dir(ROOT / "kernels_repo" / "moe")
 k80 = sys.modules[moe.__name__ + "._experts_sm80"]
 rt = sys.modules[moe.__name__ + "._experts_routing"]
 cfgs = sys.modules[moe.__name__ + "._experts_configs"]
+dec = sys.modules[moe.__name__ + "._experts_decode"]
 
 I32 = "i32"
 UNIT_STRIDES = {
@@ -37,7 +38,12 @@ UNIT_STRIDES = {
                              True: ("stride_ak", "stride_bn", "stride_cn")},
     "_grouped_wgrad_kernel": {False: ("stride_ak", "stride_bk", "stride_cn")},
     "_combine_kernel": {False: ()},
+    "_decode_gate_up_kernel": {False: ("stride_xh", "stride_ik", "stride_wk")},
+    "_decode_down_kernel": {False: ("stride_ik", "stride_wk", "stride_wtk")},
 }
+# decode tiles compiled whether or not a shipped bucket has them (tune_moe.py's candidates)
+DECODE_TILES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": 4}
+                for n, k, w in ((4, 256, 4), (4, 512, 4), (8, 256, 4), (8, 512, 8), (16, 256, 4), (16, 512, 8))]
 
 
 def ptxas_report(ptx: str, cap: int) -> str:
@@ -155,25 +161,47 @@ def wgrad(cap, cfg, gather_a, tma=False, rows=False):
                        f"wgrad gather_a={ga} gather_b={gb} tma={tma} {cfg}")
 
 
-def others(cap):
+def decode(cap, stage: str, c: dict, dtype: str = "bf16") -> int | None:
+    """One token-major decode kernel (a bucket's "decode" key) with stage tile `c`."""
+    if stage == "gate_up":
+        fn = dec._decode_gate_up_kernel
+        sig = {"x_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "idx_ptr": "*i64", "h_ptr": f"*{dtype}"}
+    else:
+        fn = dec._decode_down_kernel
+        sig = {"h_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "idx_ptr": "*i64", "wts_ptr": "*fp32",
+               "out_ptr": f"*{dtype}"}
+    const = dict(TOPK=8, UPCAST=False, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"])
+    full = {n: sig.get(n, "constexpr" if n in const else I32) for n in fn.arg_names}
+    return compile_one(fn, full, const, cap, c["num_warps"], c["num_stages"], f"decode {stage} {c} {dtype}")
+
+
+def others(cap) -> int:
+    """The small kernels; returns the number that failed."""
+    fails = 0
     sig = {"y_ptr": "*bf16", "pos_ptr": "*i32", "w_ptr": "*bf16", "out_ptr": "*bf16", "H": I32,
            "stride_ym": I32, "stride_wt": I32, "stride_wk": I32, "stride_om": I32}
     full = {n: sig.get(n, "constexpr") for n in k80._combine_kernel.arg_names}
-    compile_one(k80._combine_kernel, full, dict(TOPK=8, HAS_W=True, RNE=False, BLOCK_H=1024), cap, 4, 3,
-                "combine")
+    fails += compile_one(k80._combine_kernel, full, dict(TOPK=8, HAS_W=True, RNE=False, BLOCK_H=1024), cap, 4,
+                         3, "combine") is None
     sig = {"src_ptr": "*bf16", "rows_ptr": "*i32", "row_expert_ptr": "*i32", "out_ptr": "*bf16", "P": I32,
            "H": I32, "stride_s": I32, "stride_o": I32}
     full = {n: sig.get(n, "constexpr") for n in k80._gather_rows_kernel.arg_names}
-    compile_one(k80._gather_rows_kernel, full, dict(stride_sh=1, TOPK=8, ALIGN=128, BLOCK_R=16, BLOCK_H=512),
-                cap, 4, 3, "gather_rows")
+    fails += compile_one(k80._gather_rows_kernel, full, dict(stride_sh=1, TOPK=8, ALIGN=128, BLOCK_R=16,
+                                                             BLOCK_H=512), cap, 4, 3, "gather_rows") is None
     sig = {"start_ptr": "*i32", "count_ptr": "*i32", "tiles_ptr": "*i32", "E": I32, "P": I32}
     full = {n: sig.get(n, "constexpr") for n in k80._pair_tiles_kernel.arg_names}
-    compile_one(k80._pair_tiles_kernel, full, dict(BLOCK_M=64, BLOCK_E=128), cap, 4, 3, "pair_tiles")
+    fails += compile_one(k80._pair_tiles_kernel, full, dict(BLOCK_M=64, BLOCK_E=128), cap, 4, 3,
+                         "pair_tiles") is None
     sig = {"idx_ptr": "*i64", "rows_ptr": "*i32", "row_expert_ptr": "*i32", "start_ptr": "*i32",
            "count_ptr": "*i32", "pos_ptr": "*i32", "n": I32, "E": I32, "P": I32}
     full = {n: sig.get(n, "constexpr") for n in rt._align_small_kernel.arg_names}
-    compile_one(rt._align_small_kernel, full, dict(BLOCK_M=16, BLOCK_N=512, BLOCK_E=256, BLOCK_J=32,
-                                                   BLOCK_P=256), cap, 8, 3, "align_small")
+    fails += compile_one(rt._align_small_kernel, full, dict(BLOCK_M=16, BLOCK_N=512, BLOCK_E=256, BLOCK_J=32,
+                                                            BLOCK_P=256), cap, 8, 3, "align_small") is None
+    for c in DECODE_TILES:
+        for stage in ("gate_up", "down"):
+            fails += decode(cap, stage, c) is None
+    fails += decode(cap, "gate_up", DECODE_TILES[2], "fp32") is None
+    return fails
 
 
 PAIR_TOO = os.environ.get("PAIR") == "1"  # also compile the block_m=128 buckets' tiles as pair_m at 64
@@ -182,7 +210,7 @@ PAIR_TOO = os.environ.get("PAIR") == "1"  # also compile the block_m=128 buckets
 def main() -> None:
     failures = 0
     for cap in (90, 80):
-        others(cap)
+        failures += others(cap)
         data = cfgs._load(cap)
         buckets = list(data["buckets"])
         for shape_buckets in data.get("shapes", {}).values():
@@ -208,6 +236,8 @@ def main() -> None:
                 failures += wgrad(cap, b["wgrad"], gather_a) is None
                 if tma:  # the optional TMA operand (wgrad stage key "TMA")
                     failures += wgrad(cap, b["wgrad"], gather_a, tma=True) is None
+            for stage in ("gate_up", "down") if "decode" in b else ():
+                failures += decode(cap, stage, b["decode"][stage]) is None
             if b["wgrad"].get("ROWS"):
                 failures += wgrad(cap, b["wgrad"], False, tma=tma and b["wgrad"].get("TMA", False), rows=True) is None
         failures += gemm(cap, buckets[0]["gate_up"], 16, 1, False, False, dtype="fp32") is None

@@ -5,9 +5,11 @@ alignment; from 64 rows per expert up also block_m=64 with "pair_m"), and for ea
 down, dgrad, wgrad) a small grid of BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages (plus a
 register-capped 8-warp tile, "maxnreg"); it keeps the best per stage and the BLOCK_M with the least
 total time. In training mode the down tile is timed together with the dL/dx GEMM that also runs
-with it, and the wgrad tile with both weight gradients (ROWS copies included). Buckets are written per shape
-("shapes": {"E128_H2048_I768": [...]}) with max_rows_per_expert halfway (geometric) between the
-tuned loads; other shapes keep the defaults.
+with it, and the wgrad tile with both weight gradients (ROWS copies included). At decode (T <= 8,
+<= 4 rows per expert) it also tunes the token-major path's two kernels and keeps a "decode" key
+where that path wins end to end. Buckets are written per shape ("shapes": {"E128_H2048_I768":
+[...]}) with max_rows_per_expert halfway (geometric) between the tuned loads; other shapes keep
+the defaults.
 
 Usage (repo root): PYTHONPATH=src python kernels_repo/moe/benchmarks/tune_moe.py [--out DIR]
     [--full] [--forward-only]   env: SHAPES=qwen3_30b_a3b  TOKENS=1,512,16384  BLOCK_MS=64,128
@@ -48,6 +50,9 @@ SHAPES = {
     "mixtral_8x7b": dict(E=8, H=4096, I=14336, K=2),
     "deepseek_v3": dict(E=256, H=7168, I=2048, K=8),
 }
+
+
+DECODE_MAX_TOKENS = 8  # points up to this T also try the token-major decode path ("decode")
 
 
 def gemm_space(full: bool, rows_per_expert: float):
@@ -100,6 +105,33 @@ def wgrad_space(full: bool, tma: bool):
                        "num_stages": stages}
                 for extra in variants:
                     yield {**cfg, **extra}
+
+
+def decode_space(full: bool) -> list[dict]:
+    """Tiles of the token-major decode kernels (a bucket's "decode" key): BLOCK_N weight rows per
+    program; the bytes in flight grow with BLOCK_K (their loads are not software-pipelined)."""
+    bns = [4, 8, 16, 32] if full else [4, 8, 16]
+    bks = [128, 256, 512] if full else [256, 512]
+    return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 2}
+            for bn, bk, nw in itertools.product(bns, bks, [4, 8])]
+
+
+def tune_decode(bucket, x, gu, dn, idx, w, T, full):
+    """The bucket with a "decode" key for calls of up to T tokens where the token-major path beats
+    the bucket's grouped GEMMs end to end (routing and combine included); else the bucket as is."""
+    E, two_i, H = gu.shape
+    h = torch.empty(T * idx.shape[1], two_i // 2, device=DEV, dtype=x.dtype)
+    out = torch.empty(T, H, device=DEV, dtype=x.dtype)
+    _, c_gu = best_of(f"decode_gate_up T={T}", lambda c: ex._decode_gate_up(x, gu, idx, h, c), decode_space(full))
+    _, c_dn = best_of(f"decode_down T={T}", lambda c: ex._decode_down(h, dn, idx, w, out, c), decode_space(full))
+    if c_gu is None or c_dn is None:
+        return bucket
+    with_decode = {**bucket, "decode": {"max_tokens": T, "gate_up": c_gu, "down": c_dn}}
+    grouped = {k: v for k, v in bucket.items() if k != "decode"}
+    ms = {name: timed(lambda b=b: moe.fused_experts(x, gu, dn, idx, w, config=b))
+          for name, b in (("grouped", grouped), ("decode", with_decode))}
+    print(f" T={T} end to end: grouped {ms['grouped']:.4f} ms, decode {ms['decode']:.4f} ms", flush=True)
+    return with_decode if ms["decode"] < ms["grouped"] else grouped
 
 
 def sweep_points(sweep_point, default: str) -> None:
@@ -204,6 +236,8 @@ def tune_point(E, H, I, K, T, variant, full, training):
         print(f" block_m={bm}{' pair_m' if pair else ''} tma={use_tma} total={total:.4f} ms", flush=True)
         if total < best_total:
             best_total, best_bucket = total, bucket
+    if T <= DECODE_MAX_TOKENS and rpe <= 4:
+        best_bucket = tune_decode(best_bucket, x, gu, dn, idx, w, T, full)
     return best_bucket
 
 

@@ -754,13 +754,85 @@ def test_every_launch_forward_and_backward_runs_inside_the_input_device_guard(mo
 
     monkeypatch.setattr(ex, "device_guard", recording_guard)
     # every launcher's kernel (the interpreter always launches through `kernel[grid](...)`)
-    for launcher in (ex._gemm_launch, ex._combine_launch, ex._wgrad_launch, rt._align_small_launch):
+    for launcher in (ex._gemm_launch, ex._combine_launch, ex._wgrad_launch, rt._align_small_launch,
+                     ex._decode_gate_up_launch, ex._decode_down_launch):
         monkeypatch.setattr(launcher, "kernel", Kernel(launcher.kernel))
     x, gu, dn, idx, w = make_inputs(3, 32, 16, 4, 2)
     leaves = [t.requires_grad_() for t in (x, gu, dn, w)]
     moe.fused_experts(leaves[0], leaves[1], leaves[2], idx, leaves[3], variant="sm90").sum().backward()
     assert len(launches) == 4 + 5  # align, gate_up, down, combine | dgrad, dx, combine, 2 wgrads
+    moe.fused_experts(x.detach(), gu.detach(), dn.detach(), idx, w.detach(), variant="sm90", config=_with_decode())
+    assert len(launches) == 9 + 2  # the decode path: gate_up, down
     assert all(stack == [x.device] for stack in launches), launches
+
+
+DECODE = {"max_tokens": 3, "gate_up": {"BLOCK_N": 8, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2},
+          "down": {"BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 2}}
+
+
+def _with_decode(decode: dict | None = None) -> dict:
+    cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
+    return {**copy.deepcopy(cfgs.INTERPRETER_CONFIG), "decode": copy.deepcopy(decode or DECODE)}
+
+
+def _kernel_names(calls) -> list[str]:
+    return [getattr(c.launcher.kernel, "__name__", None) or c.launcher.kernel.fn.__name__ for c in calls]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", TRITON_VARIANTS)
+@pytest.mark.parametrize("T", [1, 3])
+def test_decode_path_matches_the_float64_loop(T, variant, dtype):
+    """The token-major "decode" path: two launches (no alignment, no combine); ids -1 and >= E
+    dropped; strided x, ids and weights; H and I not multiples of the tiles."""
+    from kernelhub.device import CachedLaunch
+
+    E, H, I, K = 6, 40, 24, 3
+    x, gu, dn, idx, w = make_inputs(T, H, I, E, K, dtype=dtype, seed=T)
+    idx[0, 1] = -1
+    idx[T - 1, 2] = E  # the EP sentinel: dropped like -1 (check_indices=False)
+    x_strided = torch.zeros(T, 2 * H, dtype=dtype)[:, ::2]
+    x_strided.copy_(x)
+    idx_t = idx.t().contiguous().t()  # strides (1, T)
+    w32 = w.float()
+    with CachedLaunch.recording() as calls:
+        out = moe.fused_experts(x_strided, gu, dn, idx_t, w32, variant=variant, config=_with_decode(),
+                                check_indices=False)
+    assert _kernel_names(calls) == ["_decode_gate_up_kernel", "_decode_down_kernel"]
+    keep = idx.masked_fill(idx >= E, -1)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert_close_rel(out, loop_reference(x, gu, dn, keep, w32), tol, "decode output")
+    cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
+    grouped = moe.fused_experts(x, gu, dn, keep, w32, variant=variant, config=cfgs.INTERPRETER_CONFIG)
+    assert_close_rel(out, grouped, tol, "decode vs grouped path")
+
+
+def test_decode_key_applies_up_to_max_tokens_and_only_to_inference():
+    from kernelhub.device import CachedLaunch
+
+    E, H, I, K = 5, 32, 16, 2
+    cfg = _with_decode({**DECODE, "max_tokens": 2})
+    for T, grad, decode in ((2, False, True), (3, False, False), (1, True, False)):
+        x, gu, dn, idx, w = make_inputs(T, H, I, E, K)
+        x.requires_grad_(grad)
+        with CachedLaunch.recording() as calls:
+            out = moe.fused_experts(x, gu, dn, idx, w, variant="sm80", config=cfg)
+        names = _kernel_names(calls)
+        assert ("_decode_down_kernel" in names) is decode, (T, grad, names)
+        assert ("_grouped_gemm_kernel" in names) is not decode, (T, grad, names)
+        assert_close_rel(out.detach(), loop_reference(x.detach(), gu, dn, idx, w), 1e-6, f"T={T} grad={grad}")
+        if grad:
+            out.sum().backward()
+            assert x.grad is not None
+
+
+def test_decode_stages_fit_the_shared_memory():
+    cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
+    bucket = _with_decode({**DECODE, "gate_up": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 4}})
+    per_stage = (2 * 16 + 1) * 256 * 2
+    fitted = cfgs.fit_shared_memory(bucket, 3 * per_stage, 2)["decode"]
+    assert fitted["gate_up"]["num_stages"] == 3 and fitted["down"]["num_stages"] == 2
+    assert bucket["decode"]["gate_up"]["num_stages"] == 4  # the cached bucket is not edited
 
 
 def test_paired_tiles_count_twice_block_m_when_stages_are_fitted():
@@ -818,6 +890,18 @@ def test_stages_fit_the_shared_memory_of_each_device_index(fake_gpus):
     (lambda c: c["gate_up"].update(A_TMA=1), TypeError, "['gate_up']['A_TMA'] must be true or false"),
     (lambda c: c["down"].update(ROWS=True), ValueError, "['down']: 'ROWS' is a gate_up key"),
     (lambda c: c["dgrad"].update(EPI_HALVES=True), ValueError, "['dgrad']: 'EPI_HALVES' is a gate_up key"),
+    (lambda c: c.update(decode=[1]), TypeError, "['decode'] must be a dict"),
+    (lambda c: c.update(decode={**DECODE, "max_tokens": 0}), ValueError,
+     "['decode']['max_tokens'] must be an int >= 1"),
+    (lambda c: c.update(decode={**DECODE, "rows": 1}), ValueError, "['decode']: unknown keys ['rows']"),
+    (lambda c: c.update(decode={"max_tokens": 1, "gate_up": DECODE["gate_up"]}), ValueError,
+     "['decode']: missing key 'down'"),
+    (lambda c: c.update(decode={**DECODE, "down": {**DECODE["down"], "BLOCK_N": 2}}), ValueError,
+     "['decode']['down']['BLOCK_N'] must be a power of two >= 4"),
+    (lambda c: c.update(decode={**DECODE, "down": {**DECODE["down"], "BLOCK_K": 24}}), ValueError,
+     "['decode']['down']['BLOCK_K'] must be a power of two >= 16"),
+    (lambda c: c.update(decode={**DECODE, "gate_up": {"BLOCK_N": 8}}), ValueError,
+     "['decode']['gate_up']: missing key 'BLOCK_K'"),
 ])
 def test_a_bad_pinned_config_is_a_clear_error(edit, error, words):
     cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
@@ -1225,6 +1309,39 @@ def test_gpu_replays_rebuild_descriptors_over_internal_buffers(shape, T, tmp_pat
     plan = _check_replay(SHAPES[shape], T)
     if moe.select_variant(torch.device("cuda")) == "sm90":  # the A descriptor was recorded as a view
         assert any(d is not None and type(d[1]) is tuple for launch in plan.launches for d in launch[4])
+
+
+GPU_DECODE = {"max_tokens": 4, "gate_up": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 2},
+              "down": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4, "num_stages": 2}}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 4])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_gpu_decode_path_matches_the_reference_replays_and_captures(shape, T, tmp_path, monkeypatch):
+    """Buckets with a "decode" key (KERNELHUB_MOE_CONFIG_DIR): the token-major path at real shapes
+    in bf16 against the reference, its replay (two launches) with the ordinary path's bits, and a
+    CUDA graph of it."""
+    s = SHAPES[shape]
+    cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
+    cap = 90 if moe.select_variant(torch.device("cuda")) == "sm90" else 80
+    data = json.loads((Path(cfgs.__file__).parent / "configs" / f"sm{cap}.json").read_text())
+    for bucket in data["buckets"] + [b for shape_buckets in data["shapes"].values() for b in shape_buckets]:
+        bucket["decode"] = copy.deepcopy(GPU_DECODE)
+    (tmp_path / f"sm{cap}.json").write_text(json.dumps(data))
+    with _config_dir(monkeypatch, tmp_path):
+        plan = _check_replay(s, T)
+        assert len(plan.launches) == 2, "not the decode path's two launches"
+        x, gu, dn, idx, w = gpu_inputs(s["E"], s["H"], s["I"], s["K"], T)
+        with torch.no_grad():
+            moe.fused_experts(x, gu, dn, idx, w)  # compiles outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = moe.fused_experts(x, gu, dn, idx, w)
+            x.copy_(torch.randn_like(x))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(out, moe.fused_experts(x, gu, dn, idx, w))
 
 
 def _check_replay(s: dict, T: int):

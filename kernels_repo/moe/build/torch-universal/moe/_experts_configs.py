@@ -44,7 +44,11 @@ _GEMM_ONLY = {"A_TMA": bool, "PERSISTENT": int, "ROWS": bool, "EPI_HALVES": bool
 _GATE_UP_ONLY = ("ROWS", "EPI_HALVES")
 _WGRAD_OPTIONAL = {"GROUP_M": int, "ROWS_PARTS": int, "ROWS": bool, "TMA": bool, "TMA_STORE": bool,
                    "PERSISTENT": int, "FLAT_STEPS": int, **_GEMM_OPTIONAL}
-_BUCKET_OPTIONAL = {"max_rows_per_expert", "tma", "pair_m"}
+_BUCKET_OPTIONAL = {"max_rows_per_expert", "tma", "pair_m", "decode"}
+# "decode": the token-major inference path (`_experts_decode`) for calls of at most `max_tokens`
+# tokens: {"max_tokens": n, "gate_up": {...}, "down": {...}}, each stage BLOCK_N (a power of two
+# >= 4: rows of the weight per program), BLOCK_K, num_warps, num_stages.
+_DECODE_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 
 
 def _pow2(v: object) -> bool:
@@ -104,9 +108,31 @@ def check_bucket(bucket: object, where: str) -> None:
             if stage != "gate_up" and key in bucket[stage]:
                 raise ValueError(f"{where}[{stage!r}]: {key!r} is a gate_up key")
     _check_stage(f"{where}['wgrad']", bucket["wgrad"], _WGRAD_KEYS, _WGRAD_OPTIONAL)
+    if "decode" in bucket:
+        _check_decode(f"{where}['decode']", bucket["decode"])
     if bucket["wgrad"].get("FLAT_STEPS") and not bucket["wgrad"].get("PERSISTENT"):
         raise ValueError(f"{where}['wgrad']['FLAT_STEPS'] flattens the persistent tile loop; "
                          f"set 'PERSISTENT' (programs per SM) >= 1 too")
+
+
+def _check_decode(where: str, decode: object) -> None:
+    if not isinstance(decode, dict):
+        raise TypeError(f"{where} must be a dict, got {type(decode).__name__}")
+    unknown = sorted(set(decode) - {"max_tokens", "gate_up", "down"})
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; allowed: ['down', 'gate_up', 'max_tokens']")
+    tokens = decode.get("max_tokens")
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+        raise ValueError(f"{where}['max_tokens'] must be an int >= 1, got {tokens!r}")
+    for stage in ("gate_up", "down"):
+        if stage not in decode:
+            raise ValueError(f"{where}: missing key {stage!r}")
+        c = decode[stage]
+        # BLOCK_N may be as small as 4 here (rows of one expert's weight, not an MMA tile)
+        _check_stage(f"{where}[{stage!r}]", {**c, "BLOCK_N": 16} if isinstance(c, dict) and "BLOCK_N" in c else c,
+                     _DECODE_KEYS, {})
+        if not _pow2(c["BLOCK_N"]) or c["BLOCK_N"] < 4:
+            raise ValueError(f"{where}[{stage!r}]['BLOCK_N'] must be a power of two >= 4, got {c['BLOCK_N']!r}")
 
 
 def _load(capability: int) -> dict:
@@ -204,6 +230,15 @@ def fit_shared_memory(bucket: dict, smem_per_block: int, element_size: int) -> d
         while c["num_stages"] > 2 and c["num_stages"] * per_stage + fixed > smem_per_block:
             c["num_stages"] -= 1
         out[stage] = c
+    if "decode" in bucket:
+        decode = dict(bucket["decode"])
+        for stage, n_w in (("gate_up", 2), ("down", 1)):
+            c = dict(decode[stage])
+            per_stage = (n_w * c["BLOCK_N"] + 1) * c["BLOCK_K"] * element_size  # weight rows + the vector
+            while c["num_stages"] > 2 and c["num_stages"] * per_stage > smem_per_block:
+                c["num_stages"] -= 1
+            decode[stage] = c
+        out["decode"] = decode
     return out
 
 

@@ -24,6 +24,7 @@ from kernelhub.device import CachedLaunch, device_capability, device_guard, devi
 from . import _experts_replay as _replay
 from . import _experts_sm90 as sm90
 from ._experts_configs import INTERPRETER_CONFIG, check_bucket, pick_config, picked_config
+from ._experts_decode import _decode_down_kernel, _decode_gate_up_kernel
 from ._experts_routing import ExpertRows, align_rows
 from ._experts_sm80 import (
     _combine_kernel,
@@ -146,6 +147,8 @@ _wgrad_launch = CachedLaunch(_grouped_wgrad_kernel)
 _combine_launch = CachedLaunch(_combine_kernel)
 _gather_launch = CachedLaunch(_gather_rows_kernel)
 _pair_tiles_launch = CachedLaunch(_pair_tiles_kernel)
+_decode_gate_up_launch = CachedLaunch(_decode_gate_up_kernel)
+_decode_down_launch = CachedLaunch(_decode_down_kernel)
 # (launcher, register cap) -> launcher compiled with ptx .maxnreg: a stage's "maxnreg" key. Why:
 # ptxas gives the 8-warp dgrad tile ~180 registers, one CTA per SM, so its SwiGLU-backward epilogue
 # runs with no MMA beside it; at 128 two CTAs fit and one's epilogue overlaps the other's K loop.
@@ -391,6 +394,52 @@ def _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, s
     return out, routing, h, aux
 
 
+def _decode(x, gate_up_proj, down_proj, topk_idx, topk_weights, cfg: dict) -> torch.Tensor:
+    """The token-major inference path of a bucket's "decode" key (`_experts_decode`): two launches,
+    no row alignment; every GPU operation a CachedLaunch.split launch, so it is replayed too."""
+    T, H = x.shape
+    h = torch.empty(T * topk_idx.shape[1], gate_up_proj.shape[1] // 2, device=x.device, dtype=x.dtype)
+    _decode_gate_up(x, gate_up_proj, topk_idx, h, cfg["gate_up"])
+    out = torch.empty(T, H, device=x.device, dtype=x.dtype)
+    _decode_down(h, down_proj, topk_idx, topk_weights, out, cfg["down"])
+    return out
+
+
+def _decode_gate_up(x, gate_up_proj, topk_idx, h, c: dict) -> None:
+    """h[t*K + k] = silu(Wg[e] @ x[t]) * (Wu[e] @ x[t]), e = topk_idx[t, k] (rows of dropped ids unwritten)."""
+    E, two_i, H = gate_up_proj.shape
+    si, sg = topk_idx.stride(), gate_up_proj.stride()
+    _decode_gate_up_launch.split(
+        (h.shape[0], _cdiv(two_i // 2, c["BLOCK_N"])), _index(x), (x, gate_up_proj, topk_idx, h),
+        (H, two_i // 2, E, x.stride(0), x.stride(1), si[0], si[1], sg[0], sg[1], sg[2], h.stride(0)),
+        (topk_idx.shape[1], _interpreting(), c["BLOCK_N"], c["BLOCK_K"]),  # TOPK, UPCAST, BLOCK_N, BLOCK_K
+        num_warps=c["num_warps"], num_stages=c["num_stages"],
+    )
+
+
+def _decode_down(h, down_proj, topk_idx, topk_weights, out, c: dict) -> None:
+    """out[t] = sum_k w[t, k] * (Wd[e] @ h[t*K + k]) over the ids in [0, E), rounded once."""
+    E, H, inter = down_proj.shape
+    si, sd = topk_idx.stride(), down_proj.stride()
+    _decode_down_launch.split(
+        (out.shape[0], _cdiv(H, c["BLOCK_N"])), _index(h), (h, down_proj, topk_idx, topk_weights, out),
+        (H, inter, E, h.stride(0), si[0], si[1], sd[0], sd[1], sd[2], topk_weights.stride(0),
+         topk_weights.stride(1), out.stride(0)),
+        (topk_idx.shape[1], _interpreting(), c["BLOCK_N"], c["BLOCK_K"]),
+        num_warps=c["num_warps"], num_stages=c["num_stages"],
+    )
+
+
+def _infer(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg) -> torch.Tensor:
+    """The inference output: the bucket's token-major "decode" path up to its `max_tokens`, else
+    the grouped GEMMs."""
+    decode = cfg.get("decode")
+    if decode is not None and x.shape[0] <= decode["max_tokens"]:
+        return _decode(x, gate_up_proj, down_proj, topk_idx, topk_weights, decode)
+    out, *_ = _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, save=False)
+    return out
+
+
 def _backward(dout, x, gate_up_proj, down_proj, topk_weights, routing: ExpertRows, aux, variant, cfg,
               needs: tuple[bool, bool, bool, bool]):
     T, H = x.shape
@@ -542,9 +591,8 @@ def fused_experts(
         return apply(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg)
     with device_guard(x):
         if key is None or not _replay.should_record(key):
-            out, *_ = _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, save=False)
-            return out
+            return _infer(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg)
         with CachedLaunch.recording() as calls:  # the second call of a replay key
-            out, *_ = _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, save=False)
+            out = _infer(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg)
     _replay.remember(key, calls, (x, gate_up_proj, down_proj, topk_idx, topk_weights), out)
     return out
