@@ -636,6 +636,76 @@ def test_large_batch_gradients_match_the_float64_loop():
         assert_close_rel(got, want, 1e-5, name)
 
 
+class _GraphRecorder:
+    """A torch.compile backend that keeps the FX graphs it is given and runs them as aot_eager."""
+
+    def __init__(self):
+        from torch._dynamo.backends.common import aot_autograd
+
+        self.ops: list[str] = []
+
+        from functorch.compile import make_boxed_func
+
+        def keep(gm, example_inputs):
+            self.ops += [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+            return make_boxed_func(gm.forward)
+
+        self.backend = aot_autograd(fw_compiler=keep, bw_compiler=keep)
+
+
+@pytest.mark.parametrize("variant", [*TRITON_VARIANTS, "reference"])
+def test_torch_compile_fullgraph_gives_the_eager_bits(variant):
+    """Under torch.compile fused_experts is one custom op forward and one backward: no graph break
+    (fullgraph), the eager path's output and gradients bit for bit."""
+    x, gu, dn, idx, w = make_inputs(5, 32, 16, 4, 2, drop=1)
+    rec = _GraphRecorder()
+
+    def f(x, gu, dn, idx, w):
+        return moe.fused_experts(x, gu, dn, idx, w, variant=variant)
+
+    compiled = torch.compile(f, backend=rec.backend, fullgraph=True)
+    with torch.no_grad():
+        assert torch.equal(compiled(x, gu, dn, idx, w), f(x, gu, dn, idx, w))
+    assert any(op.endswith("fused_experts.default") for op in rec.ops), rec.ops
+    dy = torch.randn(5, 32)
+    got, got_grads = run_with_grads(compiled, x, gu, dn, idx, w, dy, torch.float32)
+    want, want_grads = run_with_grads(f, x, gu, dn, idx, w, dy, torch.float32)
+    assert any(op.endswith("fused_experts_train.default") for op in rec.ops), rec.ops
+    assert any(op.endswith("fused_experts_backward.default") for op in rec.ops), rec.ops
+    assert torch.equal(got, want)
+    for name, a, b in zip(NAMES, got_grads, want_grads, strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("variant", TRITON_VARIANTS)
+def test_torch_compile_computes_only_the_gradients_asked_for(variant, monkeypatch):
+    ex = importlib.import_module(moe.__name__ + ".experts")
+    asked = []
+    backward = ex._backward
+    monkeypatch.setattr(ex, "_backward", lambda *a: asked.append(a[-1]) or backward(*a))
+    x, gu, dn, idx, w = make_inputs(4, 32, 16, 4, 2)
+    xg = x.clone().requires_grad_()
+    compiled = torch.compile(lambda *a: moe.fused_experts(*a, variant=variant), backend="aot_eager", fullgraph=True)
+    compiled(xg, gu, dn, idx, w).sum().backward()
+    assert asked == [(True, False, False, False)]  # no weight gradient computed for frozen weights
+    xe = x.clone().requires_grad_()
+    moe.fused_experts(xe, gu, dn, idx, w, variant=variant).sum().backward()
+    assert torch.equal(xg.grad, xe.grad)
+
+
+def test_torch_compile_with_dynamic_token_counts():
+    compiled = torch.compile(lambda *a: moe.fused_experts(*a, variant="sm80"), backend="aot_eager", dynamic=True,
+                             fullgraph=True)
+    for T in (3, 6, 1):
+        x, gu, dn, idx, w = make_inputs(T, 32, 16, 4, 2, seed=T)
+        with torch.no_grad():
+            assert torch.equal(compiled(x, gu, dn, idx, w), moe.fused_experts(x, gu, dn, idx, w, variant="sm80"))
+        got, got_grads = run_with_grads(compiled, x, gu, dn, idx, w, torch.ones(T, 32), torch.float32)
+        want, want_grads = run_with_grads(lambda *a: moe.fused_experts(*a, variant="sm80"), x, gu, dn, idx, w,
+                                          torch.ones(T, 32), torch.float32)
+        assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_grads, want_grads, strict=True))
+
+
 def test_inference_path_matches_autograd_path():
     x, gu, dn, idx, w = make_inputs(7, 32, 16, 4, 2, seed=7)
     with torch.no_grad():
@@ -1342,6 +1412,35 @@ def test_gpu_decode_path_matches_the_reference_replays_and_captures(shape, T, tm
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(out, moe.fused_experts(x, gu, dn, idx, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+@pytest.mark.parametrize("T", [1, 256])
+def test_gpu_torch_compile_gives_the_eager_bits(T, mode):
+    """torch.compile (inductor; "reduce-overhead": CUDA graphs) of fused_experts at a real shape:
+    the custom ops launch the eager path's kernels, forward and backward."""
+    s = SHAPES["qwen3_30b_a3b"]
+    x, gu, dn, idx, w = gpu_inputs(s["E"], s["H"], s["I"], s["K"], T)
+
+    def f(x, gu, dn, idx, w):
+        return moe.fused_experts(x, gu, dn, idx, w)
+
+    compiled = torch.compile(f, mode=mode, fullgraph=True)
+    with torch.no_grad():
+        want = f(x, gu, dn, idx, w)
+        for _ in range(3):  # warm-up, recording, replay
+            got = compiled(x, gu, dn, idx, w).clone()
+    assert torch.equal(got, want)
+    dy = torch.randn_like(x)
+    for _ in range(3):
+        got, got_grads = run_with_grads(compiled, x, gu, dn, idx, w, dy, torch.bfloat16)
+    want, want_grads = run_with_grads(f, x, gu, dn, idx, w, dy, torch.bfloat16)
+    assert torch.equal(got, want)
+    for name, a, b in zip(NAMES[:3], got_grads, want_grads, strict=True):
+        assert torch.equal(a, b), name
+    # d topk_weights is summed over the I tiles by fp32 atomics: order, hence last bits, may differ
+    assert_close_rel(got_grads[3], want_grads[3], 1e-3, "topk_weights")
 
 
 def _check_replay(s: dict, T: int):

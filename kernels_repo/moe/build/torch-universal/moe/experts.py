@@ -554,6 +554,11 @@ def fused_experts(
         TypeError: a non-tensor argument or unsupported dtype.
         ValueError: shapes, devices, index range or variant are wrong.
     """
+    if torch.compiler.is_compiling():  # one opaque custom op per call (no graph breaks)
+        _validate(x, gate_up_proj, down_proj, topk_idx, topk_weights, False)
+        if variant is not None and variant not in VARIANTS:
+            raise ValueError(f"{_FN}: `variant` must be one of {VARIANTS}, got {variant!r}")
+        return compiled_fused_experts(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, config)
     # Inference with the shipped buckets: a call whose key was recorded replays its launches; the
     # key covers everything the checks below depend on but the ids' values (see _experts_replay).
     key = _replay.replay_key(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant) if config is None else None
@@ -596,3 +601,7 @@ def fused_experts(
             out = _infer(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg)
     _replay.remember(key, calls, (x, gate_up_proj, down_proj, topk_idx, topk_weights), out)
     return out
+
+
+# torch.compile's path (imported last: the custom ops call back into this module)
+from ._experts_custom_ops import compiled_fused_experts  # noqa: E402

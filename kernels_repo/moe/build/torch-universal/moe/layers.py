@@ -117,9 +117,9 @@ class MoEExperts(nn.Module):
     """fused_experts for a transformers `*Experts` module; variant by the input device's capability."""
 
     has_backward = True
-    # Not yet: the autograd.Function, TensorDescriptor arguments and the index check are untested
-    # under torch.compile (Dynamo); kernelize should keep eager forwards for TORCH_COMPILE.
-    can_torch_compile = False
+    # Under torch.compile `fused_experts` is one custom op (forward, and backward in training), so
+    # Dynamo traces no launch code and the graph does not break.
+    can_torch_compile = True
     # kernelize asks the layer whether it can serve a module before binding it.
     unsupported_reason = staticmethod(unsupported_reason)
 
