@@ -288,6 +288,29 @@ def test_experts_implementation_follows_the_mapping_in_effect(tmp_path):
     assert _SpyExperts.calls == ["Qwen3MoeExperts"] * 2
 
 
+def test_experts_implementation_under_torch_compile_has_no_graph_break(tmp_path):
+    """After an eager call has resolved each experts class, torch.compile traces the model without a
+    graph break (the resolution is not redone while tracing) and the kernel's custom op is in the
+    graph; the logits equal the eager kernelized ones."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    model = _loaded_with_kernelhub_experts(tmp_path)
+    ids = torch.randint(0, 64, (1, 4))
+    ops: list[str] = []
+
+    def keep(gm, example_inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    with torch.no_grad(), kernelhub.use_kernel_mapping(_triton_on_cpu_mapping()):
+        ref = model(input_ids=ids).logits
+        assert torch._dynamo.explain(model)(input_ids=ids).graph_break_count == 0
+        out = torch.compile(model, backend=aot_autograd(fw_compiler=keep))(input_ids=ids).logits
+    assert sum(op.endswith("fused_experts.default") for op in ops) == 2, ops  # both layers' experts
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
 def test_experts_implementation_runs_eager_with_a_warning_when_the_kernel_cannot_load(tmp_path):
     model = _loaded_with_kernelhub_experts(tmp_path)
     ids = torch.randint(0, 64, (1, 4))

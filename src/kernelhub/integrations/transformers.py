@@ -54,9 +54,12 @@ def _layer_for(module: nn.Module, device: torch.device, mode: Mode) -> Callable 
     (mapping in effect, then the pins of the working directory's config, then the layer's checks);
     None: eager. Resolved again when the mapping in effect changes."""
     key = (type(module), device, mode)
-    mapping = mapping_in_effect()
     hit = _cache.get(key)
-    if hit is None or hit[0] is not mapping:
+    # While torch.compile traces, a resolution made earlier is used as it is: the mapping in effect
+    # is a context variable, which Dynamo cannot read without breaking the graph (a compiled model
+    # follows a later mapping change after `torch._dynamo.reset()`).
+    mapping = None if hit is not None and torch.compiler.is_compiling() else mapping_in_effect()
+    if hit is None or (mapping is not None and hit[0] is not mapping):
         choice = choose_layer(module, "MoEExperts", device, mode, load_config(None))
         if choice.layer is None and choice.repository is not None:
             # found but unusable (a failed download, a layer that does not fit): say so, run eager
