@@ -107,10 +107,11 @@ def wgrad_space(full: bool, tma: bool):
                     yield {**cfg, **extra}
 
 
-def decode_space(full: bool) -> list[dict]:
+def decode_space(stage: str, full: bool) -> list[dict]:
     """Tiles of the token-major decode kernels (a bucket's "decode" key): BLOCK_N weight rows per
-    program; the bytes in flight grow with BLOCK_K (their loads are not software-pipelined)."""
-    bns = [4, 8, 16, 32] if full else [4, 8, 16]
+    program; the bytes in flight grow with BLOCK_K (their loads are not software-pipelined). The
+    down kernel holds all K experts' tiles at once: BLOCK_N <= 8 (ptxas spills at 16)."""
+    bns = ([4, 8, 16, 32] if full else [4, 8, 16]) if stage == "gate_up" else [4, 8]
     bks = [128, 256, 512] if full else [256, 512]
     return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 2}
             for bn, bk, nw in itertools.product(bns, bks, [4, 8])]
@@ -122,8 +123,10 @@ def tune_decode(bucket, x, gu, dn, idx, w, T, full):
     E, two_i, H = gu.shape
     h = torch.empty(T * idx.shape[1], two_i // 2, device=DEV, dtype=x.dtype)
     out = torch.empty(T, H, device=DEV, dtype=x.dtype)
-    _, c_gu = best_of(f"decode_gate_up T={T}", lambda c: ex._decode_gate_up(x, gu, idx, h, c), decode_space(full))
-    _, c_dn = best_of(f"decode_down T={T}", lambda c: ex._decode_down(h, dn, idx, w, out, c), decode_space(full))
+    _, c_gu = best_of(f"decode_gate_up T={T}", lambda c: ex._decode_gate_up(x, gu, idx, h, c),
+                       decode_space("gate_up", full))
+    _, c_dn = best_of(f"decode_down T={T}", lambda c: ex._decode_down(h, dn, idx, w, out, c),
+                       decode_space("down", full))
     if c_gu is None or c_dn is None:
         return bucket
     with_decode = {**bucket, "decode": {"max_tokens": T, "gate_up": c_gu, "down": c_dn}}

@@ -38,14 +38,16 @@ def _decode_gate_up_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     g_ptrs = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk
     u_ptrs = g_ptrs + I * stride_wn
-    x_ptrs = x_ptr + t * stride_xt + offs_k * stride_xh
+    # x in the weight tile's layout (constant along BLOCK_N), as in the down kernel: no shared-memory
+    # re-layout of a [BLOCK_K] vector every step
+    x_ptrs = x_ptr + t * stride_xt + (offs_n * 0)[:, None] + offs_k[None, :] * stride_xh
     # elementwise products in a 2-D accumulator, reduced once after the loop
     acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_mask = offs_k < H - k0
-        xv = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)[None, :]
         mask = n_mask[:, None] & k_mask[None, :]
+        xv = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
         acc_g += tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32) * xv
         acc_u += tl.load(u_ptrs, mask=mask, other=0.0).to(tl.float32) * xv
         g_ptrs += BLOCK_K * stride_wk
@@ -61,26 +63,36 @@ def _decode_gate_up_kernel(
 def _decode_down_kernel(
     h_ptr, w_ptr, idx_ptr, wts_ptr, out_ptr, H, I, E,
     stride_hm, stride_it, stride_ik, stride_we, stride_wn, stride_wk, stride_wt, stride_wtk, stride_om,
-    TOPK: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOPK: tl.constexpr, TOPK_P: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
+    # the token's K experts side by side (TOPK_P: K rounded up to a power of two, the rest masked),
+    # so that each chunk's [K, BLOCK_N, BLOCK_K] weight tile is one load: all K experts' bytes in
+    # flight together (these loads feed no MMA, so Triton does not software-pipeline them)
+    slot = tl.arange(0, TOPK_P)
+    e = tl.load(idx_ptr + t * stride_it + slot * stride_ik, mask=slot < TOPK, other=-1).to(tl.int64)
+    valid = (slot < TOPK) & (e >= 0) & (e < E)
+    wt = tl.load(wts_ptr + t * stride_wt + slot * stride_wtk, mask=valid, other=0.0).to(tl.float32)
+    # h in the weight tile's layout ([K, BLOCK_N, BLOCK_K], constant along BLOCK_N): each warp loads
+    # the rows it multiplies (L1 hits), where a [K, BLOCK_K] load would be re-laid out through
+    # shared memory every step
+    h_ptrs = (h_ptr + (t * TOPK + slot)[:, None, None] * stride_hm + (offs_n * 0)[None, :, None]
+              + offs_k[None, None, :])
+    w_ptrs = (w_ptr + tl.where(valid, e, 0)[:, None, None] * stride_we
+              + offs_n[None, :, None].to(tl.int64) * stride_wn + offs_k[None, None, :] * stride_wk)
+    w_mask = valid[:, None, None] & n_mask[None, :, None]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk
     for k0 in range(0, I, BLOCK_K):
         k_mask = offs_k < I - k0
-        # the K experts' tiles of this chunk are independent loads, all in flight together (no
-        # software pipelining here: the loads do not feed an MMA, so Triton keeps them in registers)
-        for k in tl.static_range(TOPK):
-            e = tl.load(idx_ptr + t * stride_it + k * stride_ik).to(tl.int64)
-            valid = (e >= 0) & (e < E)
-            wt = tl.load(wts_ptr + t * stride_wt + k * stride_wtk).to(tl.float32)
-            hv = tl.load(h_ptr + (t * TOPK + k) * stride_hm + k0 + offs_k, mask=k_mask & valid,
-                         other=0.0).to(tl.float32)
-            wv = tl.load(w_rows + tl.where(valid, e, 0) * stride_we + k0 * stride_wk,
-                         mask=n_mask[:, None] & (k_mask & valid)[None, :], other=0.0).to(tl.float32)
-            acc += wv * (hv * wt)[None, :]
+        mask = w_mask & k_mask[None, None, :]
+        hv = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
+        wv = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
+        acc += tl.sum(wv * (hv * wt[:, None, None]), axis=0)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
     out = tl.sum(acc, axis=1)
     tl.store(out_ptr + t * stride_om + offs_n, _to(out, out_ptr.dtype.element_ty, UPCAST), mask=n_mask)

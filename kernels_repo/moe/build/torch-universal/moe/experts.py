@@ -425,7 +425,8 @@ def _decode_down(h, down_proj, topk_idx, topk_weights, out, c: dict) -> None:
         (out.shape[0], _cdiv(H, c["BLOCK_N"])), _index(h), (h, down_proj, topk_idx, topk_weights, out),
         (H, inter, E, h.stride(0), si[0], si[1], sd[0], sd[1], sd[2], topk_weights.stride(0),
          topk_weights.stride(1), out.stride(0)),
-        (topk_idx.shape[1], _interpreting(), c["BLOCK_N"], c["BLOCK_K"]),
+        # TOPK, TOPK_P, UPCAST, BLOCK_N, BLOCK_K
+        (topk_idx.shape[1], _next_pow2(topk_idx.shape[1]), _interpreting(), c["BLOCK_N"], c["BLOCK_K"]),
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
 
