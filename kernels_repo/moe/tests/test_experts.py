@@ -640,11 +640,10 @@ class _GraphRecorder:
     """A torch.compile backend that keeps the FX graphs it is given and runs them as aot_eager."""
 
     def __init__(self):
+        from functorch.compile import make_boxed_func
         from torch._dynamo.backends.common import aot_autograd
 
         self.ops: list[str] = []
-
-        from functorch.compile import make_boxed_func
 
         def keep(gm, example_inputs):
             self.ops += [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
