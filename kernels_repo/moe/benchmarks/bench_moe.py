@@ -10,6 +10,7 @@ tile config chosen, so `tune_moe.py` knows where to look.
 Usage (repo root): PYTHONPATH=src python kernels_repo/moe/benchmarks/bench_moe.py
   env: SHAPES=qwen3_30b_a3b,mixtral_8x7b,deepseek_v3  TOKENS=1,32,512,4096,16384
        IMPLS=kernelhub,hf_grouped_mm,...  MODES=fwd,fwdbwd  STAGES=1 (per-stage kernelhub times; 0: off)
+       (IMPLS may also name kernelhub_compiled: torch.compile of the same call; never run by default)
        OUT=/tmp (appends $OUT/bench_moe.jsonl)  MOE_DIR=DIR (the kernel repository to time; default ours)
        SKEW=s: skewed routing, as a trained router's hot experts: expert logits get a bias of
          -s * log(1 + rank) over a random ranking of the experts (0, the default: uniform); rows
@@ -125,6 +126,8 @@ def impls_for(base, T, E, H, I, K, idx, w, wanted):
         return moe.fused_experts(xx, base.gate_up_proj, base.down_proj, idx, w, check_indices=False)
 
     out["kernelhub"] = kh
+    if "kernelhub_compiled" in wanted:  # torch.compile'd (the custom-op path), only when asked for
+        out["kernelhub_compiled"] = torch.compile(kh, fullgraph=True)
     if T <= 64:
         # Decode is launch-bound in eager mode; the replayed CUDA graph shows the GPU-side time
         # (how serving engines run decode). Forward only.
