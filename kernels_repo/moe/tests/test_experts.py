@@ -705,6 +705,74 @@ def test_torch_compile_with_dynamic_token_counts():
         assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_grads, want_grads, strict=True))
 
 
+def test_torch_compile_with_a_pinned_config_has_no_graph_break():
+    cfg = _with_decode()
+    x, gu, dn, idx, w = make_inputs(2, 32, 16, 4, 2)
+    f = lambda *a: moe.fused_experts(*a, variant="sm80", config=cfg)  # noqa: E731
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        assert torch.equal(compiled(x, gu, dn, idx, w), f(x, gu, dn, idx, w))
+
+
+def test_torch_compile_keeps_the_eager_checks():
+    x, gu, dn, idx, w = (t.double() if t.is_floating_point() else t for t in make_inputs(3, 32, 16, 4, 2))
+    compiled = torch.compile(lambda *a: moe.fused_experts(*a, variant="sm80"), backend="aot_eager")
+    for grad in (False, True):
+        with pytest.raises(TypeError, match="variant 'sm80' supports float16/bfloat16/float32 `x`"):
+            compiled(x.clone().requires_grad_(grad), gu, dn, idx, w)
+
+
+def test_a_symbolic_pair_count_picks_the_bucket_without_a_cache_key():
+    # torch.compile with dynamic shapes hands the training op's fake a SymInt token count
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
+    env = ShapeEnv()
+    pairs = env.create_symintnode(env.create_symbol(40, source=ConstantSource("pairs"),
+                                                    dynamic_dim=DimDynamic.DYNAMIC), hint=40)
+    got = cfgs.picked_config(90, 8, 64, 32, pairs, 0, 2, lambda: 232448)
+    assert got == cfgs.picked_config(90, 8, 64, 32, 40, 0, 2, lambda: 232448)
+
+
+@pytest.mark.parametrize("variant", TRITON_VARIANTS)
+def test_double_backward_is_an_error_not_a_silent_zero(variant):
+    x, gu, dn, idx, w = make_inputs(3, 32, 16, 4, 2)
+    gu = gu.requires_grad_()
+    out = moe.fused_experts(x.requires_grad_(), gu, dn, idx, w, variant=variant)
+    (gx,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gx.square().sum().backward()
+
+
+@pytest.mark.parametrize("variant", TRITON_VARIANTS)
+def test_torch_func_transforms_are_refused_by_the_triton_variants(variant):
+    x, gu, dn, idx, w = make_inputs(3, 32, 16, 4, 2)
+    with pytest.raises(ValueError, match=r"torch.func transforms .* use variant='reference'"):
+        torch.func.vmap(lambda xx: moe.fused_experts(xx, gu, dn, idx, w, variant=variant), in_dims=0)(x[None])
+    ref = torch.func.grad(lambda xx: moe.fused_experts(xx, gu, dn, idx, w, variant="reference").sum())(x)
+    xr = x.clone().requires_grad_()
+    moe.fused_experts_reference(xr, gu, dn, idx, w).sum().backward()
+    torch.testing.assert_close(ref, xr.grad)
+
+
+def test_reference_with_nothing_routed_still_gives_zero_gradients():
+    x, gu, dn, idx, w = make_inputs(3, 32, 16, 4, 2)
+    leaves = [t.requires_grad_() for t in (x, gu, dn, w)]
+    moe.fused_experts_reference(leaves[0], leaves[1], leaves[2], torch.full_like(idx, -1), leaves[3]).sum().backward()
+    assert all(t.grad is not None and not t.grad.any() for t in leaves)
+
+
+@pytest.mark.parametrize("T", [3, 300])  # one-program alignment (<= 512 pairs); the mapping kernels
+def test_int64_ids_past_the_int32_range_are_dropped(T):
+    x, gu, dn, idx, w = make_inputs(T, 32, 16, 4, 2, seed=T)
+    bad = idx.clone()
+    bad[0, 0], bad[T - 1, 1] = 2**32, -(2**40)
+    keep = bad.masked_fill((bad < 0) | (bad >= 4), -1)
+    out = moe.fused_experts(x, gu, dn, bad, w, variant="sm80", check_indices=False)
+    assert_close_rel(out, loop_reference(x, gu, dn, keep, w), 1e-6, "output")
+
+
 def test_inference_path_matches_autograd_path():
     x, gu, dn, idx, w = make_inputs(7, 32, 16, 4, 2, seed=7)
     with torch.no_grad():
@@ -960,6 +1028,8 @@ def test_stages_fit_the_shared_memory_of_each_device_index(fake_gpus):
     (lambda c: c["down"].update(ROWS=True), ValueError, "['down']: 'ROWS' is a gate_up key"),
     (lambda c: c["dgrad"].update(EPI_HALVES=True), ValueError, "['dgrad']: 'EPI_HALVES' is a gate_up key"),
     (lambda c: c.update(decode=[1]), TypeError, "['decode'] must be a dict"),
+    (lambda c: c.update(decode={"gate_up": DECODE["gate_up"], "down": DECODE["down"]}), ValueError,
+     "['decode']: missing key 'max_tokens'"),
     (lambda c: c.update(decode={**DECODE, "max_tokens": 0}), ValueError,
      "['decode']['max_tokens'] must be an int >= 1"),
     (lambda c: c.update(decode={**DECODE, "rows": 1}), ValueError, "['decode']: unknown keys ['rows']"),

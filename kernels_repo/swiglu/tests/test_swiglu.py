@@ -51,6 +51,23 @@ def _close(actual, expected, dtype):
     torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_double_backward_is_an_error_first_order_under_create_graph_is_right(impl, packed):
+    """The kernels build no graph: under create_graph=True the first-order gradients are right and
+    a second derivative through them raises instead of silently reading zero."""
+    x = _rand((4, 64), torch.float32).requires_grad_()
+    g, u = x.chunk(2, dim=-1)
+    y = ops.swiglu_packed(x, impl=impl) if packed else ops.swiglu(g, u, impl=impl)
+    (gx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    xr = x.detach().requires_grad_()
+    gr, ur = xr.chunk(2, dim=-1)
+    (want,) = torch.autograd.grad((F.silu(gr) * ur).square().sum(), xr)
+    _close(gx, want, torch.float32)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gx.square().sum().backward()
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(37, 200), (2, 3, 64), (1, 48), (3, 4100), (130,)])

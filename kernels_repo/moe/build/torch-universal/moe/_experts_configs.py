@@ -121,12 +121,13 @@ def _check_decode(where: str, decode: object) -> None:
     unknown = sorted(set(decode) - {"max_tokens", "gate_up", "down"})
     if unknown:
         raise ValueError(f"{where}: unknown keys {unknown}; allowed: ['down', 'gate_up', 'max_tokens']")
-    tokens = decode.get("max_tokens")
+    for key in ("max_tokens", "gate_up", "down"):
+        if key not in decode:
+            raise ValueError(f"{where}: missing key {key!r}")
+    tokens = decode["max_tokens"]
     if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
         raise ValueError(f"{where}['max_tokens'] must be an int >= 1, got {tokens!r}")
     for stage in ("gate_up", "down"):
-        if stage not in decode:
-            raise ValueError(f"{where}: missing key {stage!r}")
         c = decode[stage]
         # BLOCK_N may be as small as 4 here (rows of one expert's weight, not an MMA tile)
         _check_stage(f"{where}[{stage!r}]", {**c, "BLOCK_N": 16} if isinstance(c, dict) and "BLOCK_N" in c else c,
@@ -262,6 +263,9 @@ def picked_config(capability: int, num_experts: int, hidden: int, intermediate: 
                   device_index: int, element_size: int, smem_per_block) -> dict:
     """`fitted_config(pick_config(...))` behind one dict lookup: an eager decode step pays for
     the bucket search and the environment read once per (shape, load, device)."""
+    if type(num_pairs) is not int:  # a symbolic count (torch.compile, dynamic shapes): no cache key
+        bucket = pick_config(capability, num_experts, hidden, intermediate, num_pairs)
+        return fitted_config(bucket, device_index, element_size, smem_per_block)
     key = (os.environ.get("KERNELHUB_MOE_CONFIG_DIR"), capability, num_experts, hidden, intermediate, num_pairs,
            device_index, element_size)
     cfg = _picked.get(key)

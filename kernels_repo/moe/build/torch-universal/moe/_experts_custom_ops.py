@@ -153,11 +153,17 @@ def _backward(ctx, dout, _daux, _dmeta):
 fused_experts_train_op.register_autograd(_backward, setup_context=_setup)
 
 
+@torch.compiler.assume_constant_result
+def _config_json(config: dict) -> str:
+    # run once while tracing (Dynamo cannot trace json.dumps); the result is a constant of the graph
+    return json.dumps(config, sort_keys=True)
+
+
 def compiled_fused_experts(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant: str | None,
                            config: dict | None) -> torch.Tensor:
     """What `fused_experts` runs while torch.compile traces: one opaque op."""
     variant = "auto" if variant is None else variant
-    config_json = "" if config is None else json.dumps(config, sort_keys=True)
+    config_json = "" if config is None else _config_json(config)
     if torch.is_grad_enabled() and (x.requires_grad or gate_up_proj.requires_grad or down_proj.requires_grad
                                     or topk_weights.requires_grad):
         return fused_experts_train_op(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, config_json)[0]

@@ -62,9 +62,9 @@ def _align_small_kernel(
     """One program: histogram, aligned exclusive cumsum, stable rank, scatter. Same as align_rows."""
     offs = tl.arange(0, BLOCK_N)
     in_range = offs < n
-    key = tl.load(idx_ptr + offs, mask=in_range, other=-1).to(tl.int32)
-    valid = in_range & (key >= 0) & (key < E)
-    key = tl.where(valid, key, E)  # dropped and out-of-range pairs: bin E (< BLOCK_E), ignored
+    raw = tl.load(idx_ptr + offs, mask=in_range, other=-1)  # int64 ids: range-checked before any cast
+    valid = in_range & (raw >= 0) & (raw < E)
+    key = tl.where(valid, raw, E).to(tl.int32)  # dropped and out-of-range pairs: bin E (< BLOCK_E), ignored
     counts = tl.histogram(key, BLOCK_E)
     offs_e = tl.arange(0, BLOCK_E)
     counts = tl.where(offs_e < E, counts, 0)
@@ -80,7 +80,8 @@ def _align_small_kernel(
     rank = tl.zeros((BLOCK_N,), dtype=tl.int32)
     for j0 in range(0, BLOCK_N, BLOCK_J):
         offs_j = j0 + tl.arange(0, BLOCK_J)
-        kj = tl.load(idx_ptr + offs_j, mask=offs_j < n, other=-1).to(tl.int32)
+        kj = tl.load(idx_ptr + offs_j, mask=offs_j < n, other=-1)
+        kj = tl.where((kj >= 0) & (kj < E), kj, E).to(tl.int32)
         earlier = (key[:, None] == kj[None, :]) & (offs_j[None, :] < offs[:, None])
         rank += tl.sum(earlier.to(tl.int32), axis=1)
     start = tl.load(start_ptr + key, mask=valid, other=0)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from kernelhub.device import CachedLaunch, device_capability, device_guard, device_properties
 
@@ -115,6 +116,27 @@ def _validate(x, gate_up_proj, down_proj, topk_idx, topk_weights, check_indices:
         )
     if check_indices:
         _check_ids(x, topk_idx, E)
+
+
+def _checked_variant(x: torch.Tensor, variant: object) -> str:
+    """`variant` if x can run it (a Triton variant: CUDA, or the CPU under the interpreter; 16/32-bit)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"{_FN}: `variant` must be one of {VARIANTS}, got {variant!r}")
+    if variant == "reference":
+        return variant
+    dev = x.device
+    if not (dev.type == "cuda" or (dev.type == "cpu" and _interpreting())):
+        raise ValueError(f"{_FN}: variant {variant!r} needs a CUDA tensor (or a CPU one with "
+                         f"TRITON_INTERPRET=1), `x` is on {dev}")
+    if x.dtype not in _TRITON_DTYPES:
+        raise TypeError(f"{_FN}: variant {variant!r} supports float16/bfloat16/float32 `x`, got {x.dtype}")
+    return variant
+
+
+@torch.compiler.assume_constant_result
+def traced_variant(device: torch.device) -> str:
+    """`select_variant` run once while torch.compile traces (its device queries are not traced)."""
+    return select_variant(device)
 
 
 def _check_ids(x: torch.Tensor, topk_idx: torch.Tensor, E: int) -> None:
@@ -502,6 +524,7 @@ class _FusedExpertsFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the kernels build no graph: a second derivative must fail, not read zero
     def backward(ctx, dout):
         x, gate_up_proj, down_proj, topk_weights, aux, *rt = ctx.saved_tensors
         variant, cfg, num_rows, block_m = ctx.meta
@@ -517,7 +540,8 @@ class _FusedExpertsFunction(torch.autograd.Function):
 
 
 # Function.apply minus its Python prologue (setup_context binding, functorch checks), which
-# changes nothing for this Function while no functorch transform is active: the C++ apply.
+# changes nothing for this Function while no functorch transform is active (fused_experts refuses
+# the Triton variants under one): the C++ apply.
 _APPLY = (super(torch.autograd.Function, _FusedExpertsFunction).apply
           if hasattr(torch._C, "_FunctionBase") else _FusedExpertsFunction.apply)
 
@@ -557,8 +581,7 @@ def fused_experts(
     """
     if torch.compiler.is_compiling():  # one opaque custom op per call (no graph breaks)
         _validate(x, gate_up_proj, down_proj, topk_idx, topk_weights, False)
-        if variant is not None and variant not in VARIANTS:
-            raise ValueError(f"{_FN}: `variant` must be one of {VARIANTS}, got {variant!r}")
+        variant = _checked_variant(x, traced_variant(x.device) if variant is None else variant)
         return compiled_fused_experts(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, config)
     # Inference with the shipped buckets: a call whose key was recorded replays its launches; the
     # key covers everything the checks below depend on but the ids' values (see _experts_replay).
@@ -574,17 +597,12 @@ def fused_experts(
             return out
     _validate(x, gate_up_proj, down_proj, topk_idx, topk_weights, check_indices)
     dev = x.device
-    if variant is None:
-        variant = select_variant(dev)
-    if variant not in VARIANTS:
-        raise ValueError(f"{_FN}: `variant` must be one of {VARIANTS}, got {variant!r}")
+    variant = _checked_variant(x, select_variant(dev) if variant is None else variant)
     if variant == "reference":
         return fused_experts_reference(x, gate_up_proj, down_proj, topk_idx, topk_weights)
-    if not (dev.type == "cuda" or (dev.type == "cpu" and _interpreting())):
-        raise ValueError(f"{_FN}: variant {variant!r} needs a CUDA tensor (or a CPU one with "
-                         f"TRITON_INTERPRET=1), `x` is on {dev}")
-    if x.dtype not in _TRITON_DTYPES:
-        raise TypeError(f"{_FN}: variant {variant!r} supports float16/bfloat16/float32 `x`, got {x.dtype}")
+    if torch._C._are_functorch_transforms_active():
+        raise ValueError(f"{_FN}: torch.func transforms (vmap, grad, ...) are not supported by variant "
+                         f"{variant!r} (its kernels read raw addresses); use variant='reference'")
     T, H = x.shape
     if T == 0:  # nothing to route; keep autograd connected (zero gradients) without reading weights
         link = x.sum() + gate_up_proj.reshape(-1)[:1].sum() + down_proj.reshape(-1)[:1].sum()
@@ -593,8 +611,7 @@ def fused_experts(
     cfg = _config(variant, E, H, two_i // 2, topk_idx.numel(), config, dev, x.element_size())
     if torch.is_grad_enabled() and (x.requires_grad or gate_up_proj.requires_grad or down_proj.requires_grad
                                     or topk_weights.requires_grad):
-        apply = _FusedExpertsFunction.apply if torch._C._are_functorch_transforms_active() else _APPLY
-        return apply(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg)
+        return _APPLY(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg)
     with device_guard(x):
         if key is None or not _replay.should_record(key):
             return _infer(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg)

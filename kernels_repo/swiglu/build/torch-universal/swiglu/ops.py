@@ -50,6 +50,18 @@ def _check_packed(x: object) -> None:
         )
 
 
+def _once(dy: torch.Tensor, *grads: torch.Tensor) -> tuple:
+    """Under create_graph=True: the gradients, behind a node whose backward raises. The kernels build
+    no graph, so a second derivative must fail rather than read zero (`once_differentiable`'s
+    treatment, without its wrapper on the usual first-order path)."""
+    if not dy.requires_grad:
+        return grads
+    err = torch._C._functions.DelayedError(b"swiglu: trying to differentiate twice (no second derivative)",
+                                           len(grads))
+    out = err(*[g.detach().requires_grad_() for g in grads])
+    return out if isinstance(out, tuple) else (out,)
+
+
 class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate: torch.Tensor, up: torch.Tensor, target) -> torch.Tensor:
@@ -63,6 +75,8 @@ class _SwiGLUFunction(torch.autograd.Function):
         dg, du = _empty(gate), _empty(up)
         # autograd hands dy over with the output's dtype and device (gate's); any strides work
         _run(ctx.target, True, False, gate.shape[-1], (dy, gate, up, dg, du))
+        if torch.is_grad_enabled():  # create_graph=True
+            dg, du = _once(dy, dg, du)
         return dg, du, None
 
 
@@ -79,6 +93,8 @@ class _SwiGLUPackedFunction(torch.autograd.Function):
         # one [..., 2I] gradient; the kernel writes both halves
         dx = _empty(x)
         _run(ctx.target, True, True, x.shape[-1] // 2, (dy, x, x, dx, dx))
+        if torch.is_grad_enabled():  # create_graph=True
+            (dx,) = _once(dy, dx)
         return dx, None
 
 
