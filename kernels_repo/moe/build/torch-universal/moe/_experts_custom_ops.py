@@ -4,9 +4,10 @@ Eager calls never go through these (the dispatcher costs microseconds a call, an
 has its own replay of inference launches). Three ops: inference; training, which also returns the
 saved activation [g | u] and the routing (copied into one int32 tensor: a custom op's outputs may
 not alias each other); and its backward, which computes only the gradients asked for. The config
-is passed as JSON ("" = the shipped buckets), the variant as "auto" or a name, so that every
-argument has a schema type. The op namespace carries the module name, which carries the kernel's
-path digest, so two loaded versions of this kernel register distinct ops.
+is passed as JSON ("" = the shipped buckets) and the variant by name (resolved and checked by
+`fused_experts` while tracing), so that every argument has a schema type. The op namespace
+carries the module name, which carries the kernel's path digest, so two loaded versions of this
+kernel register distinct ops.
 """
 
 from __future__ import annotations
@@ -24,10 +25,6 @@ from .reference_experts import fused_experts_reference
 _NS = "kernelhub_" + __name__.replace(".", "_")
 
 
-def _variant(x: torch.Tensor, variant: str) -> str:
-    return _ex.select_variant(x.device) if variant == "auto" else variant
-
-
 def _bucket(x, gate_up_proj, topk_idx, variant: str, config: str) -> dict:
     E, two_i, H = gate_up_proj.shape
     return _ex._config(variant, E, H, two_i // 2, topk_idx.numel(), json.loads(config) if config else None,
@@ -43,7 +40,7 @@ def _meta_sizes(P: int, E: int, pairs: int) -> list[int]:
 def fused_experts_op(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_idx: torch.Tensor,
                      topk_weights: torch.Tensor, variant: str, config: str) -> torch.Tensor:
     with torch.no_grad():
-        return _ex.fused_experts(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant=_variant(x, variant),
+        return _ex.fused_experts(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant=variant,
                                  config=json.loads(config) if config else None, check_indices=False)
 
 
@@ -59,7 +56,6 @@ def fused_experts_train_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, aux [P, 2I], routing meta int32); the reference variant saves nothing (empty aux and
     meta) and its backward recomputes through autograd."""
-    variant = _variant(x, variant)
     if variant == "reference" or x.shape[0] == 0:
         with torch.no_grad():
             out = fused_experts_reference(x, gate_up_proj, down_proj, topk_idx, topk_weights)
@@ -75,7 +71,6 @@ def fused_experts_train_op(
 
 @fused_experts_train_op.register_fake
 def _(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, config):
-    variant = _variant(x, variant)
     if variant == "reference" or x.shape[0] == 0:
         return x.new_empty(x.shape), x.new_empty(0, 0), x.new_empty(0, dtype=torch.int32)
     E, two_i, _ = gate_up_proj.shape
@@ -91,7 +86,6 @@ def fused_experts_backward_op(
     config: str, needs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, d gate_up_proj, d down_proj, d topk_weights); an empty tensor where `needs` says no."""
-    variant = _variant(x, variant)
     if variant == "reference" or x.shape[0] == 0:
         grads = _reference_grads(dout, x, gate_up_proj, down_proj, topk_idx, topk_weights, needs)
     else:
@@ -159,10 +153,9 @@ def _config_json(config: dict) -> str:
     return json.dumps(config, sort_keys=True)
 
 
-def compiled_fused_experts(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant: str | None,
+def compiled_fused_experts(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant: str,
                            config: dict | None) -> torch.Tensor:
-    """What `fused_experts` runs while torch.compile traces: one opaque op."""
-    variant = "auto" if variant is None else variant
+    """What `fused_experts` runs while torch.compile traces (variant resolved): one opaque op."""
     config_json = "" if config is None else _config_json(config)
     if torch.is_grad_enabled() and (x.requires_grad or gate_up_proj.requires_grad or down_proj.requires_grad
                                     or topk_weights.requires_grad):

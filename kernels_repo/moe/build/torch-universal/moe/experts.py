@@ -134,7 +134,7 @@ def _checked_variant(x: torch.Tensor, variant: object) -> str:
 
 
 @torch.compiler.assume_constant_result
-def traced_variant(device: torch.device) -> str:
+def _traced_variant(device: torch.device) -> str:
     """`select_variant` run once while torch.compile traces (its device queries are not traced)."""
     return select_variant(device)
 
@@ -581,7 +581,7 @@ def fused_experts(
     """
     if torch.compiler.is_compiling():  # one opaque custom op per call (no graph breaks)
         _validate(x, gate_up_proj, down_proj, topk_idx, topk_weights, False)
-        variant = _checked_variant(x, traced_variant(x.device) if variant is None else variant)
+        variant = _checked_variant(x, _traced_variant(x.device) if variant is None else variant)
         return compiled_fused_experts(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, config)
     # Inference with the shipped buckets: a call whose key was recorded replays its launches; the
     # key covers everything the checks below depend on but the ids' values (see _experts_replay).
