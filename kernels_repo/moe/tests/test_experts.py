@@ -1506,7 +1506,7 @@ def test_gpu_torch_compile_gives_the_eager_bits(T, mode):
         got, got_grads = run_with_grads(compiled, x, gu, dn, idx, w, dy, torch.bfloat16)
     want, want_grads = run_with_grads(f, x, gu, dn, idx, w, dy, torch.bfloat16)
     assert torch.equal(got, want)
-    for name, a, b in zip(NAMES[:3], got_grads, want_grads, strict=True):
+    for name, a, b in zip(NAMES[:3], got_grads[:3], want_grads[:3], strict=True):
         assert torch.equal(a, b), name
     # d topk_weights is summed over the I tiles by fp32 atomics: order, hence last bits, may differ
     assert_close_rel(got_grads[3], want_grads[3], 1e-3, "topk_weights")
