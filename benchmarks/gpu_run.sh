@@ -13,13 +13,15 @@ fi
 steps=${*:-tests demo swiglu routing moe}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
-bench_ab() { # bench_moe.py once per NAME=CONFIG_DIR argument (empty dir: shipped), logs in $OUT/NAME
+bench_ab() { # bench_moe.py once per NAME=CONFIG_DIR argument (empty dir: shipped): JSON lines in
+  # $OUT/NAME/bench_moe.jsonl, every run's log in $OUT/ab.log (the device tool returns 8 files at most)
   for arg in "$@"; do
     local run=${arg%%=*} dir=${arg#*=}
     mkdir -p "$OUT/$run"
+    echo "=== $run (${dir:-shipped})" >> "$OUT/ab.log"
     env ${dir:+KERNELHUB_MOE_CONFIG_DIR=$dir} OUT="$OUT/$run" IMPLS=${IMPLS:-kernelhub} SHAPES=${SHAPES:-qwen3_30b_a3b,deepseek_v3} \
       TOKENS=${TOKENS:-4096,16384} timeout ${MOE_TIMEOUT:-150} python3 kernels_repo/moe/benchmarks/bench_moe.py \
-      2>&1 | tee "$OUT/$run/bench_moe.log" | grep -E "^kind=moe_(fwd|fwdbwd)"
+      2>&1 | tee -a "$OUT/ab.log" | grep -E "^kind=moe_(fwd|fwdbwd)" | sed "s/^/$run /"
   done
 }
 for step in $steps; do
@@ -57,16 +59,17 @@ for step in $steps; do
       mkdir -p "$OUT/old" "$OUT/new"
       for run in old new; do
         dir=; [ $run = old ] && dir=${MOE_OLD:?set MOE_OLD to a copy of kernels_repo/moe}
+        echo "=== $run (${dir:-ours})" >> "$OUT/ab.log"
         env ${dir:+MOE_DIR=$dir} OUT="$OUT/$run" \
           IMPLS=${IMPLS:-kernelhub} SHAPES=${SHAPES:-qwen3_30b_a3b,deepseek_v3} TOKENS=${TOKENS:-4096} \
-          timeout ${MOE_TIMEOUT:-150} python3 kernels_repo/moe/benchmarks/bench_moe.py 2>&1 | tee "$OUT/$run/bench_moe.log" \
-          | grep -E "^kind=moe_(fwd|fwdbwd)" | sed "s/^/$run /"
+          timeout ${MOE_TIMEOUT:-150} python3 kernels_repo/moe/benchmarks/bench_moe.py 2>&1 | tee -a "$OUT/ab.log" \
+          | grep -E "^kind=moe_(fwd|fwdbwd|stages)" | sed "s/^/$run /"
       done ;;
     cfgab) # fused_experts with the config file $CFG_A (and $CFG_B, if set; as sm90.json) against the shipped configs (same call)
       mkdir -p /tmp/cfg_a && cp "${CFG_A:?set CFG_A to an sm90.json to compare}" /tmp/cfg_a/sm90.json
       if [ -n "${CFG_B:-}" ]; then mkdir -p /tmp/cfg_b && cp "$CFG_B" /tmp/cfg_b/sm90.json; fi
-      if [ "${AB_ROUNDS:-1}" = 2 ]; then  # interleaved: A, shipped, A, shipped (drift within a call)
-        bench_ab cfg_a=/tmp/cfg_a shipped= cfg_a2=/tmp/cfg_a shipped2=
+      if [ "${AB_ROUNDS:-1}" = 2 ]; then  # interleaved: A, (B,) shipped, A, (B,) shipped (drift within a call)
+        bench_ab cfg_a=/tmp/cfg_a ${CFG_B:+cfg_b=/tmp/cfg_b} shipped= cfg_a2=/tmp/cfg_a ${CFG_B:+cfg_b2=/tmp/cfg_b} shipped2=
       else
         bench_ab cfg_a=/tmp/cfg_a ${CFG_B:+cfg_b=/tmp/cfg_b} shipped=
       fi ;;
