@@ -36,6 +36,19 @@ def swiglu(data: list[dict]) -> None:
             print(f"| {T}x{I} | {p} | " + " | ".join(cells) + " |")
     print("\nhost time per eager call, T=1 x I=128 (us):",
           ", ".join(f"{r['impl']} {r['pass_']} {r['host_us']:.1f}" for r in data if r.get("kind") == "host_overhead"))
+    inter = [r for r in data if r.get("kind") == "swiglu_interleaved"]
+    if inter:  # host-bound shapes, implementations interleaved over rounds (bench_swiglu.interleaved_eager)
+        names = [i for i in impls if any(r["impl"] == i for r in inter)]
+        print(f"\nper eager call, interleaved ({inter[0]['rounds']} rounds, median us; min-max):\n")
+        print("| T x I | pass | " + " | ".join(names) + " |")
+        print("| --- | --- |" + " --- |" * len(names))
+        for T, I, p in sorted({(r["T"], r["I"], r["pass_"]) for r in inter}, key=lambda k: (-k[0] * k[1], k[2])):
+            cells = []
+            for i in names:
+                r = next((r for r in inter if (r["impl"], r["T"], r["I"], r["pass_"]) == (i, T, I, p)), None)
+                cells.append("-" if r is None else
+                             f"{r['eager_us']:.1f} ({r['eager_us_min']:.0f}-{r['eager_us_max']:.0f})")
+            print(f"| {T}x{I} | {p} | " + " | ".join(cells) + " |")
 
 
 def moe(data: list[dict]) -> None:

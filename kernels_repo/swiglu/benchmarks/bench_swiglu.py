@@ -12,7 +12,8 @@ gate, up; write d gate, d up). A tiny shape (1 x 128) measures pure host overhea
 Usage (from the repository root, on the GPU machine):
   PYTHONPATH=src python kernels_repo/swiglu/benchmarks/bench_swiglu.py
 Env: OUT (JSON lines go to $OUT/swiglu_bench.jsonl, default /tmp), SHAPES="8192x14336,..." to
-narrow, IMPLS="ours,liger,..." to narrow. Liger-Kernel is optional (import guarded).
+narrow, IMPLS="ours,liger,..." to narrow, ROUNDS (default 5: interleaved rounds of the per-eager-call
+timing at the host-bound shapes, see `interleaved_eager`). Liger-Kernel is optional (import guarded).
 """
 
 from __future__ import annotations
@@ -174,6 +175,34 @@ def bench_packed(kernel, T: int, I: int, copy_bw: float, host_only: bool = False
          frac_copy_graph=nbytes / (graph_ms * 1e-3) / copy_bw)
 
 
+def interleaved_eager(impls: dict, shapes, rounds: int, copy_bw: float) -> None:
+    """Per eager call at host-bound shapes, every implementation once per round, rounds interleaved.
+
+    Why: at these shapes a call costs what the host takes to issue it, and the host's speed drifts
+    by 10-20% within one device call (2026-12-05: the same kernels as `ours` and `ours_sm80` read
+    255 and 210 us at 64x14336 forward+backward, timed one after the other); measured in turn,
+    each implementation would get a different host. The median over the rounds is emitted as
+    kind=swiglu_interleaved (eager only: under graph replay the host does not matter).
+    """
+    for T, I in shapes:
+        g = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        u = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(T, I, device=DEV, dtype=torch.bfloat16)
+        for backward, tensors in ((False, 3), (True, 8)):
+            gg, uu = (g, u) if backward else (g.detach(), u.detach())
+            calls = {name: call_fn(fn, gg, uu, dy, backward) for name, fn in impls.items()}
+            times: dict[str, list[float]] = {name: [] for name in calls}
+            for _ in range(rounds):
+                for name, call in calls.items():
+                    times[name].append(time_eager(call, 300)[0])
+            for name, ms in times.items():
+                median = sorted(ms)[len(ms) // 2]
+                emit(kind="swiglu_interleaved", impl=name, pass_="fwdbwd" if backward else "fwd", T=T, I=I,
+                     rounds=rounds, eager_us=median * 1e3, eager_us_min=min(ms) * 1e3,
+                     eager_us_max=max(ms) * 1e3, frac_copy_eager=tensors * T * I * 2 / (median * 1e-3) / copy_bw)
+        del g, u, dy
+
+
 def main() -> None:
     import triton
 
@@ -234,6 +263,11 @@ def main() -> None:
         bench_packed(kernel, T, I, copy_bw)
         torch.cuda.empty_cache()
         print(f"-- {T}x{I} done at {time.time() - t_start:.0f}s", flush=True)
+
+    # host-bound shapes (<= 64 MB per tensor): per eager call again, implementations interleaved
+    host_bound = [(T, I) for T, I in shapes if T * I <= 2**25] + [HOST_SHAPE]
+    interleaved_eager(impls, host_bound, int(os.environ.get("ROUNDS", 5)), copy_bw)
+    print(f"-- interleaved done at {time.time() - t_start:.0f}s", flush=True)
 
 
 if __name__ == "__main__":
