@@ -11,9 +11,7 @@ with small H and I (allocation cost is not the question).
 """
 
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors take the Triton path, whose launches are stubbed
@@ -21,6 +19,8 @@ import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+from _stub_timing import interleaved_medians  # noqa: E402  (this script's folder)
+
 import kernelhub.triton_launch as triton_launch  # noqa: E402
 from kernelhub._loader import load_kernel_from_dir  # noqa: E402
 
@@ -52,22 +52,8 @@ def steps(moe) -> dict:
     return {"fwdbwd": fwdbwd, "fwd": fwd}
 
 
-def per_call_us(fn, n: int = 300) -> float:
-    for _ in range(30):
-        fn()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t0) / n * 1e6
-
-
 if __name__ == "__main__":
     dirs = sys.argv[1:] or [str(ROOT / "kernels_repo" / "moe")]
-    cases = {d: steps(load_kernel_from_dir(Path(d))) for d in dirs}
-    times = {(d, name): [] for d in dirs for name in ("fwdbwd", "fwd")}
-    for _ in range(5):  # interleaved rounds
-        for d, fns in cases.items():
-            for name, fn in fns.items():
-                times[(d, name)].append(per_call_us(fn))
-    for (d, name), v in times.items():
-        print(f"{d}: {name} {statistics.median(v):.1f} us per call (median of 5 rounds)")
+    cases = {(d, name): fn for d in dirs for name, fn in steps(load_kernel_from_dir(Path(d))).items()}
+    for (d, name), us in interleaved_medians(cases, n=300, warmup=30).items():
+        print(f"{d}: {name} {us:.1f} us per call (median of 5 rounds)")

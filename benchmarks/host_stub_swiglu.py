@@ -9,9 +9,7 @@ with the same three allocations, interleaved, on one host. Not a GPU measurement
 
 import contextlib
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "1"  # the CPU tensors take the Triton path (whose launches are stubbed)
@@ -19,6 +17,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from _stub_timing import interleaved_medians  # noqa: E402  (this script's folder)
+
 from kernelhub._loader import load_kernel_from_dir  # noqa: E402
 
 sw = load_kernel_from_dir(Path(__file__).resolve().parents[1] / "kernels_repo" / "swiglu")
@@ -51,19 +51,6 @@ STEPS = {
 }
 
 
-def per_call_us(fn, n: int = 3000) -> float:
-    for _ in range(300):
-        fn()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return (time.perf_counter() - t0) / n * 1e6
-
-
 if __name__ == "__main__":
-    times = {k: [] for k in STEPS}
-    for _ in range(5):  # interleaved rounds
-        for name, fn in STEPS.items():
-            times[name].append(per_call_us(fn))
-    for name, v in times.items():
-        print(f"{name}: {statistics.median(v):.1f} us per forward+backward (median of 5 rounds)")
+    for name, us in interleaved_medians(STEPS, n=3000, warmup=300).items():
+        print(f"{name}: {us:.1f} us per forward+backward (median of 5 rounds)")

@@ -30,11 +30,13 @@ os.environ.pop("TRITON_INTERPRET", None)
 
 
 @triton.jit
-def _coords(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _tile_setup(tile, start_ptr, count_ptr, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(expert, M-block, N-block, expert's first row, its row count) of an expert-major tile index."""
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     rest = tile % (num_m * num_n)
-    return tile // (num_m * num_n), rest // num_n, rest % num_n
+    e = tile // (num_m * num_n)
+    return e, rest // num_n, rest % num_n, tl.load(start_ptr + e), tl.load(count_ptr + e)
 
 
 @triton.jit
@@ -52,9 +54,7 @@ def flat_now(a_desc, b_desc, c_desc, start_ptr, count_ptr, E, M, N, P, steps,
     """As shipped: each tile stored right after its last K step."""
     num_tiles = E * tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
-        e, pid_m, pid_n = _coords(tile, M, N, BLOCK_M, BLOCK_N)
-        start = tl.load(start_ptr + e)
-        count = tl.load(count_ptr + e)
+        e, pid_m, pid_n, start, count = _tile_setup(tile, start_ptr, count_ptr, M, N, BLOCK_M, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ks in range(0, steps):
             acc = _tile_acc(a_desc, b_desc, start, count, pid_m, pid_n, P, ks, acc, BLOCK_M, BLOCK_N, BLOCK_K)
@@ -71,9 +71,7 @@ def flat_defer(a_desc, b_desc, c_desc, start_ptr, count_ptr, E, M, N, P, steps,
     pm = 0
     pn = 0
     for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
-        e, pid_m, pid_n = _coords(tile, M, N, BLOCK_M, BLOCK_N)
-        start = tl.load(start_ptr + e)
-        count = tl.load(count_ptr + e)
+        e, pid_m, pid_n, start, count = _tile_setup(tile, start_ptr, count_ptr, M, N, BLOCK_M, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ks in range(0, steps):
             acc = _tile_acc(a_desc, b_desc, start, count, pid_m, pid_n, P, ks, acc, BLOCK_M, BLOCK_N, BLOCK_K)
