@@ -64,10 +64,12 @@ for step in $steps; do
     pairab) # fused_experts as shipped, then with the 128-row buckets as block_m=64 + pair_m (same call)
       python3 kernels_repo/moe/benchmarks/pair_m_configs.py /tmp/pair_m_configs
       bench_ab shipped= pair_m=/tmp/pair_m_configs ;;
-    dirab) # bench_moe.py on the kernel repository copy $MOE_OLD (an older commit), then on ours (same call)
-      mkdir -p "$OUT/old" "$OUT/new"
-      for run in old new; do
-        dir=; [ $run = old ] && dir=${MOE_OLD:?set MOE_OLD to a copy of kernels_repo/moe}
+    dirab) # bench_moe.py on the kernel repository copy $MOE_OLD (an older commit), then on ours (same call);
+      # AB_ROUNDS=2: old, new, old, new (host drift within a call)
+      runs="old new"; [ "${AB_ROUNDS:-1}" = 2 ] && runs="old new old2 new2"
+      for run in $runs; do
+        mkdir -p "$OUT/$run"
+        dir=; case $run in old*) dir=${MOE_OLD:?set MOE_OLD to a copy of kernels_repo/moe} ;; esac
         echo "=== $run (${dir:-ours})" >> "$OUT/ab.log"
         env ${dir:+MOE_DIR=$dir} OUT="$OUT/$run" \
           IMPLS=${IMPLS:-kernelhub} SHAPES=${SHAPES:-qwen3_30b_a3b,deepseek_v3} TOKENS=${TOKENS:-4096} \
