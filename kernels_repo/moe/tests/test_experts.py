@@ -862,6 +862,12 @@ def test_bad_inputs_raise_naming_the_argument():
             moe.fused_experts(*meta, variant=variant)
     with pytest.raises(TypeError, match="fused_experts: variant 'sm80' supports"):
         moe.fused_experts(x.double(), gu.double(), dn.double(), idx, w, variant="sm80")
+    with pytest.raises(TypeError, match="fused_experts: `check_indices`"):
+        moe.fused_experts(x, gu, dn, idx, w, variant="sm80", check_indices="yes")
+    bad = torch.where(idx == 0, 4, idx)
+    with torch.no_grad():  # CPU inference: the default still checks (no sync to avoid here)
+        with pytest.raises(ValueError, match="fused_experts: `topk_idx` entries"):
+            moe.fused_experts(x, gu, dn, bad, w, variant="sm80")
 
 
 def test_every_launch_forward_and_backward_runs_inside_the_input_device_guard(monkeypatch):
@@ -1422,6 +1428,26 @@ def test_gpu_inference_is_cuda_graph_capturable(T):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 64, 1024])  # replayed decode; one-program alignment; mapping kernels
+def test_gpu_inference_never_synchronizes_with_the_host(T):
+    """DESIGN.md: no host synchronisation on the inference path. torch raises on any synchronizing
+    CUDA call under sync debug mode "error"; the first calls of a key (seen, recorded) and the
+    replayed ones all run under it, as does the MoEExperts layer."""
+    s = SHAPES["qwen3_30b_a3b"]
+    x, gu, dn, idx, w = gpu_inputs(s["E"], s["H"], s["I"], s["K"], T)
+    with torch.no_grad():
+        expected = moe.fused_experts(x, gu, dn, idx, w)  # compiles (may sync) before the check
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            outs = [moe.fused_experts(x, gu, dn, idx, w) for _ in range(4)]
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for out in outs:
+        assert torch.equal(out, expected)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 32, 1024])  # one-program alignment; mapping kernels and TMA weights
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_gpu_inference_replays_give_the_ordinary_paths_bits(shape, T):
@@ -1533,9 +1559,13 @@ def _check_replay(s: dict, T: int):
             on_stream = moe.fused_experts(*second)
         torch.cuda.current_stream().wait_stream(stream)
         bad = second[3].clone()
-        bad[0, 0] = s["E"]  # same key, an id out of range: the replay path still checks the ids
+        bad[0, 0] = s["E"]  # same key, an id out of range: the replay path checks the ids when asked
         with pytest.raises(ValueError, match=r"`topk_idx` entries must be in \[-1, "):
-            moe.fused_experts(second[0], second[1], second[2], bad, second[4])
+            moe.fused_experts(second[0], second[1], second[2], bad, second[4], check_indices=True)
+        # by default an inference call does not sync to check: the id is dropped like -1
+        dropped = moe.fused_experts(second[0], second[1], second[2], bad, second[4])
+        minus_one = bad.masked_fill(bad == s["E"], -1)
+        assert torch.equal(dropped, moe.fused_experts(second[0], second[1], second[2], minus_one, second[4]))
         rp._REPLAYS.clear()
         ordinary = moe.fused_experts(*second)  # the ordinary path (the key is only seen)
     assert torch.equal(replayed, ordinary) and torch.equal(on_stream, ordinary)

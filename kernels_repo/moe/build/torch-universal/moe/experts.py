@@ -149,6 +149,11 @@ def _check_ids(x: torch.Tensor, topk_idx: torch.Tensor, E: int) -> None:
             raise ValueError(f"{_FN}: `topk_idx` entries must be in [-1, {E}), got {value}")
 
 
+def _needs_grad(*tensors: object) -> bool:
+    """Whether this call records a graph (the training path); non-tensors (rejected later) do not."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
 def _capturing(x: torch.Tensor) -> bool:
     """Whether x's device's current stream is capturing a CUDA graph (asked with x's device current:
     torch answers for the current device only)."""
@@ -555,7 +560,7 @@ def fused_experts(
     *,
     variant: str | None = None,
     config: dict | None = None,
-    check_indices: bool = True,
+    check_indices: bool | None = None,
 ) -> torch.Tensor:
     """Routed SwiGLU experts: sum_k w[t,k] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])).
 
@@ -569,8 +574,12 @@ def fused_experts(
         topk_weights: [T, K], floating point.
         variant: "sm90", "sm80" or "reference"; default: by the capability of x's device.
         config: tile config (a bucket of `configs/sm*.json`); default: the bucket for this shape.
-        check_indices: raise on ids outside [-1, E) (one host sync; skipped while capturing a CUDA
-            graph or compiling). The kernels drop such ids rather than read out of bounds.
+        check_indices: raise on ids outside [-1, E). On a GPU that check is one host sync, so the
+            default (None) makes it only where no sync is promised away: on the CPU and on the
+            training path, not on a CUDA inference call (no gradient), which stays free of host
+            synchronisation and capturable. True checks every call (skipped while capturing a CUDA
+            graph or compiling), False never. Unchecked, the kernels drop such ids like -1 rather
+            than read out of bounds.
 
     Returns:
         [T, H] in x.dtype on x.device; differentiable in x, both weights and topk_weights.
@@ -585,6 +594,11 @@ def fused_experts(
         return compiled_fused_experts(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, config)
     # Inference with the shipped buckets: a call whose key was recorded replays its launches; the
     # key covers everything the checks below depend on but the ids' values (see _experts_replay).
+    if check_indices is None:  # no sync on a CUDA inference call (DESIGN.md: capturable, no host sync)
+        check_indices = not (isinstance(x, torch.Tensor) and x.is_cuda) or _needs_grad(
+            x, gate_up_proj, down_proj, topk_weights)
+    elif type(check_indices) is not bool:
+        raise TypeError(f"{_FN}: `check_indices` must be True, False or None, got {check_indices!r}")
     key = _replay.replay_key(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant) if config is None else None
     plan = _replay.recorded(key) if key is not None else None
     if plan is not None:
@@ -609,8 +623,7 @@ def fused_experts(
         return x.new_zeros(0, H) + 0 * (link + topk_weights.sum()).to(x.dtype)
     E, two_i, _ = gate_up_proj.shape
     cfg = _config(variant, E, H, two_i // 2, topk_idx.numel(), config, dev, x.element_size())
-    if torch.is_grad_enabled() and (x.requires_grad or gate_up_proj.requires_grad or down_proj.requires_grad
-                                    or topk_weights.requires_grad):
+    if _needs_grad(x, gate_up_proj, down_proj, topk_weights):
         return _APPLY(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg)
     with device_guard(x):
         if key is None or not _replay.should_record(key):
