@@ -207,6 +207,26 @@ def test_expand_then_reduce_match_references(variant, dtype, t, k, e, h):
         torch.testing.assert_close(got.double(), exact, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_nothing_routed_gives_an_empty_buffer_and_zero_rows(monkeypatch, path):
+    """Every slot -1 (a rank that owns none of a batch's experts): P = 0, and expand / reduce
+    still return [0, H] / zero [T, H], on the Triton path and on the torch path alike."""
+    if path == "torch":
+        monkeypatch.setattr(checks, "interpreting", lambda: False)
+        dev = "cpu"
+    else:
+        dev = DEV
+    idx = torch.full((3, 2), -1, dtype=torch.int64, device=dev)
+    p2e, _, _, inv, *_ = moe.get_fused_mapping(idx, 4, 0, 8)
+    assert p2e.numel() == 0 and (inv == -1).all()
+    x = torch.randn(3, 8, device=dev, dtype=torch.bfloat16)
+    y = moe.expand_to_fused(x, inv, p2e)
+    assert y.shape == (0, 8)
+    for weights in (torch.rand(3, 2, device=dev), None):
+        out = moe.reduce_fused(y, weights, inv)
+        assert out.shape == (3, 8) and out.dtype == x.dtype and not out.any()
+
+
 def test_reduce_fused_writes_into_out_and_validates_it(variant):
     idx = random_topk(20, 3, 6)
     p2e, _, _, inv, *_ = moe.get_fused_mapping(idx, 6, 0, 4)

@@ -125,6 +125,8 @@ def reduce_fused_ref(x: Tensor, topk_weights: Tensor | None, token_topk_to_pos: 
     """sum_k w[t, k] * x[pos[t, k]] in `acc_dtype` (k order), rows with pos -1 skipped."""
     t, k = token_topk_to_pos.shape
     acc = torch.zeros((t, x.shape[1]), dtype=acc_dtype, device=x.device)
+    if x.shape[0] == 0:  # every position -1 (checked by the caller): nothing to gather
+        return acc
     for j in range(k):
         pos = token_topk_to_pos[:, j].long()
         valid = pos >= 0
