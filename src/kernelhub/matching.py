@@ -5,7 +5,8 @@ modules are recognised by shape: stacked-expert modules and SiLU-gated MLPs. Sha
 for an MLP: transformers 5.24 has gate/up/down MLPs that scale (FalconH1MLP's multipliers), clamp
 (Glm5NextTextMLP, Step3p7MLP, DeepseekV4MLP) or normalise (BitNetMLP) on the way, and binding the
 plain SwiGLU to them would silently change the model. So an MLP found by shape is only taken when
-its forward's source says `down_proj(act_fn(gate_proj(x)) * up_proj(x))` and nothing else.
+its forward's source says `down_proj(act_fn(gate_proj(x)) * up_proj(x))` and nothing else (the
+activation held as `act_fn`, or as `activation_fn` like Llama4TextMLP).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ __all__ = ["LayerMatch", "match_layer"]
 MOE_EXPERTS = "MoEExperts"
 SWIGLU_MLP = "SwiGLUMLP"
 _SILU_NAMES = {"SiLU", "SiLUActivation", "SwishActivation", "Swish"}
+# where transformers MLPs keep their activation (Llama4TextMLP: activation_fn); the layer reads the same
+ACTIVATION_ATTRS = ("act_fn", "activation_fn")
 
 
 @dataclass(frozen=True)
@@ -66,12 +69,21 @@ def _self_call(node: ast.expr, attr: str, arg_ok) -> bool:
     )
 
 
-def _is_swiglu(expr: ast.expr, x: str) -> bool:
+def activation_of(module: nn.Module) -> tuple[str, object] | None:
+    """(attribute name, activation) of a gated MLP, or None if it holds none under a known name."""
+    for attr in ACTIVATION_ATTRS:
+        act = getattr(module, attr, None)
+        if act is not None:
+            return attr, act
+    return None
+
+
+def _is_swiglu(expr: ast.expr, x: str, act: str) -> bool:
     def is_x(n: ast.expr) -> bool:
         return isinstance(n, ast.Name) and n.id == x
 
     def gate(n: ast.expr) -> bool:
-        return _self_call(n, "act_fn", lambda a: _self_call(a, "gate_proj", is_x))
+        return _self_call(n, act, lambda a: _self_call(a, "gate_proj", is_x))
 
     def up(n: ast.expr) -> bool:
         return _self_call(n, "up_proj", is_x)
@@ -83,9 +95,9 @@ def _is_swiglu(expr: ast.expr, x: str) -> bool:
     return _self_call(expr, "down_proj", product)
 
 
-def _forward_problem(cls: type) -> str | None:
-    """None if `cls.forward` computes exactly down_proj(act_fn(gate_proj(x)) * up_proj(x))."""
-    expected = "down_proj(act_fn(gate_proj(x)) * up_proj(x))"
+def _forward_problem(cls: type, act: str) -> str | None:
+    """None if `cls.forward` computes exactly down_proj(<act>(gate_proj(x)) * up_proj(x))."""
+    expected = f"down_proj({act}(gate_proj(x)) * up_proj(x))"
     try:
         source = textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward)))
         fn = ast.parse(source).body[0]
@@ -103,7 +115,7 @@ def _forward_problem(cls: type) -> str | None:
             env[stmt.targets[0].id] = _Inline(env).visit(stmt.value)
             continue
         if isinstance(stmt, ast.Return) and stmt.value is not None:
-            if _is_swiglu(_Inline(env).visit(stmt.value), x):
+            if _is_swiglu(_Inline(env).visit(stmt.value), x, act):
                 return None
             break
         break
@@ -112,14 +124,31 @@ def _forward_problem(cls: type) -> str | None:
             "with @use_kernel_forward_from_hub('SwiGLUMLP'))")
 
 
-_forward_problems: dict[type, str | None] = {}
+def _experts_forward_problem(cls: type) -> str | None:
+    """None if `cls.forward` takes the routing as transformers v5 `*Experts` do: (hidden_states,
+    top_k_index, top_k_weights). Llama4TextExperts takes hidden states already sorted per expert
+    and no routing; binding MoEExperts there would misread its inputs whatever the weight shapes."""
+    try:
+        params = [p for p in inspect.signature(cls.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
+    except (TypeError, ValueError):
+        return None  # no signature to read (a C extension): the layer's own checks decide
+    if len(params) >= 3:
+        return None
+    names = ", ".join(p.name for p in params)
+    return (f"{cls.__name__}.forward({names}) takes no routing; MoEExperts replaces "
+            "forward(hidden_states, top_k_index, top_k_weights)")
 
 
-def swiglu_forward_problem(cls: type) -> str | None:
-    """`_forward_problem`, parsed once per class."""
-    if cls not in _forward_problems:
-        _forward_problems[cls] = _forward_problem(cls)
-    return _forward_problems[cls]
+_forward_problems: dict[tuple[type, str], str | None] = {}
+
+
+def swiglu_forward_problem(cls: type, act: str = "act_fn") -> str | None:
+    """`_forward_problem`, parsed once per (class, activation attribute)."""
+    key = (cls, act)
+    if key not in _forward_problems:
+        _forward_problems[key] = _forward_problem(cls, act)
+    return _forward_problems[key]
 
 
 def match_layer(module: nn.Module) -> LayerMatch | None:
@@ -132,13 +161,14 @@ def match_layer(module: nn.Module) -> LayerMatch | None:
     down = getattr(module, "down_proj", None)
     if cls_name.endswith("Experts") and isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter):
         if gate_up.dim() == 3 and down.dim() == 3:
-            return LayerMatch(MOE_EXPERTS)
+            return LayerMatch(MOE_EXPERTS, _experts_forward_problem(type(module)))
     projections = [getattr(module, a, None) for a in ("gate_proj", "up_proj", "down_proj")]
     if all(isinstance(p, nn.Linear) for p in projections):
-        act = getattr(module, "act_fn", None)
-        if act is None:
-            return LayerMatch(SWIGLU_MLP, f"{cls_name} has no act_fn; SwiGLUMLP needs a SiLU gate")
+        found = activation_of(module)
+        if found is None:
+            return LayerMatch(SWIGLU_MLP, f"{cls_name} has no act_fn (or activation_fn); SwiGLUMLP needs a SiLU gate")
+        attr, act = found
         if not _is_silu(act):
-            return LayerMatch(SWIGLU_MLP, f"act_fn is {type(act).__name__}, SwiGLUMLP needs SiLU")
-        return LayerMatch(SWIGLU_MLP, swiglu_forward_problem(type(module)))
+            return LayerMatch(SWIGLU_MLP, f"{attr} is {type(act).__name__}, SwiGLUMLP needs SiLU")
+        return LayerMatch(SWIGLU_MLP, swiglu_forward_problem(type(module), attr))
     return None

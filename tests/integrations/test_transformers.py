@@ -197,6 +197,36 @@ def test_from_pretrained_with_experts_implementation_kernelhub(tmp_path):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
+def test_llama4_mlps_are_kernelized_and_its_experts_fall_back_with_the_reason():
+    """Llama4TextMLP keeps its activation as `activation_fn` (not `act_fn`); Llama4TextExperts takes
+    hidden states pre-sorted per expert and no routing, so MoEExperts must not replace it."""
+    cfg = transformers.Llama4TextConfig(
+        intermediate_size=48, intermediate_size_mlp=40, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=1, moe_layers=[1], no_rope_layers=[1, 1], attention_chunk_size=64, **TINY)
+    torch.manual_seed(0)
+    model = transformers.Llama4ForCausalLM(cfg).train()
+    ids = torch.randint(0, 64, (2, 5))
+
+    def run():
+        model.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref_loss, ref_grads = run()
+    with kernelhub.use_kernel_mapping(_triton_on_cpu_mapping()):
+        report = kernelhub.kernelize(model, mode=kernelhub.Mode.TRAINING, config={})
+    kinds = {e.module_class: e for e in report.entries}
+    assert [e.layer for e in report.entries if e.module_class == "Llama4TextMLP"] == ["SwiGLUMLPSm80"] * 2
+    assert kinds["Llama4TextExperts"].layer is None
+    assert "Llama4TextExperts.forward(hidden_states) takes no routing" in kinds["Llama4TextExperts"].fallback_reason
+    loss, grads = run()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
 def _mlp_with_other_maths(name: str) -> torch.nn.Module:
     from types import SimpleNamespace
 

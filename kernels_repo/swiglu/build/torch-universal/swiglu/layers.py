@@ -42,6 +42,8 @@ def _mlp_forward(impl: str | None):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """down_proj(silu(gate_proj(x)) * up_proj(x)), the host MLP's own computation."""
         act = getattr(self, "act_fn", None)
+        if act is None:  # Llama4TextMLP's name for it
+            act = getattr(self, "activation_fn", None)
         if not _is_silu(act):
             # another gated activation (e.g. gelu): keep the host's semantics
             return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
