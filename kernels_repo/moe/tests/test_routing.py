@@ -207,6 +207,20 @@ def test_expand_then_reduce_match_references(variant, dtype, t, k, e, h):
         torch.testing.assert_close(got.double(), exact, rtol=tol, atol=tol)
 
 
+def test_reduce_fused_rounds_its_fp32_sum_once_to_nearest(variant):
+    """bf16 out = the fp32 sum (k order) rounded once to nearest even, as on the GPU (a truncating
+    cast, as the interpreter's bf16 cast is, misses on about half the elements)."""
+    idx = random_topk(64, 4, 8, drop=0.0)
+    p2e, _, _, inv, *_ = moe.get_fused_mapping(idx, 8, 0, 8)
+    z = torch.randn(p2e.numel(), 256, device=DEV).to(torch.bfloat16)
+    w = torch.rand(64, 4, device=DEV)
+    for weights in (w, None):
+        got = moe.reduce_fused(z, weights, inv)
+        want = ref.reduce_fused_ref(z, weights, inv).to(torch.bfloat16)
+        frac = (got != want).float().mean().item()
+        assert frac < 0.01, f"{frac:.1%} of the sums are not the fp32 value rounded to nearest"
+
+
 @pytest.mark.parametrize("path", ["triton", "torch"])
 def test_nothing_routed_gives_an_empty_buffer_and_zero_rows(monkeypatch, path):
     """Every slot -1 (a rank that owns none of a batch's experts): P = 0, and expand / reduce

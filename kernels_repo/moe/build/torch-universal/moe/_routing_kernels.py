@@ -11,10 +11,17 @@ Real rows keep token order inside an expert's range: tile j's rows come after ti
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import triton
 import triton.language as tl
+
+from ._experts_sm80 import _to
+
+# The interpreter (CPU tests) casts fp32 -> bf16 by truncation, the GPU to nearest even: under the
+# interpreter `_to` rounds on the bits first (a constexpr: the GPU code is unchanged).
+_INTERPRETER_RNE = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @dataclass(frozen=True)
@@ -232,7 +239,7 @@ def _reduce_kernel(
             w = tl.load(w_ptr + t * stride_wt + k * stride_wk).to(tl.float32)
             v = v * w
         acc += v
-    tl.store(out_ptr + t * stride_ot + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
+    tl.store(out_ptr + t * stride_ot + cols, _to(acc, out_ptr.dtype.element_ty, _INTERPRETER_RNE), mask=cmask)
 
 
 # ----------------------------------------------------------------------------------------------
