@@ -1441,6 +1441,8 @@ def test_gpu_inference_never_synchronizes_with_the_host(T):
         torch.cuda.set_sync_debug_mode("error")
         try:
             outs = [moe.fused_experts(x, gu, dn, idx, w) for _ in range(4)]
+            with pytest.raises(RuntimeError):  # the control: the asked-for id check does sync
+                moe.fused_experts(x, gu, dn, idx, w, check_indices=True)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     for out in outs:
