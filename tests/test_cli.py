@@ -213,6 +213,7 @@ def test_report_for_a_capability_this_machine_need_not_have(tmp_path, capsys):
     assert len(rows90) == len(rows86) == 2
     assert all(r[4:6] == ["90", "SwiGLUMLPReference"] for r in rows90)  # the capability pin
     assert all(r[4:6] == ["86", "SwiGLUMLPSm80"] for r in rows86)  # the default mapping
+    assert all(r[3] == "cuda:?" for r in rows90 + rows86)  # an assumed GPU, not a made-up index
     assert main([*argv, "--capability", "9"]) == 1
     assert "`--capability` must look like '9.0'" in capsys.readouterr().err
     absent = f"cuda:{torch.cuda.device_count() if torch.cuda.is_available() else 0}"

@@ -124,6 +124,10 @@ def test_trusted_publishers_and_lockfile_change_the_repository_kind(tmp_path):
         ({"layers": {"A": {"path": "p", "version": 1}}}, "not to a local `path`"),
         ({"layers": {"A": {"repo": "not-a-repo-id"}}}, r"layers\.A\.repo: `repo` must be a Hub id"),
         ({"layers": {"A": {"repo": "a/b", "version": 0}}}, r"`version` must be an int >= 1"),
+        ({"layers": {"A": {"repo": "a/b", "version": True}}}, r"layers\.A\.version: .*valid integer"),
+        ({"layers": {"A": {"repo": "a/b", "version": "1"}}}, r"layers\.A\.version: .*valid integer"),
+        ({"layers": {"A": {"repo": "a/b", "trust_remote_code": "yes"}}},
+         r"layers\.A\.trust_remote_code: .*valid boolean"),
         ({"layers": {"not valid": {"repo": "a/b"}}}, r"layer name 'not valid'"),
         (
             {"layers": {"A": {"capability": {"9.0": {"layer": "B", "extra": 1}}}}},

@@ -209,6 +209,10 @@ def test_kernelize_rejects_bad_arguments():
         kernelize(nn.Sequential(MLP()), mode=Mode.FALLBACK)
     with pytest.raises(TypeError, match="`device`"):
         kernelize(nn.Sequential(MLP()), device=3.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="`use_fallback`"):
+        kernelize(nn.Sequential(MLP()), use_fallback="no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="get_local_kernel: `path`"):
+        get_local_kernel(5)  # type: ignore[arg-type]
 
 
 def test_report_renders_as_readable_table(fake_gpus):

@@ -41,6 +41,14 @@ def test_lock_records_commit_and_sha256_of_every_variant_file(hub, tmp_path):
     assert files["build/torch-universal/tiny/__init__.py"] == hashlib.sha256(init).hexdigest()
 
 
+def test_lock_without_a_version_records_the_branch_it_resolved_to(hub, tmp_path):
+    _publish(tmp_path, "org/tiny", version=1)
+    newest = _publish(tmp_path, "org/tiny", version=2, factor=2.0)
+    entry = lock_kernel("org/tiny")
+    assert entry["version"] is None and entry["ref"] == "v2" and entry["commit"] == newest
+    assert lock_kernel("org/tiny", version=1)["ref"] == "v1"
+
+
 def test_locked_kernel_loads_the_locked_commit_after_the_branch_moves(hub, tmp_path):
     _publish(tmp_path, "untrusted/tiny", factor=2.0)
     lockfile = write_lockfile([lock_kernel("untrusted/tiny", version=1)], tmp_path / "kernels.lock")

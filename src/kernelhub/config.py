@@ -13,7 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    PrivateAttr,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kernelhub.hub import LayerRepository, LocalLayerRepository, LockedLayerRepository
 
@@ -51,10 +60,11 @@ class PinConfig(_Strict):
 
     repo: str | None = None
     path: str | None = None
-    version: int | None = None
+    # strict: TOML `version = true` or `"1"` is a mistake, not version 1 (the Python API refuses them too)
+    version: StrictInt | None = None
     revision: str | None = None
     layer: str | None = None
-    trust_remote_code: bool | None = None  # None: as get_kernel's default (see hub._check_trust)
+    trust_remote_code: StrictBool | None = None  # None: as get_kernel's default (see hub._check_trust)
 
     @field_validator("repo")
     @classmethod

@@ -145,6 +145,8 @@ def _layer_from(kernel: ModuleType, layer_name: str, where: str) -> type[nn.Modu
 
 def get_local_kernel(path: str | Path) -> ModuleType:
     """Import a kernel from a local kernel repository, variant directory or package directory."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"get_local_kernel: `path` must be a str or os.PathLike, got {type(path).__name__}")
     return load_kernel_from_dir(path)
 
 

@@ -304,6 +304,8 @@ def kernelize(
     if not isinstance(model, nn.Module):
         raise TypeError(f"kernelize: `model` must be a torch.nn.Module, got {type(model).__name__}")
     mode = _check_mode(mode)
+    if not isinstance(use_fallback, bool):
+        raise TypeError(f"kernelize: `use_fallback` must be True or False, got {use_fallback!r}")
     explicit = as_torch_device(device) if device is not None else None
     cfg = _resolve_config(config)
     entries: list[KernelizeEntry] = []

@@ -6,7 +6,7 @@ and refuses to import if any file differs from the lock (or an unlocked file app
 Format (JSON, sorted keys so diffs stay small):
 
     {"lockfile_version": 1,
-     "kernels": [{"repo_id": "org/swiglu", "repo_type": "kernel", "version": 1, "revision": null,
+     "kernels": [{"repo_id": "org/swiglu", "repo_type": "kernel", "version": 1, "revision": null, "ref": "v1",
                   "commit": "<40 hex>",
                   "variants": {"torch-universal": {"build/torch-universal/swiglu/__init__.py": "<sha256>"}}}]}
 """
@@ -121,8 +121,9 @@ def lock_kernel(
     return {
         "repo_id": repo_id,
         "repo_type": repo_type,
-        "version": version,
+        "version": version,  # as asked: what a LockedLayerRepository looks entries up by
         "revision": revision,
+        "ref": ref,  # what that resolved to (e.g. branch "v2" when no version was asked for)
         "commit": commit,
         "variants": hashes,
     }

@@ -138,7 +138,8 @@ def run(args) -> int:
         with _assumed_gpu(capability) as device:
             ((_, report),) = report_model(model, [device], mode=mode, config=config)
         print(f"== a CUDA GPU of capability {capability // 10}.{capability % 10} ==")
-        print(report)
+        # the assumed GPU's index is a placeholder no real GPU has: show it as one, not as cuda:127
+        print(str(report).replace(str(device), "cuda:?".ljust(len(str(device)))))
     if capabilities:
         return 0
     devices = _devices(args)
