@@ -105,22 +105,25 @@ def test_training_loss_and_every_gradient_equal_eager(kind):
     torch.manual_seed(0)
     model = tiny_model(kind).train()
     ids = torch.randint(0, 64, (2, 5))
-
-    def loss_and_grads():
-        model.zero_grad()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    ref_loss, ref_grads = loss_and_grads()
+    ref = _loss_and_grads(model, ids)
     with kernelhub.use_kernel_mapping(_triton_on_cpu_mapping()):
         report = kernelhub.kernelize(model, mode=kernelhub.Mode.TRAINING, config={})
     assert not report.fallbacks
-    loss, grads = loss_and_grads()
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    assert grads.keys() == ref_grads.keys()
-    for name, g in grads.items():
-        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    _assert_same_loss_and_grads(_loss_and_grads(model, ids), ref)
+
+
+def _loss_and_grads(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    model.zero_grad()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same_loss_and_grads(got: tuple[torch.Tensor, dict], want: tuple[torch.Tensor, dict]) -> None:
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+    assert got[1].keys() == want[1].keys()
+    for name, g in got[1].items():
+        torch.testing.assert_close(g, want[1][name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
@@ -206,25 +209,14 @@ def test_llama4_mlps_are_kernelized_and_its_experts_fall_back_with_the_reason():
     torch.manual_seed(0)
     model = transformers.Llama4ForCausalLM(cfg).train()
     ids = torch.randint(0, 64, (2, 5))
-
-    def run():
-        model.zero_grad()
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-    ref_loss, ref_grads = run()
+    ref = _loss_and_grads(model, ids)
     with kernelhub.use_kernel_mapping(_triton_on_cpu_mapping()):
         report = kernelhub.kernelize(model, mode=kernelhub.Mode.TRAINING, config={})
     kinds = {e.module_class: e for e in report.entries}
     assert [e.layer for e in report.entries if e.module_class == "Llama4TextMLP"] == ["SwiGLUMLPSm80"] * 2
     assert kinds["Llama4TextExperts"].layer is None
     assert "Llama4TextExperts.forward(hidden_states) takes no routing" in kinds["Llama4TextExperts"].fallback_reason
-    loss, grads = run()
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    assert grads.keys() == ref_grads.keys()
-    for name, g in grads.items():
-        torch.testing.assert_close(g, ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    _assert_same_loss_and_grads(_loss_and_grads(model, ids), ref)
 
 
 def _mlp_with_other_maths(name: str) -> torch.nn.Module:
