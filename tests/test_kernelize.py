@@ -17,6 +17,7 @@ from kernelhub import (
     use_kernel_mapping,
 )
 from kernelhub.hub import get_local_kernel
+from kernelhub.matching import match_layer
 
 TOY = Path(__file__).parent / "fixtures" / "kernels" / "toy_mlp"
 CALLS = get_local_kernel(TOY).CALLS
@@ -254,6 +255,37 @@ def _kernelize_one(mlp: nn.Module):
     ref = model(x)
     (entry,) = kernelize(model).entries
     return model, x, ref, entry
+
+
+class _StackedExperts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.zeros(2, 8, 4))
+        self.down_proj = nn.Parameter(torch.zeros(2, 4, 4))
+
+
+class RoutedExperts(_StackedExperts):
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return hidden_states
+
+
+class WrappedExperts(_StackedExperts):
+    def forward(self, *args, **kwargs):  # e.g. behind a decorator without functools.wraps
+        return args[0]
+
+
+class PresortedExperts(_StackedExperts):
+    def forward(self, hidden_states):  # Llama4TextExperts' convention: no routing passed
+        return hidden_states
+
+
+def test_experts_are_matched_only_when_their_forward_takes_the_routing():
+    assert match_layer(RoutedExperts()).unsupported_reason is None
+    assert match_layer(WrappedExperts()).unsupported_reason is None
+    reason = match_layer(PresortedExperts()).unsupported_reason
+    assert reason is not None and "PresortedExperts.forward(hidden_states) takes no routing" in reason
+    (entry,) = kernelize(PresortedExperts(), config={}).entries
+    assert entry.layer is None and entry.fallback_reason == reason
 
 
 def test_mlp_with_the_shape_but_other_maths_keeps_its_forward():

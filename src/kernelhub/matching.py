@@ -129,11 +129,11 @@ def _experts_forward_problem(cls: type) -> str | None:
     top_k_index, top_k_weights). Llama4TextExperts takes hidden states already sorted per expert
     and no routing; binding MoEExperts there would misread its inputs whatever the weight shapes."""
     try:
-        params = [p for p in inspect.signature(cls.forward).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
+        every = list(inspect.signature(cls.forward).parameters.values())
     except (TypeError, ValueError):
         return None  # no signature to read (a C extension): the layer's own checks decide
-    if len(params) >= 3:
+    params = [p for p in every if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
+    if len(params) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in every):
         return None
     names = ", ".join(p.name for p in params)
     return (f"{cls.__name__}.forward({names}) takes no routing; MoEExperts replaces "
