@@ -219,6 +219,10 @@ def test_reduce_fused_rounds_its_fp32_sum_once_to_nearest(variant):
         want = ref.reduce_fused_ref(z, weights, inv).to(torch.bfloat16)
         frac = (got != want).float().mean().item()
         assert frac < 0.01, f"{frac:.1%} of the sums are not the fp32 value rounded to nearest"
+    # a NaN weight whose payload would carry into the exponent (0x7FFFFFFF) stays NaN, as on the GPU
+    w[5, 1] = torch.tensor([0x7FFFFFFF], dtype=torch.int32).view(torch.float32).to(w.device)[0]
+    got = moe.reduce_fused(z, w, inv)
+    assert got[5].isnan().all() and not got[torch.arange(64, device=got.device) != 5].isnan().any()
 
 
 @pytest.mark.parametrize("path", ["triton", "torch"])

@@ -25,8 +25,8 @@ def _to(v, dtype: tl.constexpr, RNE: tl.constexpr):
     which uses round-to-nearest-even), so under RNE the rounding is done on the bits first."""
     if RNE and dtype == tl.bfloat16:
         bits = v.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        v = bits.to(tl.float32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        v = tl.where(v == v, rounded, v)  # a NaN's carry could reach the exponent: keep NaNs as they are
     return v.to(dtype)
 
 

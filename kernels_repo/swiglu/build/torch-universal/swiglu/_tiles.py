@@ -20,8 +20,8 @@ def _round(v, dtype: tl.constexpr):
     """fp32 -> dtype, rounded to nearest even (the interpreter's bf16 cast truncates)."""
     if _INTERPRETER_RNE and dtype == tl.bfloat16:
         bits = v.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        v = bits.to(tl.float32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        v = tl.where(v == v, rounded, v)  # a NaN's carry could reach the exponent: keep NaNs as they are
     return v.to(dtype)
 
 
