@@ -22,17 +22,20 @@ mkdir -p "$TRITON_CACHE_DIR"
 for t in benchmarks/peer_autotune/*.tgz; do [ -f "$t" ] && tar xzf "$t" -C "$TRITON_CACHE_DIR"; done
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
-bench_ab() { # bench_moe.py once per NAME=CONFIG_DIR argument (empty dir: shipped): JSON lines in
-  # $OUT/NAME/bench_moe.jsonl, every run's log in $OUT/ab.log (the device tool returns 8 files at most)
+bench_runs() { # VAR NAME=DIR...: bench_moe.py once per NAME=DIR argument, with env VAR=DIR (empty DIR:
+  # ours as shipped); JSON lines in $OUT/NAME/bench_moe.jsonl, every run's log in $OUT/ab.log (the
+  # device tool returns 8 files at most)
+  local var=$1; shift
   for arg in "$@"; do
     local run=${arg%%=*} dir=${arg#*=}
     mkdir -p "$OUT/$run"
     echo "=== $run (${dir:-shipped})" >> "$OUT/ab.log"
-    env ${dir:+KERNELHUB_MOE_CONFIG_DIR=$dir} OUT="$OUT/$run" IMPLS=${IMPLS:-kernelhub} SHAPES=${SHAPES:-qwen3_30b_a3b,deepseek_v3} \
+    env ${dir:+$var=$dir} OUT="$OUT/$run" IMPLS=${IMPLS:-kernelhub} SHAPES=${SHAPES:-qwen3_30b_a3b,deepseek_v3} \
       TOKENS=${TOKENS:-4096,16384} timeout ${MOE_TIMEOUT:-150} python3 kernels_repo/moe/benchmarks/bench_moe.py \
-      2>&1 | tee -a "$OUT/ab.log" | grep -E "^kind=moe_(fwd|fwdbwd)" | sed "s/^/$run /"
+      2>&1 | tee -a "$OUT/ab.log" | grep -E "^kind=moe_(fwd|fwdbwd|stages)" | sed "s/^/$run /"
   done
 }
+bench_ab() { bench_runs KERNELHUB_MOE_CONFIG_DIR "$@"; }  # NAME=CONFIG_DIR: another config directory
 for step in $steps; do
   echo "=== $step ($(date -u +%T))"
   case $step in
@@ -66,16 +69,9 @@ for step in $steps; do
       bench_ab shipped= pair_m=/tmp/pair_m_configs ;;
     dirab) # bench_moe.py on the kernel repository copy $MOE_OLD (an older commit), then on ours (same call);
       # AB_ROUNDS=2: old, new, old, new (host drift within a call)
-      runs="old new"; [ "${AB_ROUNDS:-1}" = 2 ] && runs="old new old2 new2"
-      for run in $runs; do
-        mkdir -p "$OUT/$run"
-        dir=; case $run in old*) dir=${MOE_OLD:?set MOE_OLD to a copy of kernels_repo/moe} ;; esac
-        echo "=== $run (${dir:-ours})" >> "$OUT/ab.log"
-        env ${dir:+MOE_DIR=$dir} OUT="$OUT/$run" \
-          IMPLS=${IMPLS:-kernelhub} SHAPES=${SHAPES:-qwen3_30b_a3b,deepseek_v3} TOKENS=${TOKENS:-4096} \
-          timeout ${MOE_TIMEOUT:-150} python3 kernels_repo/moe/benchmarks/bench_moe.py 2>&1 | tee -a "$OUT/ab.log" \
-          | grep -E "^kind=moe_(fwd|fwdbwd|stages)" | sed "s/^/$run /"
-      done ;;
+      old=${MOE_OLD:?set MOE_OLD to a copy of kernels_repo/moe}
+      runs="old=$old new="; [ "${AB_ROUNDS:-1}" = 2 ] && runs="$runs old2=$old new2="
+      TOKENS=${TOKENS:-4096} bench_runs MOE_DIR $runs ;;
     cfgab) # fused_experts with the config file $CFG_A (and $CFG_B, if set; as sm90.json) against the shipped configs (same call)
       mkdir -p /tmp/cfg_a && cp "${CFG_A:?set CFG_A to an sm90.json to compare}" /tmp/cfg_a/sm90.json
       if [ -n "${CFG_B:-}" ]; then mkdir -p /tmp/cfg_b && cp "$CFG_B" /tmp/cfg_b/sm90.json; fi
