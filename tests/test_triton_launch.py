@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import types
 
 import pytest
 import torch
@@ -195,3 +196,81 @@ def test_the_interpreter_always_takes_tritons_path():
     if not triton_launch._INTERPRET:
         pytest.skip("only meaningful under TRITON_INTERPRET=1")
     assert not CachedLaunch(_axpy_kernel).fast
+
+
+
+class _FakeParam:
+    def __init__(self, name: str, is_constexpr: bool) -> None:
+        self.name, self.is_constexpr = name, is_constexpr
+
+
+class _FakeJit:
+    """A JITFunction's surface as CachedLaunch reads it; `kernel[grid](...)`, Triton's own path,
+    records its call and returns a compiled handle that only names itself."""
+
+    def __init__(self, names: list[str], n_constexpr: int) -> None:
+        self.params = [_FakeParam(n, i >= len(names) - n_constexpr) for i, n in enumerate(names)]
+        self.arg_names = names
+        self.pre_run_hooks = []
+        self.triton_calls = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.triton_calls.append((grid, args, kwargs))
+            return types.SimpleNamespace(run=print, function=("compiled", len(self.triton_calls)),
+                                         packed_metadata=None)
+        return launch
+
+
+@pytest.fixture
+def fast_fake(monkeypatch):
+    """A CachedLaunch on the cached (GPU) path over a fake kernel (x, y, out, n, stride, BLOCK),
+    with the driver call recorded instead of made: split's keyed path, checkable on a CPU."""
+    if triton_launch._knobs is None:
+        pytest.skip("triton < 3.4: no cached path")
+    ran = []
+    monkeypatch.setattr(CachedLaunch, "_run", staticmethod(lambda hit, grid, index, args: ran.append(
+        (hit[1], grid, index, tuple(args)))))
+    launch = CachedLaunch(_FakeJit(["x", "y", "out", "n", "stride", "BLOCK"], 1))
+    launch.fast = True  # (under the interpreter every launch takes Triton's path)
+    return launch, ran
+
+
+def test_split_reuses_a_compiled_handle_only_for_what_it_was_compiled_for(fast_fake, monkeypatch):
+    launch, ran = fast_fake
+    kernel = launch.kernel
+    x, y, out = torch.randn(65), torch.randn(64), torch.empty(64)
+    launch.split((2,), 0, (x[:64], y, out), (64, 1), (32,), num_warps=8)  # compiled by Triton
+    assert len(kernel.triton_calls) == 1 and not ran
+    assert kernel.triton_calls[0][2]["num_warps"] == 8
+    x2, y2, out2 = torch.randn(64), torch.randn(64), torch.empty(64)
+    launch.split((2,), 0, (x2, y2, out2), (64, 1), (32,), num_warps=8)  # the handle, other addresses
+    assert ran == [(("compiled", 1), (2,), 0, (x2.data_ptr(), y2.data_ptr(), out2.data_ptr(), 64, 1, 32))]
+    launch.split((2,), 0, (x2, y2, out2), (48, 1), (32,), num_warps=8)  # same specialization of n
+    assert ran[-1] == (("compiled", 1), (2,), 0, (x2.data_ptr(), y2.data_ptr(), out2.data_ptr(), 48, 1, 32))
+    assert len(kernel.triton_calls) == 1
+    # what Triton compiles apart is compiled apart: another dtype, n == 1, other warps, device,
+    # constexpr; a 4-byte offset (alignment) goes through Triton's own launch every time
+    others = [
+        lambda: launch.split((2,), 0, (x2.half(), y2, out2), (64, 1), (32,), num_warps=8),
+        lambda: launch.split((2,), 0, (x2, y2, out2), (1, 1), (32,), num_warps=8),
+        lambda: launch.split((2,), 0, (x2, y2, out2), (64, 1), (32,), num_warps=4),
+        lambda: launch.split((2,), 1, (x2, y2, out2), (64, 1), (32,), num_warps=8),
+        lambda: launch.split((2,), 0, (x2, y2, out2), (64, 1), (64,), num_warps=8),
+        lambda: launch.split((2,), 0, (x[1:], y, out), (64, 1), (32,), num_warps=8),
+    ]
+    for i, call in enumerate(others):
+        n = len(ran)
+        call()
+        assert len(kernel.triton_calls) == 2 + i and len(ran) == n
+    # launch hooks registered, or other Triton settings: Triton's path (which calls the hooks)
+    monkeypatch.setattr(triton_launch, "_launch_state", lambda: None)
+    launch.split((2,), 0, (x2, y2, out2), (64, 1), (32,), num_warps=8)
+    assert len(kernel.triton_calls) == 8
+    monkeypatch.setattr(triton_launch, "_launch_state", lambda: (True, None))  # e.g. debug on
+    launch.split((2,), 0, (x2, y2, out2), (64, 1), (32,), num_warps=8)
+    assert len(kernel.triton_calls) == 9
+    monkeypatch.undo()
+    # an argument too few: Triton's path, which raises for it (never a cached launch)
+    launch.split((2,), 0, (x2, y2, out2), (64,), (32,), num_warps=8)
+    assert kernel.triton_calls[-1][1] == (x2, y2, out2, 64, 32) and len(kernel.triton_calls) == 10

@@ -78,22 +78,31 @@ def _spec_key(exact: tuple, constexpr: tuple[bool, ...]) -> tuple:
 
 
 def _hooks_registered() -> bool:
-    rt = _knobs.runtime
-    for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
-        # 3.6/3.7: a HookChain whose `calls` list is empty when nothing is registered
-        if hook is not None and getattr(hook, "calls", True):
-            return True
-    return getattr(rt, "add_stages_inspection_hook", None) is not None
+    return _launch_state() is None
 
 
-def _split_head(device_index: int, num_warps: int, num_stages: int | None, tensors: tuple, extras: tuple,
-                constexprs: tuple) -> tuple:
-    """Everything in a `split` key but the ints: device, launch options, knobs, dtypes, constexprs, extras."""
+def _launch_state() -> tuple | None:
+    """(debug, instrumentation mode), the Triton settings a compiled handle depends on; None while a
+    launch or compile hook is registered (every launch must then go through Triton, which calls it)."""
     rt = _knobs.runtime
-    return (device_index, num_warps, num_stages, rt.debug,
-            getattr(_knobs.compilation, "instrumentation_mode", None),
-            tuple([t.dtype for t in tensors]), constexprs,
-            tuple([_arg_key(e) for e in extras]) if extras else ())
+    # 3.6/3.7: a HookChain whose `calls` list is empty when nothing is registered
+    hook = rt.launch_enter_hook
+    if hook is not None and getattr(hook, "calls", True):
+        return None
+    hook = rt.launch_exit_hook
+    if hook is not None and getattr(hook, "calls", True):
+        return None
+    if getattr(rt, "add_stages_inspection_hook", None) is not None:
+        return None
+    return rt.debug, getattr(_knobs.compilation, "instrumentation_mode", None)
+
+
+def _split_key(device_index: int, num_warps: int, num_stages: int | None, state: tuple, dtypes: tuple,
+               extras: tuple, ints: tuple, constexprs: tuple) -> tuple:
+    """A `split` call's exact key: device, launch options, Triton settings, dtypes, the extras' keys,
+    ints, constexprs (tagged: `__call__`'s keys share the dicts)."""
+    return ("split", device_index, num_warps, num_stages, state, dtypes,
+            tuple([_arg_key(e) for e in extras]) if extras else (), ints, constexprs)
 
 
 def _direct_entry(run: object) -> tuple | None:
@@ -191,36 +200,47 @@ class CachedLaunch:
         if recording is not None:
             recording.append(SplitLaunch(self, grid, device_index, tensors, extras, ints, constexprs, num_warps,
                                          num_stages))
-        ptrs = tuple([t.data_ptr() for t in tensors])
+        ptrs = []
+        dtypes = []
         bits = 0
-        for p in ptrs:
+        for t in tensors:
+            p = t.data_ptr()
             bits |= p
-        if (bits & 15 or not self.fast
-                or len(tensors) + len(extras) + len(ints) + len(constexprs) != len(self.names)
-                or self.kernel.pre_run_hooks or _hooks_registered()):
+            ptrs.append(p)
+            dtypes.append(t.dtype)
+        state = None if bits & 15 or not self.fast or self.kernel.pre_run_hooks else _launch_state()
+        if state is None:
             self(grid, device_index, *tensors, *extras, *ints, *constexprs, num_warps=num_warps,
                  num_stages=num_stages)
             return
-        head = _split_head(device_index, num_warps, num_stages, tensors, extras, constexprs)
-        key = ("split", head, ints)
+        key = _split_key(device_index, num_warps, num_stages, state, tuple(dtypes), extras, ints, constexprs)
         hit = self.exact.get(key)
         if hit is None:
-            spec_key = ("split", head, tuple([_int_spec(v) for v in ints]))
+            # (only here: a hit's key fixes every part's length, and a call with the wrong number of
+            # arguments takes Triton's path, which raises)
+            if len(tensors) + len(extras) + len(ints) + len(constexprs) != len(self.names):
+                self(grid, device_index, *tensors, *extras, *ints, *constexprs, num_warps=num_warps,
+                     num_stages=num_stages)
+                return
+            spec_key = key[:7] + (tuple([_int_spec(v) for v in ints]), constexprs)
             hit = self._lookup_or_compile(key, spec_key, grid, tensors + extras + ints + constexprs, num_warps,
                                           num_stages)
             if hit is None:
                 return
-        self._run(hit, grid, device_index, ptrs + extras + ints + constexprs)
+        ptrs.extend(extras)
+        ptrs.extend(ints)
+        ptrs.extend(constexprs)
+        self._run(hit, grid, device_index, ptrs)
 
     def split_hit(self, call: SplitLaunch) -> tuple | None:
         """The compiled handle a recorded `split` call launched through (None where it took Triton's
         own path), for a caller that replays the same launch with other addresses (`run_hit`)."""
-        if (not self.fast or self.kernel.pre_run_hooks
-                or len(call.tensors) + len(call.extras) + len(call.ints) + len(call.constexprs) != len(self.names)):
+        state = None if not self.fast or self.kernel.pre_run_hooks else _launch_state()
+        if state is None:
             return None
-        head = _split_head(call.device_index, call.num_warps, call.num_stages, call.tensors, call.extras,
-                           call.constexprs)
-        return self.exact.get(("split", head, call.ints))
+        return self.exact.get(_split_key(call.device_index, call.num_warps, call.num_stages, state,
+                                         tuple([t.dtype for t in call.tensors]), call.extras, call.ints,
+                                         call.constexprs))
 
     @staticmethod
     @contextlib.contextmanager
@@ -239,9 +259,7 @@ class CachedLaunch:
         """The Triton settings compiled handles depend on (debug, instrumentation), for a replaying
         caller's key; None while launch or compile hooks are set (then every launch must go
         through Triton, which calls them) or on a Triton without knobs."""
-        if _knobs is None or _hooks_registered():
-            return None
-        return _knobs.runtime.debug, getattr(_knobs.compilation, "instrumentation_mode", None)
+        return None if _knobs is None else _launch_state()
 
     @staticmethod
     def run_hit(hit: tuple, grid: tuple, device_index: int, args: tuple) -> None:
@@ -289,3 +307,4 @@ class CachedLaunch:
         if len(self.exact) >= _MAX_KEYS:
             self.exact.clear()
         self.exact[key] = hit
+

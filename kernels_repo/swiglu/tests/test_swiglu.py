@@ -147,6 +147,35 @@ def test_strided_inputs(impl, dtype):
     _close(u3.grad, rdu, dtype)
 
 
+def test_leading_dims_of_one_shape_with_other_strides_each_get_their_own_rows(monkeypatch):
+    """The [M, N] view of leading batch dims is cached by shape and strides (`_Variant.collapse`):
+    tensors of one shape but other layouts, called in turn and again, each get their own."""
+    monkeypatch.setattr(dispatch._VARIANTS["sm80"], "_collapsed", {})
+    packed = _rand((2, 3, 128), torch.float32)
+    layouts = {
+        "contiguous": (_rand((2, 3, 64), torch.float32), _rand((2, 3, 64), torch.float32)),
+        "chunk views": packed.chunk(2, dim=-1),
+        "rows of a longer tensor": (_rand((2, 4, 64), torch.float32)[:, 1:],  # no single row stride
+                                    _rand((2, 3, 64), torch.float32)),
+        "column stride 2": (_rand((2, 3, 128), torch.float32)[..., ::2], _rand((2, 3, 64), torch.float32)),
+    }
+    for _ in range(2):
+        for gate, up in layouts.values():
+            g, u = gate.clone().requires_grad_(), up.clone().requires_grad_()
+            g.data, u.data = gate, up  # the layouts themselves, differentiable
+            dy = _rand((2, 3, 64), torch.float32)
+            y = ops.swiglu(g, u, impl="sm80")
+            y.backward(dy)
+            ref, rdg, rdu = _reference(gate, up, dy)
+            _close(y, ref, torch.float32)
+            _close(g.grad, rdg, torch.float32)
+            _close(u.grad, rdu, torch.float32)
+    collapsed = dispatch._VARIANTS["sm80"]._collapsed
+    # forward and backward per layout; the sliced one's forward has no single row stride (and its
+    # backward, whose d gate is ours, neither: one launch per outer index, each a 2-D call)
+    assert sum(1 for k in collapsed if not k[0]) == 4 and sum(1 for v in collapsed.values() if v is None) >= 1
+
+
 def test_expanded_grad_output_from_sum():
     gate = _rand((8, 48), torch.float32).requires_grad_()
     up = _rand((8, 48), torch.float32).requires_grad_()
