@@ -40,15 +40,20 @@ def swiglu(data: list[dict]) -> None:
     if inter:  # host-bound shapes, implementations interleaved over rounds (bench_swiglu.interleaved_eager)
         names = [i for i in impls if any(r["impl"] == i for r in inter)]
         print(f"\nper eager call, interleaved ({inter[0]['rounds']} rounds, median us; min-max):\n")
-        print("| T x I | pass | " + " | ".join(names) + " |")
+        print("| shape | pass | " + " | ".join(names) + " |")
         print("| --- | --- |" + " --- |" * len(names))
-        for T, I, p in sorted({(r["T"], r["I"], r["pass_"]) for r in inter}, key=lambda k: (-k[0] * k[1], k[2])):
+
+        def shape(r: dict) -> tuple:  # [T, I], or [1, T, I] (a model's layout); older logs: T x I
+            return tuple(r.get("shape", (r["T"], r["I"])))
+
+        keys = {(shape(r), r["pass_"]) for r in inter}
+        for sh, p in sorted(keys, key=lambda k: (-k[0][-2] * k[0][-1], len(k[0]), k[1])):
             cells = []
             for i in names:
-                r = next((r for r in inter if (r["impl"], r["T"], r["I"], r["pass_"]) == (i, T, I, p)), None)
+                r = next((r for r in inter if (r["impl"], shape(r), r["pass_"]) == (i, sh, p)), None)
                 cells.append("-" if r is None else
                              f"{r['eager_us']:.1f} ({r['eager_us_min']:.0f}-{r['eager_us_max']:.0f})")
-            print(f"| {T}x{I} | {p} | " + " | ".join(cells) + " |")
+            print(f"| {'x'.join(map(str, sh))} | {p} | " + " | ".join(cells) + " |")
 
 
 def moe(data: list[dict]) -> None:

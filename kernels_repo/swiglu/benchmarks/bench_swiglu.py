@@ -18,6 +18,7 @@ timing at the host-bound shapes, see `interleaved_eager`). Liger-Kernel is optio
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
@@ -182,12 +183,14 @@ def interleaved_eager(impls: dict, shapes, rounds: int, copy_bw: float) -> None:
     by 10-20% within one device call (2026-12-05: the same kernels as `ours` and `ours_sm80` read
     255 and 210 us at 64x14336 forward+backward, timed one after the other); measured in turn,
     each implementation would get a different host. The median over the rounds is emitted as
-    kind=swiglu_interleaved (eager only: under graph replay the host does not matter).
+    kind=swiglu_interleaved (eager only: under graph replay the host does not matter). Each shape
+    twice: [T, I] and [1, T, I], the layout a model's MLP passes (leading dims take another path).
     """
-    for T, I in shapes:
-        g = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-        u = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-        dy = torch.randn(T, I, device=DEV, dtype=torch.bfloat16)
+    for (T, I), lead in itertools.product(shapes, ((), (1,))):
+        # lead (1,): [1, T, I], the layout a model's MLP hands over (batch, sequence, features)
+        g = torch.randn(*lead, T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        u = torch.randn(*lead, T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(*lead, T, I, device=DEV, dtype=torch.bfloat16)
         for backward, tensors in ((False, 3), (True, 8)):
             gg, uu = (g, u) if backward else (g.detach(), u.detach())
             calls = {name: call_fn(fn, gg, uu, dy, backward) for name, fn in impls.items()}
@@ -198,7 +201,7 @@ def interleaved_eager(impls: dict, shapes, rounds: int, copy_bw: float) -> None:
             for name, ms in times.items():
                 median = sorted(ms)[len(ms) // 2]
                 emit(kind="swiglu_interleaved", impl=name, pass_="fwdbwd" if backward else "fwd", T=T, I=I,
-                     rounds=rounds, eager_us=median * 1e3, eager_us_min=min(ms) * 1e3,
+                     shape=list(g.shape), rounds=rounds, eager_us=median * 1e3, eager_us_min=min(ms) * 1e3,
                      eager_us_max=max(ms) * 1e3, frac_copy_eager=tensors * T * I * 2 / (median * 1e-3) / copy_bw)
         del g, u, dy
 
