@@ -790,6 +790,52 @@ def test_empty_batch_gives_empty_output_and_zero_grads():
     assert torch.equal(gu.grad, torch.zeros_like(gu))
 
 
+@pytest.mark.parametrize("layer", ["MoEExpertsSm80", "MoEExpertsSm90", "MoEExpertsReference", "MoEExperts"])
+def test_layers_take_an_empty_batch(layer):
+    """No tokens ([0, H] or [B, 0, H] hidden states): an empty output, as transformers' eager gives
+    (a `reshape(T, -1)` of the routing cannot infer K from zero elements)."""
+    module = build_experts("qwen3_moe")
+    K = 2
+    for shape in ((0, 32), (2, 0, 32)):
+        hidden = torch.randn(*shape)
+        idx = torch.zeros(*shape[:-1], K, dtype=torch.long)
+        weights = torch.zeros(*shape[:-1], K)
+        out = getattr(moe.layers, layer).forward(module, hidden, idx, weights)
+        assert out.shape == hidden.shape == module.forward(hidden.reshape(-1, 32), idx.reshape(-1, K),
+                                                           weights.reshape(-1, K)).reshape(shape).shape
+    assert moe.experts_forward(module, torch.randn(0, 32), torch.zeros(0, K, dtype=torch.long),
+                               torch.zeros(0, K)).shape == (0, 32)
+
+
+def test_expanded_weights_take_the_pointer_path_and_stay_correct():
+    """A stride-0 view (one expert's weights expanded over E) is no TMA tensor map: tma_ok refuses it,
+    and the sm90 variant reads it with pointer loads, giving the float64 loop's result."""
+    sm90 = importlib.import_module(moe.__name__ + "._experts_sm90")
+    x, gu, dn, idx, w = make_inputs(6, 32, 16, 4, 2)
+    gu_e, dn_e = gu[:1].expand_as(gu), dn[:1].expand_as(dn)
+    assert sm90.tma_ok(gu) and not sm90.tma_ok(gu_e) and not sm90.tma_ok(dn_e)
+    out = moe.fused_experts(x, gu_e, dn_e, idx, w, variant="sm90")
+    want = moe.fused_experts_reference(x.double(), gu_e.double(), dn_e.double(), idx, w.double())
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", TRITON_VARIANTS)
+def test_zero_hidden_size_launches_no_empty_grid(variant):
+    """H = 0: the GEMMs and weight gradients have no tiles, so nothing is launched (the weight-gradient
+    kernel's tile arithmetic divided by its zero tile count; numpy's errors raise here to catch it)."""
+    import numpy as np
+
+    x, gu, dn = torch.randn(4, 0), torch.randn(3, 16, 0), torch.randn(3, 0, 8)
+    idx, w = torch.tensor([[0, 1], [2, 0], [1, -1], [2, 1]]), torch.rand(4, 2)
+    for t in (x, gu, dn, w):
+        t.requires_grad_()
+    with np.errstate(all="raise"):
+        out = moe.fused_experts(x, gu, dn, idx, w, variant=variant)
+        out.sum().backward()
+    assert out.shape == (4, 0) and gu.grad.shape == gu.shape and dn.grad.shape == dn.shape
+    assert x.grad.shape == x.shape and torch.equal(w.grad, torch.zeros_like(w))
+
+
 # ------------------------------------------------------------------ routing alignment
 
 

@@ -409,6 +409,108 @@ def test_inplace_unique_group_indices(variant):
     assert torch.equal(want[:, 0], g[:, 0])
 
 
+def test_inplace_unique_leaves_ids_below_minus_one_alone_and_refuses_shared_memory(variant):
+    """Only repeats become -1 (an id < -1 is not a repeat), as the reference and the docstring say;
+    an in-place argument whose elements share memory (expanded) is refused on both paths."""
+    g = torch.tensor([[3, -2, 5, -7], [-2, 1, -3, 1]], device=DEV)
+    want = g.clone()
+    ref.inplace_unique_group_indices_ref(want, 8)
+    moe.inplace_unique_group_indices(g, 8)
+    assert g.tolist() == want.tolist() == [[3, -2, 5, -7], [-2, 1, -3, -1]]
+    shared = torch.tensor([[1, 2, 1]], device=DEV).expand(4, 3)
+    with pytest.raises(ValueError, match="`group_indices` is modified in place"):
+        moe.inplace_unique_group_indices(shared, 4)
+
+
+def test_expand_with_no_tokens_but_padding_rows_writes_zeros(variant):
+    """T = 0 with P > 0 (force_no_sync's bound, or an explicit P): every row is padding, so zero,
+    not the buffer's old contents (the fixture poisons every torch.empty)."""
+    idx = torch.empty((0, 4), dtype=torch.int64, device=DEV)
+    p2e, _, _, inv, *_ = moe.get_fused_mapping(idx, 8, 0, 16, force_no_sync=True)
+    assert p2e.numel() > 0 and (p2e == -1).all()
+    y = moe.expand_to_fused(torch.randn(0, 32, device=DEV), inv, p2e)
+    assert y.shape == (p2e.numel(), 32) and not y.isnan().any() and not y.any()
+
+
+def test_expand_of_a_complex_tensor_matches_the_reference(variant):
+    idx = random_topk(9, 2, 4)
+    p2e, _, _, inv, *_ = moe.get_fused_mapping(idx, 4, 0, 4)
+    x = torch.randn(9, 12, dtype=torch.complex64, device=DEV)[:, 1:11]  # strided rows
+    y = moe.expand_to_fused(x, inv, p2e)
+    assert y.dtype == torch.complex64 and torch.equal(y, ref.expand_to_fused_ref(x, inv, p2e.numel()))
+
+
+def test_routing_ops_keep_gradients_by_running_the_reference(variant):
+    """The kernels build no autograd graph: where an input requires grad (grad mode on), the torch
+    reference runs, so the result carries the gradient instead of silently dropping it."""
+    idx = random_topk(10, 3, 5)
+    p2e, _, _, inv, *_ = moe.get_fused_mapping(idx, 5, 0, 4)
+    x = torch.randn(10, 16, device=DEV, requires_grad=True)
+    y = moe.expand_to_fused(x, inv, p2e)
+    w = torch.rand(10, 3, device=DEV, requires_grad=True)
+    denom, wn = moe.normalize_weight(w)
+    out = moe.reduce_fused(y, wn, inv)
+    out.square().sum().backward()
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    yr = ref.expand_to_fused_ref(xr, inv, p2e.numel())
+    _, wnr = ref.normalize_weight_ref(wr)
+    ref.reduce_fused_ref(yr, wnr, inv).square().sum().backward()
+    assert x.grad is not None and w.grad is not None
+    torch.testing.assert_close(x.grad, xr.grad)
+    torch.testing.assert_close(w.grad, wr.grad)
+    with torch.no_grad():  # no gradient wanted: the kernels (the results match either way)
+        torch.testing.assert_close(moe.reduce_fused(y, wn, inv), out)
+
+
+def test_column_offsets_past_int32_take_a_contiguous_copy(variant, monkeypatch):
+    """The kernels index columns in 32 bits; an input whose column offsets would not fit (a
+    transposed view of > 2**31 elements; here the limit is lowered to reach it with small tensors)
+    runs on a contiguous copy (in place: written back), with the same results."""
+    monkeypatch.setattr(checks, "COLUMN_OFFSET_MAX", 40)
+    scores = torch.randn(12, 6, device=DEV).t().contiguous().t()  # column stride 12: 5 * 12 > 40
+    torch.testing.assert_close(moe.topk_gate(scores, 3), ref.topk_gate_ref(scores, 3), rtol=0, atol=0)
+    w = torch.rand(3, 12, device=DEV).t()
+    for got, want in zip(moe.normalize_weight(w), ref.normalize_weight_ref(w), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    idx = random_topk(12, 3, 4)
+    p2e, _, _, inv, *_ = moe.get_fused_mapping(idx, 4, 0, 4)
+    z = torch.randn(p2e.numel(), 8, device=DEV)
+    torch.testing.assert_close(moe.reduce_fused(z, w, inv), ref.reduce_fused_ref(z, w, inv))
+    g = torch.randint(-1, 5, (7, 30), device=DEV).t().contiguous().t()  # in place through a copy
+    want = g.clone()
+    ref.inplace_unique_group_indices_ref(want, 5)
+    moe.inplace_unique_group_indices(g, 5)
+    assert torch.equal(g, want)
+
+
+def test_column_offsets_past_int32_at_real_size():
+    """The same with a real [1, 3] view whose column stride is 2**30 (4 GiB of virtual memory, a few
+    pages touched): before, the 32-bit column offset wrapped and the interpreter crashed reading
+    out of bounds. A subprocess, so that a crash fails the test instead of the run."""
+    code = f"""
+import torch
+from kernelhub.hub import get_local_kernel
+moe = get_local_kernel({str(Path(__file__).resolve().parents[1])!r})
+S = 2 ** 30
+try:
+    base = torch.empty(2 * S + 1, dtype=torch.float16)  # untouched but for the three elements below
+except (RuntimeError, MemoryError) as e:
+    print("SKIP", e)
+    raise SystemExit(0)
+for i, v in enumerate((1.0, 2.0, 3.0)):
+    base[i * S] = v
+w = base.as_strided((1, 3), (3 * S, S))
+x = torch.ones(3, 2, dtype=torch.float16)
+print(moe.reduce_fused(x, w, torch.tensor([[0, 1, 2]])).tolist())
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    if run.stdout.startswith("SKIP"):
+        pytest.skip(f"cannot reserve 4 GiB of virtual memory here: {run.stdout.strip()}")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "[[6.0, 6.0]]"
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU: DeepSeek-V3 routing shape
 # ----------------------------------------------------------------------------------------------

@@ -176,6 +176,85 @@ def test_leading_dims_of_one_shape_with_other_strides_each_get_their_own_rows(mo
     assert sum(1 for k in collapsed if not k[0]) == 4 and sum(1 for v in collapsed.values() if v is None) >= 1
 
 
+def test_the_reference_result_is_contiguous_like_the_kernels():
+    gate, up = _rand((8, 6), torch.float32).t(), _rand((8, 6), torch.float32).t()
+    for impl in ("reference", "sm80"):
+        assert ops.swiglu(gate, up, impl=impl).is_contiguous()
+        assert ops.swiglu_packed(_rand((12, 8), torch.float32).t(), impl=impl).is_contiguous()
+
+
+def test_torch_func_transforms_run_the_reference():
+    """vmap and grad of torch.func: the kernels read raw addresses, which a batched tensor has not,
+    so impl=None runs the torch reference (same fp32 math, one rounding); a forced kernel refuses."""
+    gate, up = _rand((3, 5, 32), torch.float32), _rand((3, 5, 32), torch.float32)
+    out = torch.func.vmap(ops.swiglu)(gate, up)
+    _close(out, _reference(gate, up), torch.float32)
+    packed = torch.cat([gate, up], dim=-1)
+    _close(torch.func.vmap(ops.swiglu_packed)(packed), _reference(gate, up), torch.float32)
+    dg, du = torch.func.grad(lambda g, u: ops.swiglu(g, u).sum(), argnums=(0, 1))(gate[0], up[0])
+    _, rdg, rdu = _reference(gate[0], up[0], torch.ones(5, 32))
+    _close(dg, rdg, torch.float32)
+    _close(du, rdu, torch.float32)
+    with pytest.raises(ValueError, match=r"swiglu: torch.func transforms .* `impl` 'sm80'"):
+        torch.func.vmap(lambda g, u: ops.swiglu(g, u, impl="sm80"))(gate, up)
+
+
+def test_column_offsets_past_int32_run_on_contiguous_copies(monkeypatch):
+    """The kernels index columns in 32 bits: an input whose column offsets would not fit (a transposed
+    view of > 2**31 elements; here the limit is lowered to reach it with small tensors) is launched
+    from a contiguous copy, forward and backward, 2-D, leading dims and packed alike."""
+    monkeypatch.setattr(dispatch, "_INT32_MAX", 100)
+    monkeypatch.setattr(dispatch._VARIANTS["sm80"], "_collapsed", {})
+    seen = []
+    split = dispatch._VARIANTS["sm80"].fwd.split
+    monkeypatch.setattr(dispatch._VARIANTS["sm80"].fwd, "split",
+                        lambda grid, index, tensors, *a, **k: (seen.append([t.stride(-1) for t in tensors]),
+                                                              split(grid, index, tensors, *a, **k)))
+    gate = _rand((48, 12), torch.float32).t().requires_grad_()  # column stride 12: 47 * 12 > 100
+    up = _rand((12, 48), torch.float32).requires_grad_()
+    dy = _rand((12, 48), torch.float32)
+    y = ops.swiglu(gate, up, impl="sm80")
+    y.backward(dy)
+    ref, rdg, rdu = _reference(gate, up, dy)
+    _close(y, ref, torch.float32)
+    _close(gate.grad, rdg, torch.float32)
+    _close(up.grad, rdu, torch.float32)
+    g3 = _rand((2, 48, 3), torch.float32).transpose(1, 2)  # leading dims
+    _close(ops.swiglu(g3, g3.contiguous(), impl="sm80"), _reference(g3, g3.contiguous()), torch.float32)
+    x = _rand((96, 5), torch.float32).t()  # packed: the up half starts 48 columns in
+    _close(ops.swiglu_packed(x, impl="sm80"), _reference(*x.chunk(2, dim=-1)), torch.float32)
+    assert seen and all(strides == [1, 1, 1] for strides in seen)  # only copies reached the kernel
+
+
+def test_column_offsets_past_int32_at_real_size():
+    """A real [1, 3] fp16 view with column stride 2**30 (4 GiB of virtual memory, a few pages
+    touched): before, the 32-bit column offset wrapped and the interpreter crashed reading out of
+    bounds. In a subprocess, so that a crash fails this test rather than the run."""
+    code = f"""
+import torch
+from kernelhub.hub import get_local_kernel
+sw = get_local_kernel({str(Path(__file__).resolve().parents[1])!r})
+S = 2 ** 30
+try:
+    base = torch.empty(2 * S + 1, dtype=torch.float16)  # untouched but for the three elements below
+except (RuntimeError, MemoryError) as e:
+    print("SKIP", e)
+    raise SystemExit(0)
+for i, v in enumerate((1.0, 2.0, 3.0)):
+    base[i * S] = v
+g = base.as_strided((1, 3), (3 * S, S))
+for impl in ("sm80", "sm90"):
+    print(sw.swiglu(g, torch.ones(1, 3, dtype=torch.float16), impl=impl).tolist())
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    if run.stdout.startswith("SKIP"):
+        pytest.skip(f"cannot reserve 4 GiB of virtual memory here: {run.stdout.strip()}")
+    assert run.returncode == 0, run.stderr[-2000:]
+    want = str(F.silu(torch.tensor([[1.0, 2.0, 3.0]])).half().tolist())
+    assert run.stdout.split("\n")[:2] == [want, want]
+
+
 def test_expanded_grad_output_from_sum():
     gate = _rand((8, 48), torch.float32).requires_grad_()
     up = _rand((8, 48), torch.float32).requires_grad_()

@@ -21,13 +21,14 @@ except ImportError:  # pragma: no cover - older triton: sm90 runs the pointer pa
 
 
 def tma_ok(weight: torch.Tensor) -> bool:
-    """TMA constraints: last dim contiguous, base and other strides 16-byte aligned."""
+    """TMA constraints: last dim contiguous, base and other strides 16-byte aligned and nonzero (an
+    expanded view, stride 0, is no tensor map: the pointer path reads it)."""
     if TensorDescriptor is None or weight.dim() < 2 or weight.stride(-1) != 1:
         return False
     size = weight.element_size()
     if weight.data_ptr() % 16:
         return False
-    return all((s * size) % 16 == 0 for s in weight.stride()[:-1])
+    return all(s > 0 and (s * size) % 16 == 0 for s in weight.stride()[:-1])
 
 
 def weight_descriptor(weight: torch.Tensor, block_rows: int, block_cols: int):

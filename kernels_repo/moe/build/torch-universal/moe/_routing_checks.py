@@ -21,6 +21,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The interpreter runs programs one by one; a small "SM count" keeps CPU grids to a few programs.
 _INTERPRETER_SMS = 4
 INT32_MAX = 2**31 - 1
+COLUMN_OFFSET_MAX = INT32_MAX  # the small routing kernels' column offsets are 32-bit (int32_columns)
 
 _lock = threading.Lock()
 _num_sms_override: dict[tuple[str, int], int] = {}
@@ -107,6 +108,24 @@ def check_same_device(fn: str, **tensors: Tensor | None) -> torch.device:
                 "all tensors must be on one device"
             )
     return first.device
+
+
+def int32_columns(t: Tensor) -> Tensor:
+    """t, or a contiguous copy where a column offset (column * last stride) would not fit int32:
+    the kernels index rows in 64 bits but columns in 32 (e.g. a transposed view of > 2**31 elements)."""
+    return t.contiguous() if t.dim() and (t.shape[-1] - 1) * t.stride(-1) > COLUMN_OFFSET_MAX else t
+
+
+def needs_grad(*tensors: Tensor | None) -> bool:
+    """A result must carry a gradient: the kernels build no graph, so the torch reference runs."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def check_no_self_overlap(fn: str, name: str, t: Tensor) -> None:
+    """An in-place argument whose elements share memory (a stride-0 view) has no defined result."""
+    if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride(), strict=True)):
+        raise ValueError(f"{fn}: `{name}` is modified in place, so its elements must not share memory; got "
+                         f"shape {tuple(t.shape)} with strides {t.stride()} (an expanded view?)")
 
 
 def row_major(t: Tensor) -> Tensor:

@@ -338,7 +338,7 @@ def _unique_group_kernel(
     m = rows < num_tokens
     for j in tl.static_range(1, K):
         cj = tl.load(g_ptr + rows * stride_gt + j * stride_gk, mask=m, other=-1)
-        dup = cj < -1  # all False, of the right shape
+        dup = cj != cj  # all False, of the right shape
         for i in tl.static_range(j):
             # Column i may already be -1 (a duplicate); its value's first occurrence is intact
             # and earlier still, so the comparison against it catches cj all the same.

@@ -231,6 +231,8 @@ def _gemm(a, weight, out, routing: ExpertRows, cfg: dict, *, n: int, k: int, epi
             a_desc = sm90.rows_descriptor(a, bm, bk)
             a_desc_tall = sm90.rows_descriptor(a, 2 * bm, bk) if pair else None
     tiles = _cdiv(P, bm) * _cdiv(n, bn)
+    if tiles == 0:  # no rows or no columns (H = 0): nothing to compute
+        return
     per_sm = int(cfg.get("PERSISTENT", 0))  # programs per SM; 0: one program per tile
     programs = min(tiles, per_sm * _sm_count(a.device)) if per_sm else tiles
     pair_tiles = _pair_tiles(routing) if pair and per_sm else routing.expert_count
@@ -282,11 +284,13 @@ def _wgrad(a, b, out, routing: ExpertRows, cfg: dict, *, gather_a: bool, gather_
     b_tma = bool(tma and not gather_b and sm90.tma_ok(b))
     c_tma = bool(use_tma and cfg.get("TMA_STORE", False) and sm90.tma_ok(out))
     tiles = E * _cdiv(M, bm) * _cdiv(N, bn)
+    if tiles == 0:  # dW has no elements (H = 0): the kernel's tile arithmetic would divide by zero
+        return
     per_sm = int(cfg.get("PERSISTENT", 0))  # programs per SM; 0: one program per tile
     programs = min(tiles, per_sm * _sm_count(out.device)) if per_sm else tiles
     flat = int(cfg.get("FLAT_STEPS", 0)) if per_sm and a_tma and b_tma else 0
     _launcher(_wgrad_launch, cfg).split(
-        (max(programs, 1),), _index(a),
+        (programs,), _index(a),
         (a, b, out, routing.rows, routing.expert_start, routing.expert_count),
         (E, M, N, routing.num_rows, a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0),
          out.stride(1), out.stride(2)),

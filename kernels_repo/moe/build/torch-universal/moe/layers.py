@@ -10,6 +10,8 @@ says so, and kernelize should keep its forward.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -83,13 +85,14 @@ def _run(module: nn.Module, hidden_states, top_k_index, top_k_weights, variant: 
             raise ValueError(f"MoEExperts.forward: {reason}")
     # transformers skips ids == E (and EP sentinels >= E): fused_experts (every variant) drops ids
     # outside [0, E) itself, sync-free, so they pass through unmapped.
-    x = hidden_states.reshape(-1, hidden_states.shape[-1])  # [..., H] -> [T, H] (a view when it can)
+    # [..., H] -> [T, H] (a view when it can); sizes spelled out, as -1 is ambiguous for an empty batch
+    T = math.prod(hidden_states.shape[:-1])
+    x = hidden_states.reshape(T, hidden_states.shape[-1])
     gu = module.gate_up_proj
     if x.dtype != gu.dtype:  # autocast / fp32 activations with bf16 weights
         x = x.to(gu.dtype)
-    T = x.shape[0]
-    out = fused_experts(x, gu, module.down_proj, top_k_index.reshape(T, -1), top_k_weights.reshape(T, -1),
-                        variant=variant, check_indices=False)
+    out = fused_experts(x, gu, module.down_proj, top_k_index.reshape(T, top_k_index.shape[-1]),
+                        top_k_weights.reshape(T, top_k_weights.shape[-1]), variant=variant, check_indices=False)
     if out.dtype != hidden_states.dtype:
         out = out.to(hidden_states.dtype)
     return out.view(hidden_states.shape)

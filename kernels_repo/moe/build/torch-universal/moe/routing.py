@@ -75,6 +75,7 @@ def topk_gate(scores: Tensor, num_topk: int) -> Tensor:
     out = torch.empty((t, num_topk), dtype=torch.int64, device=scores.device)
     if t == 0:
         return out
+    scores = _c.int32_columns(scores)
     e_pow2 = _pow2(e)
     block_t = max(1, min(16, 4096 // e_pow2))  # <= 32 scores per thread (register pressure)
     with device_guard(scores):
@@ -89,12 +90,14 @@ def normalize_weight(topk_weights: Tensor) -> tuple[Tensor, Tensor]:
     """(denominator [T], normalized [T, K]) with denominator = 1e-20 + sum_k w[:, k], in k order.
 
     Args:
-        topk_weights: [T, K] float32, any strides.
+        topk_weights: [T, K] float32, any strides. Where it requires grad (and grad mode is on) the
+            torch reference runs, so the results carry the gradient (the kernel builds no graph).
     """
     fn = "normalize_weight"
     w = _c.check_tensor(fn, "topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,))
-    if not _c.use_triton(w):
+    if not _c.use_triton(w) or _c.needs_grad(w):  # (the reference is differentiable)
         return _ref.normalize_weight_ref(w)
+    w = _c.int32_columns(w)
     t, k = w.shape
     denom = torch.empty((t,), dtype=torch.float32, device=w.device)
     out = torch.empty((t, k), dtype=torch.float32, device=w.device)
@@ -219,17 +222,21 @@ def inplace_unique_group_indices(group_indices: Tensor, num_groups: int) -> None
     fn = "inplace_unique_group_indices"
     g = _c.check_tensor(fn, "group_indices", group_indices, ndim=2, dtypes=_c._INT_DTYPES)
     _c.check_int(fn, "num_groups", num_groups, minimum=1)
+    _c.check_no_self_overlap(fn, "group_indices", g)
     if not _c.use_triton(g):
         _ref.inplace_unique_group_indices_ref(g, num_groups)
         return
     t, k = g.shape
     if t == 0 or k <= 1:
         return
+    work = _c.int32_columns(g)  # (a copy, written back below, where columns need 64-bit offsets)
     block_t = 256
     with device_guard(g):
         _launch["_unique_group_kernel"](
-            (_cdiv(t, block_t),), _index(g), g, t, g.stride(0), g.stride(1), K=k, BLOCK_T=block_t,
+            (_cdiv(t, block_t),), _index(work), work, t, work.stride(0), work.stride(1), K=k, BLOCK_T=block_t,
         )
+    if work is not g:
+        g.copy_(work)
 
 
 
@@ -414,7 +421,8 @@ def expand_to_fused(x: Tensor, token_topk_to_pos: Tensor, pos_to_expert: Tensor)
     """[P, H]: row pos[t, k] holds x[t] for every pos >= 0; padding rows (expert -1) are zero.
 
     Args:
-        x: [T, H], any dtype; rows may be strided.
+        x: [T, H], any dtype; rows may be strided. Where it requires grad (and grad mode is on) the
+            torch reference runs, so the result carries the gradient (the kernel builds no graph).
         token_topk_to_pos: [T, K] int32/int64 from get_fused_mapping: positions in [0, P), or -1.
         pos_to_expert: [P] int32/int64 from get_fused_mapping (P = its length).
 
@@ -432,12 +440,17 @@ def expand_to_fused(x: Tensor, token_topk_to_pos: Tensor, pos_to_expert: Tensor)
         raise ValueError(f"{fn}: `token_topk_to_pos` must have {t} rows like `x`, got "
                          f"{tuple(token_topk_to_pos.shape)}")
     num_pos = pos_to_expert.shape[0]
-    if not _c.use_triton(x):
+    if not _c.use_triton(x) or _c.needs_grad(x):
         _check_positions(fn, token_topk_to_pos, num_pos, "`pos_to_expert`'s length")
         return _ref.expand_to_fused_ref(x, token_topk_to_pos, num_pos)
+    if x.is_complex():  # Triton has no complex types: the (real, imaginary) pairs as 2H reals
+        real = expand_to_fused(torch.view_as_real(x).reshape(t, 2 * h), token_topk_to_pos, pos_to_expert)
+        return torch.view_as_complex(real.view(num_pos, h, 2))
     out = torch.empty((num_pos, h), dtype=x.dtype, device=x.device)
-    if t == 0 or h == 0:
+    if h == 0:
         return out
+    if t == 0:  # no tokens: every row is a padding row
+        return out.zero_()
     valid = torch.ones(1, dtype=torch.int32, device=x.device)
     x = _c.row_major(x)
     mapping = _c.row_major(token_topk_to_pos)
@@ -462,7 +475,8 @@ def reduce_fused(x: Tensor, topk_weights: Tensor | None, token_topk_to_pos: Tens
 
     Args:
         x: [P, H] fp16/bf16/fp32 expert outputs; rows may be strided.
-        topk_weights: [T, K] float weights, or None for a plain sum.
+        topk_weights: [T, K] float weights, or None for a plain sum. Where `x` or these require
+            grad (and grad mode is on) the torch reference runs, so the result carries the gradient.
         token_topk_to_pos: [T, K] int32/int64 from get_fused_mapping: positions in [0, P), or -1
             (others raise as in `expand_to_fused`).
         out: optional [T, H] contiguous, dtype x.dtype or float32, on x's device; written in
@@ -487,7 +501,7 @@ def reduce_fused(x: Tensor, topk_weights: Tensor | None, token_topk_to_pos: Tens
             raise ValueError(f"{fn}: `out` must have shape {(t, h)}, got {tuple(out.shape)}")
         if not out.is_contiguous():
             raise ValueError(f"{fn}: `out` must be contiguous, got strides {out.stride()}")
-    if not _c.use_triton(x):
+    if not _c.use_triton(x) or _c.needs_grad(x, topk_weights):
         _check_positions(fn, token_topk_to_pos, num_pos, "the rows of `x`")
         res = _ref.reduce_fused_ref(x, topk_weights, token_topk_to_pos)
         if out is None:
@@ -499,7 +513,7 @@ def reduce_fused(x: Tensor, topk_weights: Tensor | None, token_topk_to_pos: Tens
         return out
     x = _c.row_major(x)
     mapping = _c.row_major(token_topk_to_pos)
-    w = topk_weights if topk_weights is not None else mapping  # dummy pointer when unused
+    w = _c.int32_columns(topk_weights) if topk_weights is not None else mapping  # dummy pointer when unused
     cfg, _ = _c.select_config(x.device)
     block_h = min(cfg.reduce_block_h, _pow2(h))
     valid = torch.ones(1, dtype=torch.int32, device=x.device)

@@ -56,18 +56,21 @@ class _Variant:
             plan = self._configs[key] = ((grid,), (block_m, block_n, N % block_n == 0, packed), num_warps)
         return plan
 
-    def collapse(self, backward: bool, N: int, shape: torch.Size,
-                 tensors: tuple[torch.Tensor, ...]) -> tuple[int, ...] | None:
+    def collapse(self, backward: bool, packed: bool, N: int, shape: torch.Size,
+                 tensors: tuple[torch.Tensor, ...]) -> tuple[int, ...] | str | None:
         """The ints of a launch over [..., N] tensors with leading batch dims, seen as [M, N] rows
-        without a copy; None where no single row stride spans them. Cached by shape and strides:
-        a model's MLP calls with [batch, seq, I] tensors, where the collapse costs ~10 us of Python."""
+        without a copy; None where no single row stride spans them, `_COPY` where an input's column
+        offsets need 64 bits. Cached by shape and strides: a model's MLP calls with [batch, seq, I]
+        tensors, where the collapse costs ~10 us of Python."""
         strides = tuple([t.stride() for t in tensors])
-        key = (backward, N, shape, strides)
+        key = (backward, packed, N, shape, strides)
         hit = self._collapsed.get(key, False)
         if hit is not False:
             return hit
-        rows = [_rows(shape, st) for st in strides]
-        if None in rows:
+        rows = None if _wide_columns(strides, backward, packed, N) else [_rows(shape, st) for st in strides]
+        if rows is None:
+            ints = _COPY
+        elif None in rows:
             ints = None
         else:
             rs = [r[1] for r in rows]
@@ -146,6 +149,25 @@ def _rows(shape: torch.Size, strides: tuple[int, ...]) -> tuple[int, int] | None
     return M, stride_m
 
 
+_COPY = "copy"
+_INT32_MAX = 2**31 - 1
+
+
+def _wide_columns(strides: tuple, backward: bool, packed: bool, N: int) -> bool:
+    """Whether an input's largest column offset (column * last stride; packed: up starts N columns
+    in) overflows the kernels' 32-bit column arithmetic (rows are 64-bit): a transposed view of a
+    tensor of more than 2**31 elements. The outputs are contiguous."""
+    span = 2 * N if packed else N
+    return any((span - 1) * st[-1] > _INT32_MAX for st in strides[:3 if backward else 2])
+
+
+def _contiguous_inputs(backward: bool, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The launch's inputs as contiguous copies (one per distinct tensor), its outputs as they are."""
+    n = 3 if backward else 2
+    copies: dict[int, torch.Tensor] = {}
+    return tuple(copies.setdefault(id(t), t.contiguous()) if i < n else t for i, t in enumerate(tensors))
+
+
 def _launch(target: tuple[_Variant, int, int], backward: bool, packed: bool, N: int,
             tensors: tuple[torch.Tensor, ...]) -> None:
     """Launch over [..., N] tensors (inputs then outputs) viewed as rows; loop where no view exists.
@@ -157,13 +179,19 @@ def _launch(target: tuple[_Variant, int, int], backward: bool, packed: bool, N: 
     if len(shape) == 2:  # the common case, without the general collapse below
         M = shape[0]
         s0, s1, s2 = tensors[0].stride(), tensors[1].stride(), tensors[2].stride()
+        if (s0[1] != 1 or s1[1] != 1 or s2[1] != 1) and _wide_columns((s0, s1, s2), backward, packed, N):
+            _launch(target, backward, packed, N, _contiguous_inputs(backward, tensors))
+            return
         if backward:  # (dy, gate, up, d gate, d up); the gradients are ours, contiguous
             ints = (M, N, s0[0], s0[1], s1[0], s1[1], s2[0], s2[1], tensors[3].stride(0),
                     tensors[4].stride(0))
         else:  # (gate, up, out); out is contiguous (ours, or checked)
             ints = (M, N, s0[0], s0[1], s1[0], s1[1], s2[0])
     else:
-        ints = variant.collapse(backward, N, shape, tensors)
+        ints = variant.collapse(backward, packed, N, shape, tensors)
+        if ints is _COPY:
+            _launch(target, backward, packed, N, _contiguous_inputs(backward, tensors))
+            return
         if ints is None:
             # leading dims that no single row stride spans (rare): one launch per outer index
             for i in range(shape[0]):

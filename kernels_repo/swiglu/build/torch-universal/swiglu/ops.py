@@ -101,8 +101,8 @@ class _SwiGLUPackedFunction(torch.autograd.Function):
 def _base_apply(function: type) -> object:
     """`Function.apply` minus its Python prologue (setup_context binding, functorch checks): the
     C++ `_FunctionBase.apply` bound to `function`. ~4 us less host time per eager call; used only
-    when no functorch transform is active (`_apply` checks), where the prologue changes nothing
-    for these Functions (no `setup_context`)."""
+    when no functorch transform is active (`_functorch` sends those calls to the reference), where
+    the prologue changes nothing for these Functions (no `setup_context`)."""
     base = getattr(torch._C, "_FunctionBase", None)
     if base is None or function.setup_context is not torch.autograd.Function.setup_context:
         return function.apply
@@ -112,6 +112,18 @@ def _base_apply(function: type) -> object:
 _SWIGLU_APPLY = _base_apply(_SwiGLUFunction)
 _SWIGLU_PACKED_APPLY = _base_apply(_SwiGLUPackedFunction)
 _functorch_active = torch._C._are_functorch_transforms_active
+
+
+def _functorch(fn: str, impl: str | None) -> bool:
+    """Under a torch.func transform (vmap, grad, ...): True, so the torch reference runs (the same
+    fp32 math and one rounding); the kernels read raw addresses, which a batched tensor has not,
+    so a forced Triton `impl` is refused there."""
+    if not _functorch_active():
+        return False
+    if impl is not None:
+        raise ValueError(f"{fn}: torch.func transforms (vmap, grad, ...) run the torch reference; "
+                         f"`impl` {impl!r} cannot run under one (use impl=None or 'reference')")
+    return True
 
 
 def _impl_arg(fn: str, impl: str | None) -> str:
@@ -145,16 +157,17 @@ def swiglu(
         up: same shape, dtype and device as `gate`.
         out: optional preallocated result: contiguous, gate's shape, dtype and device; written in
             place and returned (not differentiable). Validated, never moved or reallocated.
-        impl: None picks by the capability of `gate`'s device (>= 90: "sm90", else "sm80");
-            "sm90"/"sm80" force a Triton variant (CUDA, or CPU under TRITON_INTERPRET=1),
-            "reference" the torch reference.
+        impl: None picks by the capability of `gate`'s device (>= 90: "sm90", else "sm80"; under a
+            torch.func transform the torch reference); "sm90"/"sm80" force a Triton variant (CUDA,
+            or CPU under TRITON_INTERPRET=1), "reference" the torch reference.
 
     Returns:
         [..., I] contiguous, dtype and device of `gate`.
 
     Raises:
         TypeError: not tensors, unsupported dtype, or dtypes differ.
-        ValueError: devices or shapes differ, 0-d input, unknown `impl`, unusable `out`.
+        ValueError: devices or shapes differ, 0-d input, unknown `impl` (or a Triton one under a
+            torch.func transform), unusable `out`.
     """
     _check_pair("swiglu", gate, up)
     if out is not None:
@@ -163,15 +176,13 @@ def swiglu(
         y = _swiglu_op(gate, up, _impl_arg("swiglu", impl))
         return y if out is None else out.copy_(y)
     target = _resolve("swiglu", gate, impl)
-    if target is None:
+    if target is None or _functorch("swiglu", impl):
         y = swiglu_reference(gate, up)
         return y if out is None else out.copy_(y)
     if out is not None:
         _run(target, False, False, gate.shape[-1], (gate, up, out))
         return out
     if (gate.requires_grad or up.requires_grad) and torch.is_grad_enabled():
-        if _functorch_active():
-            return _SwiGLUFunction.apply(gate, up, target)
         return _SWIGLU_APPLY(gate, up, target)
     return _forward(target, gate, up)
 
@@ -196,14 +207,12 @@ def swiglu_packed(
         y = _swiglu_packed_op(x, _impl_arg("swiglu_packed", impl))
         return y if out is None else out.copy_(y)
     target = _resolve("swiglu_packed", x, impl)
-    if target is None:
+    if target is None or _functorch("swiglu_packed", impl):
         y = swiglu_packed_reference(x)
         return y if out is None else out.copy_(y)
     if out is not None:
         _run(target, False, True, x.shape[-1] // 2, (x, x, out))
         return out
     if x.requires_grad and torch.is_grad_enabled():
-        if _functorch_active():
-            return _SwiGLUPackedFunction.apply(x, target)
         return _SWIGLU_PACKED_APPLY(x, target)
     return _forward_packed(target, x)

@@ -7,8 +7,9 @@ import torch.nn.functional as F
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up in fp32, rounded once to the input dtype; autograd through torch."""
-    return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+    """silu(gate) * up in fp32, rounded once to the input dtype; autograd through torch. Contiguous,
+    like the kernels' result (the product alone would keep a transposed input's layout)."""
+    return (F.silu(gate.float()) * up.float()).contiguous().to(gate.dtype)
 
 
 def swiglu_packed_reference(x: torch.Tensor) -> torch.Tensor:
