@@ -820,6 +820,32 @@ def test_expanded_weights_take_the_pointer_path_and_stay_correct():
 
 
 @pytest.mark.parametrize("variant", TRITON_VARIANTS)
+def test_inner_offsets_past_int32_run_on_contiguous_copies(variant, monkeypatch):
+    """Offsets within a row of x or an expert of a weight are 32-bit in the kernels: a view whose
+    inner strides reach past 2**31 elements (here the limit is lowered to reach it with small
+    tensors) runs on contiguous copies, and its gradients reach the caller's tensors."""
+    ex = importlib.import_module(moe.__name__ + ".experts")
+    monkeypatch.setattr(ex, "_INNER_OFFSET_MAX", 1000)
+    seen = []
+    gemm = ex._gemm
+    monkeypatch.setattr(ex, "_gemm", lambda a, weight, *args, **kw: (seen.append((a.stride(), weight.stride())),
+                                                                       gemm(a, weight, *args, **kw))[1])
+    x0, gu, dn, idx, w = make_inputs(40, 32, 16, 4, 2)
+    x = x0.t().contiguous().t().requires_grad_()  # column stride 40: 31 * 40 > 1000
+    gu_t = gu.transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()  # inner offset > 1000 too
+    out = moe.fused_experts(x, gu_t, dn, idx, w, variant=variant)
+    dy = torch.randn_like(out)
+    out.backward(dy)
+    xr, gur = x0.double().requires_grad_(), gu.double().requires_grad_()
+    want = moe.fused_experts_reference(xr, gur, dn.double(), idx, w.double())
+    want.backward(dy.double())
+    torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), xr.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(gu_t.grad.double(), gur.grad, rtol=1e-4, atol=1e-5)
+    assert seen and all(a[-1] == 1 and wt[-1] == 1 for a, wt in seen)  # only copies reached a GEMM
+
+
+@pytest.mark.parametrize("variant", TRITON_VARIANTS)
 def test_zero_hidden_size_launches_no_empty_grid(variant):
     """H = 0: the GEMMs and weight gradients have no tiles, so nothing is launched (the weight-gradient
     kernel's tile arithmetic divided by its zero tile count; numpy's errors raise here to catch it)."""

@@ -118,6 +118,15 @@ def _validate(x, gate_up_proj, down_proj, topk_idx, topk_weights, check_indices:
         _check_ids(x, topk_idx, E)
 
 
+_INNER_OFFSET_MAX = 2**31 - 1
+
+
+def _inner_offset(t: torch.Tensor) -> int:
+    """The largest element offset within one row of x / one expert of a weight (every dim but the
+    first), which the kernels compute in 32 bits; the first dim's offsets are 64-bit."""
+    return sum((n - 1) * s for n, s in zip(t.shape[1:], t.stride()[1:], strict=True))
+
+
 def _checked_variant(x: torch.Tensor, variant: object) -> str:
     """`variant` if x can run it (a Triton variant: CUDA, or the CPU under the interpreter; 16/32-bit)."""
     if variant not in VARIANTS:
@@ -618,6 +627,13 @@ def fused_experts(
     variant = _checked_variant(x, select_variant(dev) if variant is None else variant)
     if variant == "reference":
         return fused_experts_reference(x, gate_up_proj, down_proj, topk_idx, topk_weights)
+    if any(_inner_offset(t) > _INNER_OFFSET_MAX for t in (x, gate_up_proj, down_proj)):
+        # offsets within a row of x / an expert's weights are 32-bit in the kernels: a view whose
+        # inner strides reach past 2**31 elements (e.g. a transposed x of > 2**31) runs on copies,
+        # never recorded for replay (the copies are not the caller's tensors)
+        x, gate_up_proj, down_proj = (t if _inner_offset(t) <= _INNER_OFFSET_MAX else t.contiguous()
+                                      for t in (x, gate_up_proj, down_proj))
+        key = None
     if torch._C._are_functorch_transforms_active():
         raise ValueError(f"{_FN}: torch.func transforms (vmap, grad, ...) are not supported by variant "
                          f"{variant!r} (its kernels read raw addresses); use variant='reference'")
