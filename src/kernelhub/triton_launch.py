@@ -307,4 +307,3 @@ class CachedLaunch:
         if len(self.exact) >= _MAX_KEYS:
             self.exact.clear()
         self.exact[key] = hit
-

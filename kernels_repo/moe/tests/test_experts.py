@@ -754,6 +754,18 @@ def test_torch_func_transforms_are_refused_by_the_triton_variants(variant):
     xr = x.clone().requires_grad_()
     moe.fused_experts_reference(xr, gu, dn, idx, w).sum().backward()
     torch.testing.assert_close(ref, xr.grad)
+    # the default variant and the layers (whose classes force a variant) run the reference there
+    default = torch.func.grad(lambda xx: moe.fused_experts(xx, gu, dn, idx, w).sum())(x)
+    torch.testing.assert_close(default, xr.grad)
+    module = build_experts("qwen3_moe")
+    E = module.gate_up_proj.shape[0]
+    hidden = torch.randn(2, 3, 32)
+    k_idx = torch.stack([torch.randperm(E)[:2] for _ in range(3)])
+    k_w = torch.rand(3, 2)
+    layer = getattr(moe.layers, "MoEExpertsSm80" if variant == "sm80" else "MoEExpertsSm90")
+    batched = torch.func.vmap(lambda h: layer.forward(module, h, k_idx, k_w))(hidden)
+    for b in range(2):
+        torch.testing.assert_close(batched[b], module.forward(hidden[b], k_idx, k_w), rtol=1e-4, atol=1e-5)
 
 
 def test_reference_with_nothing_routed_still_gives_zero_gradients():

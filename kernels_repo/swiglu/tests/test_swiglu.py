@@ -197,6 +197,16 @@ def test_torch_func_transforms_run_the_reference():
     _close(du, rdu, torch.float32)
     with pytest.raises(ValueError, match=r"swiglu: torch.func transforms .* `impl` 'sm80'"):
         torch.func.vmap(lambda g, u: ops.swiglu(g, u, impl="sm80"))(gate, up)
+    # the layers (whose classes force an impl) run the reference there
+    mlp = types.SimpleNamespace(gate_proj=torch.nn.Linear(16, 32), up_proj=torch.nn.Linear(16, 32),
+                                down_proj=torch.nn.Linear(32, 16), act_fn=torch.nn.SiLU())
+    x = torch.randn(3, 5, 16)
+    batched = torch.func.vmap(lambda xx: layers.SwiGLUMLPSm80.forward(mlp, xx))(x)
+    with torch.no_grad():
+        want = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    _close(batched, want, torch.float32)
+    _close(torch.func.vmap(lambda p: layers.SiluAndMulSm90.forward(None, p))(packed), _reference(gate, up),
+           torch.float32)
 
 
 def test_column_offsets_past_int32_run_on_contiguous_copies(monkeypatch):

@@ -585,7 +585,8 @@ def fused_experts(
         down_proj: [E, H, I], dtype of `x`.
         topk_idx: [T, K], int32/int64, entries in [0, E) or -1 (dropped).
         topk_weights: [T, K], floating point.
-        variant: "sm90", "sm80" or "reference"; default: by the capability of x's device.
+        variant: "sm90", "sm80" or "reference"; default: by the capability of x's device (under a
+            torch.func transform the reference; a Triton variant raises there).
         config: tile config (a bucket of `configs/sm*.json`); default: the bucket for this shape.
         check_indices: raise on ids outside [-1, E). On a GPU that check is one host sync, so the
             default (None) makes it only where no sync is promised away: on the CPU and on the
@@ -612,6 +613,8 @@ def fused_experts(
             x, gate_up_proj, down_proj, topk_weights)
     elif type(check_indices) is not bool:
         raise TypeError(f"{_FN}: `check_indices` must be True, False or None, got {check_indices!r}")
+    if variant is None and torch._C._are_functorch_transforms_active():
+        variant = "reference"  # (vmap, grad, ...: batched tensors have no addresses for the kernels)
     key = _replay.replay_key(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant) if config is None else None
     plan = _replay.recorded(key) if key is not None else None
     if plan is not None:

@@ -91,6 +91,8 @@ def _run(module: nn.Module, hidden_states, top_k_index, top_k_weights, variant: 
     gu = module.gate_up_proj
     if x.dtype != gu.dtype:  # autocast / fp32 activations with bf16 weights
         x = x.to(gu.dtype)
+    if torch._C._are_functorch_transforms_active():  # (vmap, grad, ...: the kernels cannot run there)
+        variant = "reference"
     out = fused_experts(x, gu, module.down_proj, top_k_index.reshape(T, top_k_index.shape[-1]),
                         top_k_weights.reshape(T, top_k_weights.shape[-1]), variant=variant, check_indices=False)
     if out.dtype != hidden_states.dtype:

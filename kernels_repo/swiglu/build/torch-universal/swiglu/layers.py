@@ -30,10 +30,16 @@ def _is_silu(act: object) -> bool:
     return act is None or isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
+def _impl_now(impl: str | None) -> str | None:
+    # Under a torch.func transform (vmap, grad, ...) no kernel can run (batched tensors have no
+    # addresses): a layer then computes the same fp32 math through the torch reference.
+    return "reference" if torch._C._are_functorch_transforms_active() else impl
+
+
 def _silu_and_mul_forward(impl: str | None):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x[..., :I]) * x[..., I:] for a packed [..., 2I] input."""
-        return swiglu_packed(x, impl=impl)
+        return swiglu_packed(x, impl=_impl_now(impl))
 
     return forward
 
@@ -47,7 +53,7 @@ def _mlp_forward(impl: str | None):
         if not _is_silu(act):
             # another gated activation (e.g. gelu): keep the host's semantics
             return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), impl=impl))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), impl=_impl_now(impl)))
 
     return forward
 
