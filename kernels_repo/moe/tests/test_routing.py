@@ -396,6 +396,20 @@ def test_mask_indices_by_tp_matches_reference(variant, ep, tp):
         moe.mask_indices_by_tp(idx, n, ep, tp, tp)
 
 
+@pytest.mark.parametrize("path", ["triton", "torch"])
+@pytest.mark.parametrize("bad", [16, 99, -2])
+def test_mask_indices_by_tp_refuses_ids_outside_the_experts(monkeypatch, path, bad):
+    """An id >= n (or < -1) is no expert: it used to be renumbered into some rank's local range."""
+    if path == "torch":
+        monkeypatch.setattr(checks, "interpreting", lambda: False)
+    idx = random_topk(8, 2, 16, device="cpu")
+    idx[3, 1] = bad
+    # Triton: an async assert (no host sync) after a launch that mapped the id to -1
+    error = ValueError if path == "torch" else RuntimeError
+    with pytest.raises(error, match=r"mask_indices_by_tp: `indices` holds (an )?expert id"):
+        moe.mask_indices_by_tp(idx, 16, 2, 0, 2)
+
+
 def test_inplace_unique_group_indices(variant):
     g = torch.randint(-1, 5, (100, 7), device=DEV)
     for inp in (g.clone(), g.t().contiguous().t()):
@@ -590,6 +604,7 @@ _BAD_CALLS = {
         "inv[3, 1] = p2e.numel(); moe.expand_to_fused(torch.randn(256, 64, device='cuda'), inv, p2e)",
     "reduce_position_below_minus_one":
         "inv[3, 1] = -2; moe.reduce_fused(torch.randn(p2e.numel(), 64, device='cuda'), None, inv)",
+    "mask_expert_id_past_n": "idx[3, 1] = 8; moe.mask_indices_by_tp(idx, 8, 2, 0, 2)",
 }
 
 
@@ -627,7 +642,7 @@ _COMPILE_JOBS = {  # kernel name: (pointer/int signature, constexprs) at the ben
     "_topk_gate_kernel": (["*fp32", _I64] + ["i32"] * 4, {"K": 8, "BLOCK_T": 16, "E_POW2": 256}),
     "_normalize_weight_kernel": (["*fp32"] * 3 + ["i32"] * 3, {"K": 8, "BLOCK_T": 128}),
     "_group_count_kernel": ([_I64, _I32, "i32", "i32"], {"BLOCK": 1024, "NB": 512}),
-    "_mask_indices_by_tp_kernel": ([_I64, _I64] + ["i32"] * 5, {"BLOCK": 1024}),
+    "_mask_indices_by_tp_kernel": ([_I64, _I64, _I32] + ["i32"] * 6, {"BLOCK": 1024}),
     "_unique_group_kernel": ([_I64] + ["i32"] * 3, {"K": 8, "BLOCK_T": 256}),
 }
 

@@ -313,15 +313,18 @@ def _group_count_kernel(
 
 @triton.jit
 def _mask_indices_by_tp_kernel(
-    idx_ptr, out_ptr, numel, per_gpu, per_dp, num_tp_ranks, tp_rank,
+    idx_ptr, out_ptr, valid_ptr, numel, n, per_gpu, per_dp, num_tp_ranks, tp_rank,
     BLOCK: tl.constexpr,
 ):
-    """Keep ids whose (id // per_gpu) % num_tp_ranks == tp_rank, renumbered locally; else -1."""
+    """Keep ids whose (id // per_gpu) % num_tp_ranks == tp_rank, renumbered locally; else -1.
+    An id outside [-1, n) becomes -1 and clears *valid_ptr (the caller asserts on it)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = offs < numel
     v = tl.load(idx_ptr + offs, mask=m, other=-1)
+    bad = m & ((v < -1) | (v >= n))
+    tl.store(valid_ptr, 0, mask=tl.max(bad.to(tl.int32), axis=0) > 0)
     nonneg = tl.where(v >= 0, v, 0)
-    keep = (v >= 0) & ((nonneg // per_gpu) % num_tp_ranks == tp_rank)
+    keep = (v >= 0) & (v < n) & ((nonneg // per_gpu) % num_tp_ranks == tp_rank)
     local = nonneg - tp_rank * per_gpu
     local = tl.where(local >= 0, local, 0)
     local = local - (local // per_dp) * (per_dp - per_gpu)

@@ -183,7 +183,9 @@ def mask_indices_by_tp(indices: Tensor, n: int, num_ep_ranks: int, tp_rank: int,
     belongs to TP rank s % num_tp_ranks, and a rank's slices are numbered consecutively.
 
     Args:
-        indices: [T, K] int32/int64 expert ids (-1 stays -1).
+        indices: [T, K] int32/int64 expert ids in [-1, n) (-1 stays -1). Others raise: ValueError
+            on the reference path; on Triton's, without a host sync, a device-side assert
+            (RuntimeError in the interpreter), after a launch that maps them to -1.
         n: total experts, a multiple of num_ep_ranks.
         num_ep_ranks, num_tp_ranks: >= 1; tp_rank in [0, num_tp_ranks).
     """
@@ -196,6 +198,7 @@ def mask_indices_by_tp(indices: Tensor, n: int, num_ep_ranks: int, tp_rank: int,
     _c.check_int(fn, "num_tp_ranks", num_tp_ranks, minimum=1)
     _c.check_int(fn, "tp_rank", tp_rank, minimum=0, maximum=num_tp_ranks - 1)
     if not _c.use_triton(indices):
+        _c.check_ids_host(fn, "indices", indices, n, "expert")
         return _ref.mask_indices_by_tp_ref(indices, n, num_ep_ranks, tp_rank, num_tp_ranks)
     src = indices.contiguous()
     out = torch.empty_like(src)
@@ -204,11 +207,13 @@ def mask_indices_by_tp(indices: Tensor, n: int, num_ep_ranks: int, tp_rank: int,
         return out
     per_gpu = n // num_ep_ranks
     block = 1024
+    valid = torch.ones(1, dtype=torch.int32, device=indices.device)
     with device_guard(indices):
         _launch["_mask_indices_by_tp_kernel"](
-            (_cdiv(numel, block),), _index(indices), src, out, numel, per_gpu,
+            (_cdiv(numel, block),), _index(indices), src, out, valid, numel, n, per_gpu,
             num_tp_ranks * per_gpu, num_tp_ranks, tp_rank, BLOCK=block,
         )
+    _c.assert_async(fn, valid, f"`indices` holds an expert id outside [-1, {n}) (n = {n})")
     return out
 
 
