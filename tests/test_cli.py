@@ -239,3 +239,19 @@ def test_bundled_swiglu_publishes_and_loads_from_the_hub(hub, tmp_path, monkeypa
     assert main(["upload", str(src), "--repo-id", "kernels-community/swiglu"]) == 0
     layer = LayerRepository("kernels-community/swiglu", layer_name="SwiGLUMLPReference", version=1).load()
     assert layer.__name__ == "SwiGLUMLPReference" and "snapshots" in sys.modules[layer.__module__].__file__
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["report", "--config", "LIST", "--device", "cpu"], "`--config` .* must hold a JSON object"),
+        (["report", "--model-type", "llama", "--device", "bogus"], r"`--device`: not a device: 'bogus'"),
+        (["variants", "org/tiny", "--version", "0"], r"`version` must be an int >= 1"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors_naming_them(hub, tmp_path, capsys, argv, message):
+    (tmp_path / "list.json").write_text("[1, 2]")
+    argv = [str(tmp_path / "list.json") if a == "LIST" else a for a in argv]
+    assert main(argv) != 0
+    err = capsys.readouterr().err
+    assert re.search(message, err), err

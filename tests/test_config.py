@@ -133,6 +133,15 @@ def test_trusted_publishers_and_lockfile_change_the_repository_kind(tmp_path):
             {"layers": {"A": {"capability": {"9.0": {"layer": "B", "extra": 1}}}}},
             r"capability\.9\.0: unknown key",
         ),
+        # CPU tensors are on "cpu", never "cpu:0": such an override would never apply
+        ({"layers": {"A": {"device": {"cpu:0": {"layer": "B"}}}}}, r"device key 'cpu:0'.*CPU tensors have no"),
+        # two spellings of one capability: one of them would be dropped without a word
+        (
+            {"layers": {"A": {"capability": {"9.0": {"layer": "B"}, "09.0": {"layer": "C"}}}}},
+            r"capability keys '9\.0' and '09\.0' name the same capability",
+        ),
+        ({"layers": {"A": {"repo": "a/b", "revision": ""}}}, r"layers\.A\.revision: .*non-empty string"),
+        ({"layers": {"A": {"path": " "}}}, r"layers\.A\.path: .*non-empty string"),
     ],
 )
 def test_invalid_config_names_the_key_and_allowed_values(table, pattern):

@@ -49,6 +49,8 @@ def test_bad_type_and_index_are_rejected():
         Device("gpu")
     with pytest.raises(ValueError, match="index"):
         Device("cuda", -1)
+    with pytest.raises(ValueError, match=r"`device`: a device index must be >= 0, got -1"):
+        device_capability(-1)
 
 
 def test_capability_is_per_index_whatever_was_asked_first(fake_gpus):

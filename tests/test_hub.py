@@ -157,6 +157,36 @@ def test_untrusted_publisher_is_refused_before_any_download_when_asked(hub, tmp_
         trusted.load()
 
 
+def test_kernelize_decides_trust_per_use_even_for_a_layer_it_has_loaded(hub, tmp_path, monkeypatch):
+    """kernelize keeps loaded layer classes; a process that has since set KERNELHUB_REQUIRE_TRUSTED
+    must not reach an untrusted kernel through that cache: the module falls back, with the reason."""
+    from torch import nn
+
+    from kernelhub import kernelize, use_kernel_forward_from_hub, use_kernel_mapping
+
+    _publish(tmp_path, "someone/tiny")
+
+    @use_kernel_forward_from_hub("TinyScale")
+    class Scale(nn.Module):
+        def forward(self, x):
+            return x
+
+    repo = LayerRepository("someone/tiny", layer_name="TinyScale", version=1)
+    with use_kernel_mapping({"TinyScale": {"cpu": repo}}, inherit_mapping=False):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UntrustedKernelWarning)  # (imported once, with a warning)
+            (entry,) = kernelize(Scale(), device="cpu").entries
+        assert entry.layer == "TinyScale", entry.fallback_reason
+        monkeypatch.setenv("KERNELHUB_REQUIRE_TRUSTED", "1")
+        (entry,) = kernelize(Scale(), device="cpu").entries
+    assert entry.layer is None and "KERNELHUB_REQUIRE_TRUSTED is set" in entry.fallback_reason
+
+
+def test_get_kernel_trust_remote_code_must_be_a_bool(hub, tmp_path):
+    with pytest.raises(TypeError, match="get_kernel: `trust_remote_code` must be a bool or None"):
+        get_kernel("someone/tiny", version=1, trust_remote_code="false")
+
+
 def test_untrusted_publisher_by_default_imports_with_one_warning(hub, tmp_path, monkeypatch):
     """The contract's `get_kernel(repo_id, version=...)` works for any publisher, as in HF kernels;
     the first import of each untrusted repository in a process says so."""

@@ -435,3 +435,53 @@ def test_a_module_whose_offloaded_layers_are_hooked_resolves_for_their_execution
     assert entry.device == torch.device("cpu") and entry.layer == "ToyMLPCpu", entry.fallback_reason
     torch.testing.assert_close(mlp(x), ref)
     assert [c[0] for c in CALLS] == ["ToyMLPCpu"]
+
+
+def test_unkernelize_after_an_accelerate_hook_added_later_keeps_the_hook_working():
+    """kernelize binds `forward`; a hook added afterwards keeps that binding as `_old_forward` and
+    calls it: unkernelize must put the module's own forward there, not delete the attribute."""
+    torch.manual_seed(0)
+    mlp = MLP()
+    x = torch.randn(3, 8)
+    ref = mlp(x)
+    kernelize(nn.Sequential(mlp))
+    _add_offload_hook(mlp)
+    torch.testing.assert_close(mlp(x), ref)
+    assert unkernelize(mlp) == 1
+    assert mlp._old_forward == MLP.forward.__get__(mlp)
+    CALLS.clear()
+    torch.testing.assert_close(mlp(x), ref)
+    assert CALLS == []
+
+
+def test_a_kernelize_that_raises_leaves_every_forward_as_it_was(fake_gpus):
+    """use_fallback=False raising on a later module: the modules before it keep what they had (here
+    an earlier kernelize's bindings), so the model is not left half-kernelized."""
+    first, second = MLP(), on_fake_gpu(MLP(), 0)
+    model = nn.Sequential(first, second)
+    kernelize(model)  # the CPU module bound, the fake-GPU one too (toy mapping)
+    before = (first.__dict__.get("forward"), second.__dict__.get("forward"))
+    assert all(b is not None for b in before)
+    with use_kernel_mapping({"SwiGLUMLP": {"cpu": toy("ToyMLPCpu")}}, inherit_mapping=False):
+        with pytest.raises(ValueError, match="use_fallback=False"):
+            kernelize(model, use_fallback=False)  # first binds, second has no kernel: raises
+    assert (first.__dict__.get("forward"), second.__dict__.get("forward")) == before
+    fresh = nn.Sequential(MLP(), on_fake_gpu(MLP(), 0))
+    with use_kernel_mapping({"SwiGLUMLP": {"cpu": toy("ToyMLPCpu")}}, inherit_mapping=False):
+        with pytest.raises(ValueError, match="use_fallback=False"):
+            kernelize(fresh, use_fallback=False)
+    assert "forward" not in fresh[0].__dict__ and "forward" not in fresh[1].__dict__
+
+
+def test_a_cpu_device_with_an_index_is_the_cpu():
+    """CPU tensors are on "cpu", never "cpu:0": kernelize(device="cpu:0") resolves for the CPU (a
+    binding for "cpu:0" would never match its inputs and re-resolve on every call)."""
+    (entry,) = kernelize(nn.Sequential(MLP()), device="cpu:0").entries
+    assert entry.device == torch.device("cpu") and entry.layer == "ToyMLPCpu"
+
+
+def test_mapping_mode_keys_that_no_request_reaches_are_refused():
+    for mode in (Mode.TORCH_COMPILE, Mode(Mode.INFERENCE.value | Mode.TRAINING.value)):
+        with pytest.raises(ValueError, match="never looked up"):
+            with use_kernel_mapping({"SwiGLUMLP": {"cpu": {mode: toy("ToyMLPCpu")}}}):
+                pass

@@ -90,6 +90,48 @@ def test_lock_errors_name_the_problem(hub, tmp_path):
         get_locked_kernel("org/tiny", lockfile=lockfile)
 
 
+@pytest.mark.parametrize(
+    ("change", "pattern"),
+    [
+        ({"variants": "torch-universal"}, r"`variants` must map variant names"),
+        ({"variants": ["torch-universal"]}, r"`variants` must map variant names"),
+        ({"variants": {"torch-universal": {"build/x.py": 5}}}, r"`variants\.torch-universal` must map"),
+        ({"commit": 1234}, r"`commit` must be a full 40-hex-digit"),
+        ({"commit": "abc123"}, r"`commit` must be a full 40-hex-digit"),
+        ({"repo_type": 7}, r"`repo_type` must be a non-empty string"),
+        ({"version": "1"}, r"`version` must be an int or null"),
+    ],
+)
+def test_a_malformed_lock_entry_is_a_lock_error_naming_the_field(hub, tmp_path, change, pattern):
+    _publish(tmp_path, "org/tiny")
+    entry = {**lock_kernel("org/tiny", version=1), **change}
+    lockfile = write_lockfile([entry], tmp_path / "kernels.lock")
+    with pytest.raises(KernelLockError, match=rf"entry 0 \('org/tiny'\): {pattern}"):
+        get_locked_kernel("org/tiny", lockfile=lockfile)
+
+
+def test_a_planted_bytecode_file_cannot_replace_the_locked_source(hub, tmp_path):
+    """The lock hashes sources; Python would run a `__pycache__/*.pyc` instead of its source (an
+    unchecked-hash one without even comparing). Kernel modules are compiled from source only."""
+    import py_compile
+    import sys
+
+    _publish(tmp_path, "org/tiny", factor=2.0)
+    lockfile = write_lockfile([lock_kernel("org/tiny", version=1)], tmp_path / "kernels.lock")
+    sources = sorted((tmp_path / "cache").rglob("build/torch-universal/tiny/ops.py"))
+    assert sources, "the locked download is in the cache"
+    ops = sources[0]
+    evil = tmp_path / "evil.py"
+    evil.write_text(ops.read_text().replace("FACTOR = 2.0", "FACTOR = 1000.0"))
+    assert "FACTOR = 1000.0" in evil.read_text()
+    package = ops.parent
+    pyc = package / "__pycache__" / f"ops.{sys.implementation.cache_tag}.pyc"
+    py_compile.compile(str(evil), cfile=str(pyc), dfile=str(ops),
+                       invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    assert _scale_of(get_locked_kernel("org/tiny", lockfile=lockfile)) == 2.0
+    assert not any(p != pyc for p in package.rglob("*.pyc"))  # and loading wrote no bytecode there
+
+
 def test_cli_lock_writes_the_config_kernels(hub, tmp_path, monkeypatch, capsys):
     c1 = _publish(tmp_path, "org/tiny", version=1, factor=2.0)
     c2 = _publish(tmp_path, "org/tiny", version=2, factor=3.0)

@@ -243,6 +243,8 @@ def list_variants(
 ) -> tuple[str, str, list[str]]:
     """(ref, commit, variant names) of a kernel revision, from the Hub or (offline) the cache."""
     check_repo_id("list_variants", repo_id)
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 1):
+        raise ValueError(f"list_variants: `version` must be an int >= 1 (branch vN), got {version!r}")
     repo_type = repo_type or default_repo_type()
     if offline():
         ref, commit = _resolve_cached(repo_id, repo_type, revision, version)

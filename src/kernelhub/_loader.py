@@ -2,11 +2,17 @@
 
 Two versions of one kernel (say `swiglu` v1 and v2) must be importable side by side, so the
 package is never imported under its bare name: the module name carries a hash of its path.
+
+Every module of a kernel package is compiled from its `.py` source, never from bytecode: a lock
+verifies the sources' sha256, and a `__pycache__/*.pyc` planted next to them (an unchecked-hash
+one is not compared with the source at all) would otherwise run instead. Nothing is written there.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import sys
 import threading
@@ -17,6 +23,40 @@ __all__ = ["find_variant_dir", "import_kernel_package", "load_kernel_from_dir"]
 
 _lock = threading.Lock()
 UNIVERSAL_VARIANT = "torch-universal"
+_NAMESPACE = "kernelhub_kernels"
+
+
+class _SourceLoader(importlib.machinery.SourceFileLoader):
+    """A module's code from its source file alone (no bytecode read or written)."""
+
+    def get_code(self, fullname: str):
+        path = self.get_filename(fullname)
+        return self.source_to_code(self.get_data(path), path)
+
+
+class _KernelSourceFinder(importlib.abc.MetaPathFinder):
+    """The submodules of loaded kernel packages (`kernelhub_kernels.*`), through `_SourceLoader`."""
+
+    def find_spec(self, fullname: str, path, target=None):
+        if not fullname.startswith(_NAMESPACE + ".") or not path:
+            return None
+        name = fullname.rpartition(".")[2]
+        for entry in path:
+            package = Path(entry) / name
+            if (package / "__init__.py").is_file():  # a package first, as Python's own finder does
+                init = str(package / "__init__.py")
+                return importlib.util.spec_from_file_location(
+                    fullname, init, loader=_SourceLoader(fullname, init), submodule_search_locations=[str(package)])
+            module = Path(entry) / f"{name}.py"
+            if module.is_file():
+                return importlib.util.spec_from_file_location(fullname, str(module),
+                                                              loader=_SourceLoader(fullname, str(module)))
+        return None
+
+
+def _install_finder() -> None:
+    if not any(isinstance(f, _KernelSourceFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _KernelSourceFinder())
 
 
 def find_variant_dir(repo_dir: Path) -> Path:
@@ -54,16 +94,18 @@ def import_kernel_package(package_dir: Path) -> ModuleType:
     """Import the package at `package_dir` once per process, under a path-unique module name."""
     package_dir = package_dir.resolve()
     digest = hashlib.sha1(str(package_dir).encode()).hexdigest()[:12]
-    module_name = f"kernelhub_kernels.{package_dir.name}_{digest}"
+    module_name = f"{_NAMESPACE}.{package_dir.name}_{digest}"
     with _lock:
         if module_name in sys.modules:
             return sys.modules[module_name]
-        if "kernelhub_kernels" not in sys.modules:
-            parent = ModuleType("kernelhub_kernels")
+        if _NAMESPACE not in sys.modules:
+            parent = ModuleType(_NAMESPACE)
             parent.__path__ = []  # namespace for loaded kernels
-            sys.modules["kernelhub_kernels"] = parent
+            sys.modules[_NAMESPACE] = parent
+        _install_finder()
+        init = str(package_dir / "__init__.py")
         spec = importlib.util.spec_from_file_location(
-            module_name, package_dir / "__init__.py", submodule_search_locations=[str(package_dir)]
+            module_name, init, loader=_SourceLoader(module_name, init), submodule_search_locations=[str(package_dir)]
         )
         if spec is None or spec.loader is None:
             raise ImportError(f"cannot import kernel package from {package_dir}")

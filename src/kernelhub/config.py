@@ -34,7 +34,7 @@ except ImportError:  # Python 3.10
 __all__ = ["ConfigError", "KernelhubConfig", "LayerConfig", "PinConfig", "load_config"]
 
 _CAPABILITY_RE = re.compile(r"^(\d+)\.(\d)$")
-_DEVICE_RE = re.compile(r"^(cuda|xpu|npu|mps|cpu):(\d+)$")
+_DEVICE_RE = re.compile(r"^(cuda|xpu|npu|mps):(\d+)$")  # (CPU tensors have no index: "cpu:0" never matches)
 _REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
@@ -71,6 +71,13 @@ class PinConfig(_Strict):
     def _repo(cls, v: str | None) -> str | None:
         if v is not None and not _REPO_RE.match(v):
             raise ValueError(f"`repo` must be a Hub id like 'org/name', got {v!r}")
+        return v
+
+    @field_validator("path", "revision")
+    @classmethod
+    def _non_empty(cls, v: str | None, info) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError(f"`{info.field_name}` must be a non-empty string, got {v!r}")
         return v
 
     @field_validator("layer")
@@ -110,9 +117,15 @@ class LayerConfig(PinConfig):
     @field_validator("capability")
     @classmethod
     def _capability_keys(cls, v: dict[str, PinConfig]) -> dict[str, PinConfig]:
+        seen: dict[int, str] = {}
         for key in v:
-            if not _CAPABILITY_RE.match(key):
+            m = _CAPABILITY_RE.match(key)
+            if not m:
                 raise ValueError(f"capability key {key!r} must be a capability like '9.0' or '8.6'")
+            cap = int(m.group(1)) * 10 + int(m.group(2))
+            if cap in seen:
+                raise ValueError(f"capability keys {seen[cap]!r} and {key!r} name the same capability")
+            seen[cap] = key
         return v
 
     @field_validator("device")
@@ -120,7 +133,9 @@ class LayerConfig(PinConfig):
     def _device_keys(cls, v: dict[str, PinConfig]) -> dict[str, PinConfig]:
         for key in v:
             if not _DEVICE_RE.match(key):
-                raise ValueError(f"device key {key!r} must be a device with an index like 'cuda:1'")
+                hint = " (CPU tensors have no device index: the layer's general entry covers the CPU)" \
+                    if key.startswith("cpu") else ""
+                raise ValueError(f"device key {key!r} must be a GPU with an index like 'cuda:1'{hint}")
         return v
 
     def capability_pins(self) -> dict[int, PinConfig]:

@@ -177,6 +177,8 @@ def as_torch_device(device: object, *, argument: str = "device") -> torch.device
         except RuntimeError as e:
             raise ValueError(f"`{argument}`: not a device: {device!r}") from e
     elif isinstance(device, int) and not isinstance(device, bool):
+        if device < 0:
+            raise ValueError(f"`{argument}`: a device index must be >= 0, got {device}")
         dev = torch.device("cuda", device)
     else:
         raise TypeError(
@@ -184,6 +186,8 @@ def as_torch_device(device: object, *, argument: str = "device") -> torch.device
         )
     if dev.type in _GPU_TYPES and dev.index is None:
         dev = torch.device(dev.type, torch.get_device_module(dev.type).current_device())
+    elif dev.type == "cpu" and dev.index is not None:  # CPU tensors are on "cpu", never "cpu:N"
+        dev = torch.device("cpu")
     return dev
 
 

@@ -170,6 +170,8 @@ def get_kernel(
     """
     _check_repo_id("get_kernel", repo_id)
     _check_ref("get_kernel", revision, version)
+    if trust_remote_code is not None and not isinstance(trust_remote_code, bool):  # ("false" would trust)
+        raise TypeError(f"get_kernel: `trust_remote_code` must be a bool or None, got {trust_remote_code!r}")
     untrusted = _check_trust(repo_id, trust_remote_code)
     resolved = resolve_kernel(repo_id, revision=revision, version=version)
     kernel = _import_resolved(resolved)
@@ -274,6 +276,11 @@ class LayerRepository:
 
     def load(self) -> type[nn.Module]:
         return _layer_from(self.load_kernel(), self.layer_name, self.describe())
+
+    def check_trust(self) -> None:
+        """Raise UntrustedKernelError where this repository may not be imported now (for callers
+        that keep the loaded layer: the trust decision is made per use, as `load_kernel` does)."""
+        _check_trust(self.repo_id, self.trust_remote_code)
 
     def with_layer_name(self, name: str) -> LayerRepository:
         return LayerRepository(

@@ -109,6 +109,9 @@ _layer_cache_lock = threading.Lock()
 
 
 def _load_layer(repo: Any) -> type[nn.Module]:
+    check_trust = getattr(repo, "check_trust", None)
+    if check_trust is not None:  # a Hub repository: trust is decided per use, cached layer or not
+        check_trust()
     try:
         hash(repo)
         key: Any = repo
@@ -207,8 +210,9 @@ class _KernelizedForward:
     """
 
     def __init__(self, host: nn.Module, layer_name: str, mode: Mode, config: Any, original: Callable,
-                 had_instance_forward: bool, use_fallback: bool):
+                 had_instance_forward: bool, use_fallback: bool, attr: str = "forward"):
         self.host_ref = host
+        self.attr = attr  # the attribute it was bound as ("forward", or accelerate's "_old_forward")
         self.layer_name = layer_name
         self.mode = mode
         self.config = config
@@ -309,6 +313,24 @@ def kernelize(
     explicit = as_torch_device(device) if device is not None else None
     cfg = _resolve_config(config)
     entries: list[KernelizeEntry] = []
+    saved: list[tuple[nn.Module, dict[str, Any]]] = []  # forwards as they were, should this call raise
+    try:
+        _kernelize_modules(model, mode, explicit, cfg, use_fallback, entries, saved)
+    except BaseException:
+        for module, attrs in reversed(saved):  # (all or nothing: no half-kernelized model)
+            for attr in _FORWARD_ATTRS:
+                module.__dict__.pop(attr, None)
+            module.__dict__.update(attrs)
+        raise
+    _warn_unknown_layers(cfg, entries)
+    return KernelizeReport(entries, mode)
+
+
+_FORWARD_ATTRS = ("forward", "_old_forward")
+
+
+def _kernelize_modules(model: nn.Module, mode: Mode, explicit: torch.device | None, cfg: Any, use_fallback: bool,
+                       entries: list[KernelizeEntry], saved: list[tuple[nn.Module, dict[str, Any]]]) -> None:
     inherited: dict[str, torch.device | None] = {}
     for name, module in model.named_modules():
         parent = name.rpartition(".")[0]
@@ -318,6 +340,7 @@ def kernelize(
         match = match_layer(module)
         if match is None:
             continue
+        saved.append((module, {a: module.__dict__[a] for a in _FORWARD_ATTRS if a in module.__dict__}))
         _unbind(module)
         if match.unsupported_reason is not None:
             capability = device_capability(dev) if dev is not None and dev.type == "cuda" else None
@@ -337,7 +360,8 @@ def kernelize(
         if match.unsupported_reason is None:
             attr = _forward_attribute(module)
             binding = _KernelizedForward(
-                module, match.layer_name, mode, cfg, getattr(module, attr), attr in module.__dict__, use_fallback
+                module, match.layer_name, mode, cfg, getattr(module, attr), attr in module.__dict__, use_fallback,
+                attr,
             )
             binding.bind(choice)
             setattr(module, attr, binding)
@@ -353,8 +377,6 @@ def kernelize(
                 fallback_reason=choice.reason,
             )
         )
-    _warn_unknown_layers(cfg, entries)
-    return KernelizeReport(entries, mode)
 
 
 def _warn_unknown_layers(cfg: Any, entries: list[KernelizeEntry]) -> None:
@@ -399,10 +421,13 @@ def _execution_device(module: nn.Module) -> torch.device | None:
 
 
 def _unbind(module: nn.Module) -> bool:
-    for attr in ("forward", "_old_forward"):  # accelerate may have moved it since (remove_hook...)
+    for attr in _FORWARD_ATTRS:  # accelerate may have moved it since (add/remove_hook)
         binding = module.__dict__.get(attr)
         if isinstance(binding, _KernelizedForward):
-            if binding.had_instance_forward:
+            # where the binding was put over the class's forward, that attribute goes; where it
+            # sits elsewhere now (a hook added after kernelize keeps it as `_old_forward` and
+            # calls that), the original forward goes in its place
+            if binding.had_instance_forward or attr != getattr(binding, "attr", attr):
                 setattr(module, attr, binding.original)
             else:
                 delattr(module, attr)

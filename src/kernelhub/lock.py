@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from types import ModuleType
 
@@ -153,7 +154,35 @@ def read_lockfile(lockfile: str | Path | None = None) -> list[dict]:
     required = {"repo_id", "repo_type", "commit", "variants"}
     if not isinstance(entries, list) or any(not isinstance(e, dict) or required - set(e) for e in entries):
         raise KernelLockError(f"read_lockfile: {path}: every entry of `kernels` needs keys {sorted(required)}")
+    for i, e in enumerate(entries):
+        problem = _entry_problem(e)
+        if problem is not None:
+            raise KernelLockError(f"read_lockfile: {path}: entry {i} ({e.get('repo_id')!r}): {problem}")
     return entries
+
+
+def _entry_problem(e: dict) -> str | None:
+    """What is malformed in one lock entry (types of the fields loading relies on), or None."""
+    for key in ("repo_id", "repo_type"):
+        if not isinstance(e[key], str) or not e[key]:
+            return f"`{key}` must be a non-empty string, got {e[key]!r}"
+    if not isinstance(e["commit"], str) or not re.fullmatch(r"[0-9a-f]{40}", e["commit"]):
+        return f"`commit` must be a full 40-hex-digit commit hash, got {e['commit']!r}"
+    variants = e["variants"]
+    if not isinstance(variants, dict) or not variants:
+        return f"`variants` must map variant names to file hashes, got {variants!r}"
+    for name, files in variants.items():
+        if not isinstance(files, dict) or not all(
+            isinstance(f, str) and isinstance(h, str) and re.fullmatch(r"[0-9a-f]{64}", h) for f, h in files.items()
+        ):
+            return f"`variants.{name}` must map file paths to sha256 hex digests"
+    for key in ("version", "revision", "ref"):
+        value = e.get(key)
+        if key == "version" and value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            return f"`version` must be an int or null, got {value!r}"
+        if key != "version" and value is not None and not isinstance(value, str):
+            return f"`{key}` must be a string or null, got {value!r}"
+    return None
 
 
 def find_lock_entry(

@@ -44,6 +44,9 @@ class Repository(Protocol):
     def load(self) -> type[nn.Module]: ...
 
 
+# the mode keys a request can reach (Mode.INFERENCE alone, TRAINING | TORCH_COMPILE, FALLBACK, ...)
+_MAPPABLE_MODES = frozenset(m for modes in MODE_PRIORITY.values() for m in modes)
+
 # layer name -> Device -> Mode -> Repository
 KernelMapping = dict[str, dict[Device, dict[Mode, Any]]]
 
@@ -104,6 +107,11 @@ def _normalize(mapping: Mapping[str, Any]) -> KernelMapping:
                     if not isinstance(mode, Mode):
                         raise TypeError(
                             f"kernel mapping for {layer!r} on {device}: mode key must be a Mode, got {mode!r}"
+                        )
+                    if mode not in _MAPPABLE_MODES:  # e.g. TORCH_COMPILE alone: no request ever reaches it
+                        raise ValueError(
+                            f"kernel mapping for {layer!r} on {device}: mode key {mode} is never looked up; "
+                            f"use one of {sorted(str(m) for m in _MAPPABLE_MODES)}"
                         )
                     if not _is_repository(repo):
                         raise TypeError(

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from kernelhub.cli._common import add_subcommand
+from kernelhub.device import as_torch_device
 
 __all__ = ["add_parser", "build_meta_model", "report_model", "run"]
 
@@ -31,6 +32,9 @@ def _transformers_config(args):
 
     if args.config:
         data = json.loads(Path(args.config).read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"report: `--config` {args.config} must hold a JSON object (a transformers "
+                             f"config), got {type(data).__name__}")
         model_type = data.pop("model_type", None)
         if model_type is None:
             raise ValueError(f"report: `--config` {args.config} has no `model_type`")
@@ -77,7 +81,7 @@ def report_model(model: torch.nn.Module, devices: list[torch.device], *, mode, c
 
 def _devices(args) -> list[torch.device]:
     if args.device:
-        devices = [torch.device(d) for d in args.device]
+        devices = [as_torch_device(d, argument="--device") for d in args.device]
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         for d in devices:
             if d.type == "cuda" and (d.index or 0) >= gpus:
