@@ -485,3 +485,23 @@ def test_mapping_mode_keys_that_no_request_reaches_are_refused():
         with pytest.raises(ValueError, match="never looked up"):
             with use_kernel_mapping({"SwiGLUMLP": {"cpu": {mode: toy("ToyMLPCpu")}}}):
                 pass
+
+
+def test_a_binding_pickled_before_its_module_loads_with_the_modules_own_forward():
+    """The original forward is pickled by name: as a bound method it would be re-read with
+    getattr(module, "forward") on load, which yields the binding itself when the module's state was
+    restored first (the binding pickled before its module), a loop instead of the eager forward."""
+    import pickle
+
+    torch.manual_seed(0)
+    mlp = MLP()
+    x = torch.randn(3, 8)
+    ref = mlp(x)
+    kernelize(nn.Sequential(mlp))
+    for objs in ((mlp.forward, mlp), (mlp, mlp.forward)):
+        loaded = pickle.loads(pickle.dumps(objs))
+        binding, module = (loaded[0], loaded[1]) if objs[0] is mlp.forward else (loaded[1], loaded[0])
+        assert module.forward is binding and binding.original.__func__ is MLP.forward
+        torch.testing.assert_close(module(x), ref)
+        assert unkernelize(module) == 1
+        torch.testing.assert_close(module(x), ref)

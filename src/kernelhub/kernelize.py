@@ -9,6 +9,7 @@ and a kernelized forward re-resolves when its input arrives on another device.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import threading
 import types
@@ -201,6 +202,13 @@ def _bind_layer(layer: type[nn.Module], host: nn.Module) -> Callable:
     return functools.partial(_renamed_call, fn, renames) if renames else fn
 
 
+@dataclasses.dataclass(frozen=True)
+class _ClassForward:
+    """A pickled binding's original forward: the host class's method of this name."""
+
+    name: str
+
+
 class _KernelizedForward:
     """The forward installed on a kernelized module: one resolved forward per input device.
 
@@ -264,10 +272,19 @@ class _KernelizedForward:
 
     def __getstate__(self) -> dict[str, Any]:
         state = {k: v for k, v in self.__dict__.items() if k not in ("_lock", "_per_device", "fn", "device")}
+        original = self.original
+        # the host class's own forward is kept by name: pickled as a bound method it is re-read with
+        # getattr(host, "forward") on load, which yields this binding where the host's attributes
+        # are restored first (e.g. `pickle.dumps((model.mlp.forward, model))`): a loop, not the eager forward
+        if getattr(original, "__self__", None) is self.host_ref and getattr(
+                type(self.host_ref), getattr(original, "__name__", ""), None) is getattr(original, "__func__", None):
+            state["original"] = _ClassForward(original.__name__)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        if isinstance(self.original, _ClassForward):
+            self.original = getattr(type(self.host_ref), self.original.name).__get__(self.host_ref)
         self.device, self.fn, self._per_device = None, self.original, {}
         self._lock = threading.Lock()
 
