@@ -91,3 +91,38 @@ def fake_cuda_tensor(shape, index: int, dtype=torch.float32):
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     return FakeTensor(mode, torch.empty(shape, device="meta", dtype=dtype), torch.device("cuda", index))
+
+
+_HUGE_VIEW = """
+import torch
+from kernelhub.hub import get_local_kernel
+kernel = get_local_kernel({repo!r})
+S = 2 ** 30
+try:
+    base = torch.empty(2 * S + 1, dtype=torch.float16)  # untouched but for the three elements below
+except (RuntimeError, MemoryError) as e:
+    print("SKIP", e)
+    raise SystemExit(0)
+for i, v in enumerate((1.0, 2.0, 3.0)):
+    base[i * S] = v
+view = base.as_strided((1, 3), (3 * S, S))
+{call}
+"""
+
+
+def run_with_a_huge_strided_view(repo, call: str) -> list[str]:
+    """Run `call` in a subprocess (Triton interpreter) where `kernel` is the kernel repository at
+    `repo` and `view` a float16 [1, 3] view holding 1, 2, 3 with column stride 2**30 (4 GiB of
+    virtual memory, a few pages touched): offsets past int32 for real. A subprocess, so that a crash
+    (the interpreter reading out of bounds) fails the test rather than the run. Returns the lines it
+    printed; skips where the memory cannot be reserved."""
+    import subprocess
+    import sys
+
+    code = _HUGE_VIEW.format(repo=str(repo), call=call)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    if run.stdout.startswith("SKIP"):
+        pytest.skip(f"cannot reserve 4 GiB of virtual memory here: {run.stdout.strip()}")
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout.strip().splitlines()

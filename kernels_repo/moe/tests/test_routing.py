@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import fake_cuda_tensor
+from conftest import fake_cuda_tensor, run_with_a_huge_strided_view
 from kernelhub.hub import get_local_kernel
 
 moe = get_local_kernel(Path(__file__).resolve().parents[1])
@@ -498,31 +498,13 @@ def test_column_offsets_past_int32_take_a_contiguous_copy(variant, monkeypatch):
 
 
 def test_column_offsets_past_int32_at_real_size():
-    """The same with a real [1, 3] view whose column stride is 2**30 (4 GiB of virtual memory, a few
-    pages touched): before, the 32-bit column offset wrapped and the interpreter crashed reading
-    out of bounds. A subprocess, so that a crash fails the test instead of the run."""
-    code = f"""
-import torch
-from kernelhub.hub import get_local_kernel
-moe = get_local_kernel({str(Path(__file__).resolve().parents[1])!r})
-S = 2 ** 30
-try:
-    base = torch.empty(2 * S + 1, dtype=torch.float16)  # untouched but for the three elements below
-except (RuntimeError, MemoryError) as e:
-    print("SKIP", e)
-    raise SystemExit(0)
-for i, v in enumerate((1.0, 2.0, 3.0)):
-    base[i * S] = v
-w = base.as_strided((1, 3), (3 * S, S))
-x = torch.ones(3, 2, dtype=torch.float16)
-print(moe.reduce_fused(x, w, torch.tensor([[0, 1, 2]])).tolist())
-"""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    if run.stdout.startswith("SKIP"):
-        pytest.skip(f"cannot reserve 4 GiB of virtual memory here: {run.stdout.strip()}")
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip() == "[[6.0, 6.0]]"
+    """The same with a real view whose column stride is 2**30: before, the 32-bit column offset
+    wrapped and the interpreter crashed reading out of bounds."""
+    out = run_with_a_huge_strided_view(
+        Path(__file__).resolve().parents[1],
+        "print(kernel.reduce_fused(torch.ones(3, 2, dtype=torch.float16), view, torch.tensor([[0, 1, 2]])).tolist())",
+    )
+    assert out == ["[[6.0, 6.0]]"]
 
 
 # ----------------------------------------------------------------------------------------------

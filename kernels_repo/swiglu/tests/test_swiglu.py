@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import fake_cuda_tensor
+from conftest import fake_cuda_tensor, run_with_a_huge_strided_view
 from kernelhub.hub import get_local_kernel
 
 kernel = get_local_kernel(Path(__file__).resolve().parents[1])
@@ -237,32 +237,15 @@ def test_column_offsets_past_int32_run_on_contiguous_copies(monkeypatch):
 
 
 def test_column_offsets_past_int32_at_real_size():
-    """A real [1, 3] fp16 view with column stride 2**30 (4 GiB of virtual memory, a few pages
-    touched): before, the 32-bit column offset wrapped and the interpreter crashed reading out of
-    bounds. In a subprocess, so that a crash fails this test rather than the run."""
-    code = f"""
-import torch
-from kernelhub.hub import get_local_kernel
-sw = get_local_kernel({str(Path(__file__).resolve().parents[1])!r})
-S = 2 ** 30
-try:
-    base = torch.empty(2 * S + 1, dtype=torch.float16)  # untouched but for the three elements below
-except (RuntimeError, MemoryError) as e:
-    print("SKIP", e)
-    raise SystemExit(0)
-for i, v in enumerate((1.0, 2.0, 3.0)):
-    base[i * S] = v
-g = base.as_strided((1, 3), (3 * S, S))
-for impl in ("sm80", "sm90"):
-    print(sw.swiglu(g, torch.ones(1, 3, dtype=torch.float16), impl=impl).tolist())
-"""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
-    if run.stdout.startswith("SKIP"):
-        pytest.skip(f"cannot reserve 4 GiB of virtual memory here: {run.stdout.strip()}")
-    assert run.returncode == 0, run.stderr[-2000:]
+    """A real view with column stride 2**30: before, the 32-bit column offset wrapped and the
+    interpreter crashed reading out of bounds."""
+    out = run_with_a_huge_strided_view(
+        Path(__file__).resolve().parents[1],
+        'for impl in ("sm80", "sm90"):\n'
+        '    print(kernel.swiglu(view, torch.ones(1, 3, dtype=torch.float16), impl=impl).tolist())',
+    )
     want = str(F.silu(torch.tensor([[1.0, 2.0, 3.0]])).half().tolist())
-    assert run.stdout.split("\n")[:2] == [want, want]
+    assert out == [want, want]
 
 
 def test_expanded_grad_output_from_sum():
