@@ -238,3 +238,51 @@ def invalid_routing(rank: int, world: int) -> tuple[str, str]:
             case["num_experts"],
         )
     )
+
+
+def heap_edges(rank: int, world: int) -> dict[str, Any]:
+    """Zero-size allocations through `peer`, and a heap tensor used after close()."""
+    out: dict[str, Any] = {}
+    other = (rank + 1) % world
+    with SymmetricHeap(1 << 16) as heap:
+        empty = heap.allocate((0, 4), torch.float32)
+        full = heap.allocate(8, torch.float32)
+        full.fill_(rank + 1)
+        heap.barrier()
+        out["empty_peer"] = tuple(heap.peer(empty, other).shape)
+        out["empty_view_peer"] = tuple(heap.peer(full[3:3], other).shape)
+        out["peer_values"] = heap.peer(full, other).clone()
+        heap.barrier()
+    # after close(): the mapping lives as long as a tensor views it (it used to be unmapped under it)
+    out["after_close"] = float(full.sum())
+    return out
+
+
+def ep_errors(rank: int, world: int, case_name: str) -> tuple[str, str]:
+    """Bad ep_moe inputs that every rank shares raise on every rank, before any collective."""
+    case = moe_case(world)
+    mine = case["ranks"][rank]
+    E = case["num_experts"]
+    per = E // world
+    idx = mine["topk_idx"].clone()
+    idx[idx >= 0] = 0  # every token to rank 0's first expert: the other ranks receive no rows
+    gate_up, down = case["gate_up_proj"][:per], case["down_proj"][:per]
+    if case_name == "down_inner":
+        down = torch.randn(per, down.shape[1], down.shape[2] + 1)
+    elif case_name == "weights_dtype":
+        gate_up, down = gate_up.double(), down.double()
+    elif case_name == "float_num_experts":
+        E = float(E)
+    return _caught(lambda: ep_moe(mine["x"], idx, mine["topk_weights"], gate_up, down, E))
+
+
+def ep_output_dtype(rank: int, world: int) -> dict[str, Any]:
+    """An experts_fn returning another dtype, while some rank receives no rows: x's dtype back."""
+    case = moe_case(world, dtype=torch.bfloat16)
+    mine = case["ranks"][rank]
+    idx = mine["topk_idx"].clone()
+    idx[idx >= 0] = 0
+    per = case["num_experts"] // world
+    out = ep_moe(mine["x"], idx, mine["topk_weights"], case["gate_up_proj"][:per], case["down_proj"][:per],
+                 case["num_experts"], experts_fn=lambda *a: reference_experts(*a).float())
+    return {"dtype": str(out.dtype), "shape": tuple(out.shape)}

@@ -217,3 +217,33 @@ def test_gpu_ep_moe_world_size_one_equals_single_process(experts):
     tol = {"rtol": 1e-4, "atol": 1e-4} if experts == "fused" else {"rtol": 1e-5, "atol": 1e-5}
     for key in ("out", "grad_x", "grad_w", "grad_gate_up", "grad_down"):
         torch.testing.assert_close(got[key], want[key], **tol, msg=lambda m, k=key: f"{k}: {m}")
+
+
+# -- edges found by fuzzing -----------------------------------------------------------------------
+def test_zero_size_peers_and_a_tensor_used_after_close():
+    results = run_ranks("heap_edges", 2)
+    for rank, res in enumerate(results):
+        assert res["empty_peer"] == (0, 4) and res["empty_view_peer"] == (0,)
+        assert torch.equal(res["peer_values"], torch.full((8,), float((rank + 1) % 2 + 1)))
+        assert res["after_close"] == 8.0 * (rank + 1)  # the process did not crash (it used to)
+
+
+@pytest.mark.parametrize(
+    ("case_name", "kind", "words"),
+    [
+        ("down_inner", "ValueError", "ep_moe: `down_proj` must be [4, 16, 12], got (4, 16, 13)"),
+        ("weights_dtype", "TypeError", "ep_moe: `gate_up_proj_local` must have x's dtype"),
+        ("float_num_experts", "ValueError", "ep_moe: `num_experts` must be an int > 0"),
+    ],
+)
+def test_bad_ep_moe_inputs_raise_on_every_rank_even_where_no_rows_arrive(case_name, kind, words):
+    """Checked before the dispatch on every rank: a rank that receives no rows does not call
+    experts_fn, so an error from there alone left the other ranks waiting in a collective."""
+    results = run_ranks("ep_errors", 2, case_name=case_name, timeout=60)
+    for err in results:
+        assert err[0] == kind and words in err[1], err
+
+
+def test_an_experts_fn_of_another_dtype_comes_back_in_xs_dtype():
+    for res in run_ranks("ep_output_dtype", 2):
+        assert res["dtype"] == "torch.bfloat16"

@@ -11,8 +11,8 @@ import os
 import socket
 import tempfile
 import uuid
-import warnings
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -62,10 +62,10 @@ class CpuSharedBacking:
             dist.barrier(group=group)  # every rank has mapped every file: names no longer needed
         finally:
             os.unlink(own)
-        with warnings.catch_warnings():
-            # torch.frombuffer warns that the buffer is writable and shared; that is the point.
-            warnings.simplefilter("ignore", UserWarning)
-            self.buffers = [torch.frombuffer(m, dtype=torch.uint8) for m in self._maps]
+        # Through numpy, whose array holds a buffer export on the mapping for as long as any tensor
+        # viewing it lives (torch.frombuffer holds none: close() would unmap memory under live
+        # tensors, and a use after close() would crash the process).
+        self.buffers = [torch.from_numpy(np.frombuffer(m, dtype=np.uint8)) for m in self._maps]
 
     def close(self) -> None:
         self.buffers = []

@@ -245,17 +245,24 @@ def ep_moe(
         gate_up_proj_local: [E/W, 2I, H], this rank's experts. down_proj_local: [E/W, H, I].
         experts_fn: ``(x, gate_up_proj, down_proj, topk_idx, topk_weights) -> [N, H]`` with -1
             slots skipped (``fused_experts``' signature); default `reference_experts`. Not called
-            on a rank that received no rows (its local weights then get a zero gradient).
+            on a rank that received no rows (its local weights then get a zero gradient), so the
+            weights are checked here first, on every rank: shapes against `x`, x's device and dtype.
 
     Returns:
-        [T, H]: equal to the single-process routed experts over all E experts.
+        [T, H] in x's dtype: equal to the single-process routed experts over all E experts.
     """
+    _check_routing("ep_moe", x, topk_idx, topk_weights, num_experts)
     world = dist.get_world_size(group)
-    per_rank = num_experts // world if isinstance(num_experts, int) and world else 0
+    if num_experts % world:
+        raise ValueError(f"ep_moe: `num_experts` ({num_experts}) must be divisible by the group size ({world})")
+    per_rank = num_experts // world
     for name, w in (("gate_up_proj_local", gate_up_proj_local), ("down_proj_local", down_proj_local)):
         if not isinstance(w, Tensor) or w.dim() != 3 or w.shape[0] != per_rank:
             got = tuple(w.shape) if isinstance(w, Tensor) else type(w).__name__
             raise ValueError(f"ep_moe: `{name}` must hold E/W = {per_rank} experts [E/W, ., .], got {got}")
+        if w.dtype != x.dtype:
+            raise TypeError(f"ep_moe: `{name}` must have x's dtype {x.dtype}, got {w.dtype}")
+    _check_experts_args("ep_moe", x, gate_up_proj_local, down_proj_local, topk_idx, topk_weights)
     d = ep_dispatch(x, topk_idx, topk_weights, num_experts, group=group)
     fn = reference_experts if experts_fn is None else experts_fn
     with device_guard(x):
@@ -266,6 +273,8 @@ def ep_moe(
             d.handle.dispatched = (*d.handle.dispatched, gate_up_proj_local, down_proj_local)
         else:
             y = fn(d.hidden_states, gate_up_proj_local, down_proj_local, d.topk_idx, d.topk_weights)
+            if y.dtype != x.dtype:  # every rank sends x's dtype back (a rank with no rows sends zeros)
+                y = y.to(x.dtype)
     return ep_combine(y, d.handle)
 
 
@@ -289,10 +298,16 @@ class ExpertParallelMoE(nn.Module):
         super().__init__()
         world = dist.get_world_size(group)
         start, end = local_expert_range(0, num_experts, world)
-        if gate_up_proj.dim() != 3 or gate_up_proj.shape[0] != end - start:
+        if gate_up_proj.dim() != 3 or gate_up_proj.shape[0] != end - start or gate_up_proj.shape[1] % 2:
             raise ValueError(
                 f"ExpertParallelMoE: `gate_up_proj` must be [{end - start}, 2I, H], "
                 f"got {tuple(gate_up_proj.shape)}"
+            )
+        E, two_i, H = gate_up_proj.shape
+        if tuple(down_proj.shape) != (E, H, two_i // 2) or down_proj.dtype != gate_up_proj.dtype:
+            raise ValueError(
+                f"ExpertParallelMoE: `down_proj` must be [{E}, {H}, {two_i // 2}] of dtype {gate_up_proj.dtype} "
+                f"like `gate_up_proj`, got {tuple(down_proj.shape)} {down_proj.dtype}"
             )
         self.gate_up_proj = nn.Parameter(gate_up_proj)
         self.down_proj = nn.Parameter(down_proj)

@@ -239,6 +239,8 @@ class SymmetricHeap:
             raise ValueError(
                 f"SymmetricHeap.peer: `tensor` is on {tensor.device}, the heap on {self._device}"
             )
+        if tensor.numel() == 0:  # no bytes to find (torch reports address 0): any empty view is it
+            return _view(self._buffers[rank], 0, tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
         local = self._buffers[self._rank]
         offset = tensor.data_ptr() - local.data_ptr()
         itemsize = tensor.element_size()
