@@ -14,6 +14,7 @@ import torch.distributed as dist
 from kernelhub.distributed import (
     ExpertParallelMoE,
     SymmetricHeap,
+    ep_dispatch,
     ep_moe,
     local_expert_range,
     reference_experts,
@@ -286,3 +287,17 @@ def ep_output_dtype(rank: int, world: int) -> dict[str, Any]:
     out = ep_moe(mine["x"], idx, mine["topk_weights"], case["gate_up_proj"][:per], case["down_proj"][:per],
                  case["num_experts"], experts_fn=lambda *a: reference_experts(*a).float())
     return {"dtype": str(out.dtype), "shape": tuple(out.shape)}
+
+
+def ep_disagreement(rank: int, world: int, what: str) -> tuple[str, str]:
+    """Ranks that disagree on E or on dtypes: a ValueError on every rank (was: silently wrong ids,
+    or gloo aborting a process on mismatched transfer sizes)."""
+    case = moe_case(world)
+    mine = case["ranks"][rank]
+    E = case["num_experts"]
+    x, w = mine["x"], mine["topk_weights"]
+    if what == "num_experts" and rank == 1:
+        E = 2 * E
+    if what == "dtype" and rank == 1:
+        w = w.double()
+    return _caught(lambda: ep_dispatch(x, mine["topk_idx"], w, E))

@@ -247,3 +247,10 @@ def test_bad_ep_moe_inputs_raise_on_every_rank_even_where_no_rows_arrive(case_na
 def test_an_experts_fn_of_another_dtype_comes_back_in_xs_dtype():
     for res in run_ranks("ep_output_dtype", 2):
         assert res["dtype"] == "torch.bfloat16"
+
+
+@pytest.mark.parametrize(("what", "words"), [("num_experts", "ranks disagree on `num_experts` (rank 0: 8, rank 1: 16)"),
+                                             ("dtype", "ranks disagree on dtypes")])
+def test_ranks_that_disagree_on_experts_or_dtypes_raise_on_every_rank(what, words):
+    for err in run_ranks("ep_disagreement", 2, what=what):
+        assert err[0] == "ValueError" and words in err[1], err

@@ -184,6 +184,11 @@ def ep_dispatch(
                 bad.expand(world),
                 torch.full_like(send_counts, H),
                 torch.full_like(send_counts, K),
+                # what the transfers' sizes and meaning depend on too: ranks that disagree on E would
+                # renumber ids apart (silently wrong); on dtypes, the all-to-alls would mismatch
+                torch.full_like(send_counts, num_experts),
+                torch.full_like(send_counts, _dtype_code(x.dtype)),
+                torch.full_like(send_counts, _dtype_code(topk_weights.dtype)),
             ],
             dim=1,
         )
@@ -392,6 +397,18 @@ def _check_routing(fn: str, x, topk_idx, topk_weights, num_experts) -> None:
         raise ValueError(f"{fn}: `num_experts` must be an int > 0, got {num_experts!r}")
 
 
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    """A dtype as an int for the metadata exchange (other floating dtypes: one code after these)."""
+    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+
+
+def _dtype_name(code: int) -> str:
+    return str(_DTYPES[code]).replace("torch.", "") if code < len(_DTYPES) else "another dtype"
+
+
 def _check_peers(fn: str, rows: list[list[int]], rank: int, H: int, K: int, num_experts: int) -> None:
     """Raise on every rank when any rank's routing is invalid (a one-rank raise would hang the rest)."""
     bad = [src for src, r in enumerate(rows) if r[1]]
@@ -404,3 +421,10 @@ def _check_peers(fn: str, rows: list[list[int]], rank: int, H: int, K: int, num_
     if len(shapes) != 1:
         detail = ", ".join(f"rank {src}: H={r[2]} K={r[3]}" for src, r in enumerate(rows))
         raise ValueError(f"{fn}: ranks disagree on hidden size or top-k ({detail}); this is rank {rank}")
+    if len({r[4] for r in rows}) != 1:
+        detail = ", ".join(f"rank {src}: {r[4]}" for src, r in enumerate(rows))
+        raise ValueError(f"{fn}: ranks disagree on `num_experts` ({detail}); this is rank {rank}")
+    if len({(r[5], r[6]) for r in rows}) != 1:
+        detail = ", ".join(f"rank {src}: x {_dtype_name(r[5])}, topk_weights {_dtype_name(r[6])}"
+                           for src, r in enumerate(rows))
+        raise ValueError(f"{fn}: ranks disagree on dtypes ({detail}); this is rank {rank}")
