@@ -51,6 +51,16 @@ def _close(actual, expected, dtype):
     torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=atol)
 
 
+def _check_forward_and_grads(gate, up, dy, impl="sm80"):
+    """swiglu's output and both gradients (gate, up require grad) against the fp32 reference."""
+    y = ops.swiglu(gate, up, impl=impl)
+    y.backward(dy)
+    ref, rdg, rdu = _reference(gate, up, dy)
+    _close(y, ref, gate.dtype)
+    _close(gate.grad, rdg, gate.dtype)
+    _close(up.grad, rdu, gate.dtype)
+
+
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("impl", IMPLS)
 def test_double_backward_is_an_error_first_order_under_create_graph_is_right(impl, packed):
@@ -163,13 +173,7 @@ def test_leading_dims_of_one_shape_with_other_strides_each_get_their_own_rows(mo
         for gate, up in layouts.values():
             g, u = gate.clone().requires_grad_(), up.clone().requires_grad_()
             g.data, u.data = gate, up  # the layouts themselves, differentiable
-            dy = _rand((2, 3, 64), torch.float32)
-            y = ops.swiglu(g, u, impl="sm80")
-            y.backward(dy)
-            ref, rdg, rdu = _reference(gate, up, dy)
-            _close(y, ref, torch.float32)
-            _close(g.grad, rdg, torch.float32)
-            _close(u.grad, rdu, torch.float32)
+            _check_forward_and_grads(g, u, _rand((2, 3, 64), torch.float32))
     collapsed = dispatch._VARIANTS["sm80"]._collapsed
     # forward and backward per layout; the sliced one's forward has no single row stride (and its
     # backward, whose d gate is ours, neither: one launch per outer index, each a 2-D call)
@@ -222,13 +226,7 @@ def test_column_offsets_past_int32_run_on_contiguous_copies(monkeypatch):
                                                               split(grid, index, tensors, *a, **k)))
     gate = _rand((48, 12), torch.float32).t().requires_grad_()  # column stride 12: 47 * 12 > 100
     up = _rand((12, 48), torch.float32).requires_grad_()
-    dy = _rand((12, 48), torch.float32)
-    y = ops.swiglu(gate, up, impl="sm80")
-    y.backward(dy)
-    ref, rdg, rdu = _reference(gate, up, dy)
-    _close(y, ref, torch.float32)
-    _close(gate.grad, rdg, torch.float32)
-    _close(up.grad, rdu, torch.float32)
+    _check_forward_and_grads(gate, up, _rand((12, 48), torch.float32))
     g3 = _rand((2, 48, 3), torch.float32).transpose(1, 2)  # leading dims
     _close(ops.swiglu(g3, g3.contiguous(), impl="sm80"), _reference(g3, g3.contiguous()), torch.float32)
     x = _rand((96, 5), torch.float32).t()  # packed: the up half starts 48 columns in
