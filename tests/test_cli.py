@@ -52,6 +52,28 @@ def test_check_accepts_the_fixture_and_imports_it(capsys):
     assert "ok: tiny v1" in capsys.readouterr().out
 
 
+_LAYERS = """from torch import nn
+
+from .ops import scale
+
+
+class TinyScale(nn.Module):
+    has_backward = {has_backward}
+    can_torch_compile = True
+{extra}
+    def forward(self, x):
+        return scale(x)
+
+
+class TinyScaleDouble(nn.Module):
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, x):
+        return scale(scale(x))
+"""
+
+
 def _broken(tmp_path: Path, how: str) -> Path:
     repo = tiny_copy(tmp_path / how)
     pkg = repo / "build" / "torch-universal" / "tiny"
@@ -65,6 +87,26 @@ def _broken(tmp_path: Path, how: str) -> Path:
         shutil.move(repo / "build" / "torch-universal", repo / "build" / "universal")
     elif how == "no-package":
         shutil.rmtree(pkg)
+    elif how == "two-packages":
+        shutil.copytree(pkg, pkg.parent / "other")
+    elif how == "symlinked-file":
+        (pkg / "notes.txt").symlink_to("/etc/hostname")
+    elif how == "symlinked-package":
+        shutil.move(pkg, repo / "pkgsrc")
+        pkg.symlink_to(repo / "pkgsrc")
+    elif how == "general-not-a-table":
+        (repo / "kernel.toml").write_text('general = 1\nname = "tiny"\nversion = 1\nlayers = ["TinyScale"]\n')
+    elif how == "non-utf8-layers":
+        (pkg / "layers.py").write_bytes(b"x = '\xff'\n")
+    elif how == "metadata-not-an-object":
+        (pkg / "metadata.json").write_text("[]")
+    elif how == "stateful-layer":
+        (pkg / "layers.py").write_text(_LAYERS.format(extra="    def __init__(self, n):\n        super().__init__()\n",
+                                                      has_backward="True"))
+    elif how == "no-backward-attribute":
+        (pkg / "layers.py").write_text(_LAYERS.format(extra="", has_backward="None"))
+    elif how == "named-build":
+        (repo / "kernel.toml").write_text('name = "build"\nversion = 1\nlayers = ["TinyScale"]\n')
     return repo
 
 
@@ -76,11 +118,36 @@ def _broken(tmp_path: Path, how: str) -> Path:
         ("bad-toml-version", "`version` must be an int >= 1, got 'one'"),
         ("bad-variant-name", "'universal' is not a build variant name"),
         ("no-package", r"missing tiny/__init__\.py"),
+        # what the loader or upload would get wrong, and what used to crash `check` itself
+        ("two-packages", r"must hold exactly one package, tiny/.*\['other', 'tiny'\]"),
+        ("symlinked-file", r"notes\.txt: a symlink"),
+        ("symlinked-package", r"tiny: a symlink"),
+        ("general-not-a-table", r"`general` must be a table"),
+        ("non-utf8-layers", r"layers\.py: not valid UTF-8 Python"),
+        ("metadata-not-an-object", r"metadata\.json: must hold a JSON object"),
+        ("stateful-layer", r"layers\.TinyScale defines __init__"),
+        ("no-backward-attribute", r"layers\.TinyScale\.has_backward must be True or False, got None"),
+        ("named-build", r"`name` must be a Python identifier \(the package name\) other than 'build'"),
     ],
 )
 def test_check_reports_each_layout_problem(tmp_path, capsys, how, message):
-    assert main(["check", str(_broken(tmp_path, how))]) == 2
+    assert main(["check", str(_broken(tmp_path, how)), "--import"]) == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_check_reads_layers_defined_in_blocks_and_tuples(tmp_path, capsys):
+    """Layer classes defined inside `if` / `try` blocks or by tuple assignment are defined."""
+    repo = tiny_copy(tmp_path / "blocks")
+    (repo / "build" / "torch-universal" / "tiny" / "layers.py").write_text(
+        "from torch import nn\n\nfrom .ops import scale\n\n"
+        "try:\n    import math\nexcept ImportError:\n    math = None\n\n"
+        "if math is not None:\n"
+        "    class TinyScale(nn.Module):\n        has_backward = True\n        can_torch_compile = True\n\n"
+        "        def forward(self, x):\n            return scale(x)\n\n\n"
+        "class _Double(nn.Module):\n    has_backward = True\n    can_torch_compile = True\n\n"
+        "    def forward(self, x):\n        return scale(scale(x))\n\n\n"
+        "TinyScaleDouble, _unused = _Double, None\n")
+    assert main(["check", str(repo), "--import"]) == 0, capsys.readouterr().err
 
 
 def test_upload_creates_branch_tag_and_prints_the_commit(hub, tmp_path, capsys):

@@ -349,3 +349,68 @@ def test_an_unreachable_hub_is_named(monkeypatch, tmp_path):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     with pytest.raises(KernelHubError, match=rf"could not reach the Hub at http://127.0.0.1:{port} .*'org/tiny'"):
         get_kernel("org/tiny", version=1, trust_remote_code=True)
+
+
+# -- edges found by fuzzing ----------------------------------------------------------------------
+def test_a_zero_padded_branch_is_not_a_version(hub, tmp_path):
+    """"v02" is not the branch of version 2 (the newest-version lookup rebuilt it as "v2", a KeyError)."""
+    from huggingface_hub import HfApi
+
+    commit = _publish(tmp_path, "org/tiny")
+    HfApi(endpoint=hub.url).create_branch("org/tiny", branch="v02", repo_type="kernel", revision=commit)
+    assert _scale_of(get_kernel("org/tiny")) == 2.0
+    assert has_kernel("org/tiny")
+
+
+def test_a_release_after_a_deleted_tag_takes_the_next_free_number(hub, tmp_path):
+    from huggingface_hub import HfApi
+
+    api = HfApi(endpoint=hub.url)
+    for factor in (2.0, 3.0, 4.0):
+        _publish(tmp_path, "org/tiny", factor=factor)
+    del hub.store.repo("kernel", "org/tiny").tags["v1.1"]  # (the local server has no tag deletion)
+    _publish(tmp_path, "org/tiny", factor=5.0)
+    tags = {t.name for t in api.list_repo_refs("org/tiny", repo_type="kernel").tags}
+    assert tags == {"v1.0", "v1.2", "v1.3"}
+
+
+def test_a_variant_the_loader_cannot_use_is_a_kernel_hub_error(hub, tmp_path):
+    src = tiny_copy(tmp_path / "two", factor=2.0)
+    pkg = src / "build" / "torch-universal" / "tiny"
+    import shutil
+
+    from kernelhub.cli.upload import upload_kernel as upload
+
+    with pytest.raises(ValueError, match="must hold exactly one package"):  # `check` refuses to publish it
+        shutil.copytree(pkg, pkg.parent / "other")
+        upload(src, "org/two", version=1)
+
+
+def test_offline_with_a_cached_ref_but_no_snapshot_says_not_cached(hub, tmp_path, monkeypatch):
+    import shutil
+
+    _publish(tmp_path, "org/tiny")
+    get_kernel("org/tiny", version=1)
+    for snapshots in (tmp_path / "cache").rglob("snapshots"):
+        shutil.rmtree(snapshots)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(KernelNotFoundError, match="offline and kernel 'org/tiny' .* is not cached"):
+        hubmod.resolve_kernel("org/tiny", version=1)
+
+
+def test_local_kernels_choose_their_variant_as_hub_kernels_do(hub, tmp_path):
+    """A repository holding torch-universal and torch-cpu: a CPU machine runs the backend build,
+    from the Hub and from disk alike."""
+    repo = tiny_copy(tmp_path / "variants", factor=2.0, extra_variants={"torch-cpu": 4.0})
+    assert _scale_of(get_local_kernel(repo)) == 4.0
+    upload_kernel(repo, "org/variants", version=1)
+    assert _scale_of(get_kernel("org/variants", version=1)) == 4.0
+
+
+@pytest.mark.parametrize("repo_id", ["org/a..b", "org/a--b", "org/name-", "org/x.git"])
+def test_repo_ids_the_hub_refuses_are_value_errors_before_any_request(hub, repo_id):
+    with pytest.raises(ValueError, match="`repo_id` .* is not a valid Hub id"):
+        get_kernel(repo_id)
+    with pytest.raises(ValueError, match="`repo_id` .* is not a valid Hub id"):
+        LayerRepository(repo_id, layer_name="TinyScale")
+

@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 _COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
-_VERSION_BRANCH_RE = re.compile(r"^v(\d+)$")
+_VERSION_BRANCH_RE = re.compile(r"^v([1-9]\d*)$")  # v1, v2, ...: not "v01", which is no "vN" of a version N
 _warned_newer: set[tuple] = set()  # (hub, repo, version, newest): warn once each
 
 
@@ -143,7 +143,12 @@ def _transport_errors() -> tuple[type[Exception], ...]:
 @contextlib.contextmanager
 def _hub_errors(repo_id: str, repo_type: str, revision: str | None) -> Iterator[None]:
     """Turn the Hub client's missing-repo/revision errors into ours, naming what was asked for."""
-    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
 
     try:
         yield
@@ -158,6 +163,11 @@ def _hub_errors(repo_id: str, repo_type: str, revision: str | None) -> Iterator[
         ) from e
     except RevisionNotFoundError as e:
         raise KernelNotFoundError(f"kernel repository {repo_id!r} has no revision {revision!r}") from e
+    except (HfHubHTTPError, LocalEntryNotFoundError) as e:  # a server error, a failed download
+        raise KernelHubError(
+            f"the Hub at {endpoint()} failed for kernel repository {repo_id!r} (revision {revision!r}): "
+            f"{type(e).__name__}: {e}"
+        ) from e
 
 
 def _resolve_online(
@@ -235,6 +245,12 @@ def check_repo_id(func: str, repo_id: object) -> str:
     """A Hub id "org/name", checked before any request (a bad one would come back as a 404)."""
     if not isinstance(repo_id, str) or not _REPO_ID_RE.match(repo_id):
         raise ValueError(f"{func}: `repo_id` must look like 'org/name', got {repo_id!r}")
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:  # the Hub's own rules too ("--", "..", a trailing "." or "-", ".git", length)
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise ValueError(f"{func}: `repo_id` {repo_id!r} is not a valid Hub id: {e}") from e
     return repo_id
 
 
@@ -248,7 +264,12 @@ def list_variants(
     repo_type = repo_type or default_repo_type()
     if offline():
         ref, commit = _resolve_cached(repo_id, repo_type, revision, version)
-        build = _storage(repo_id, repo_type) / "snapshots" / commit / "build"
+        snapshot = _storage(repo_id, repo_type) / "snapshots" / commit
+        if not snapshot.is_dir():
+            raise KernelNotFoundError(
+                f"offline and kernel {repo_id!r} at {commit[:12]} ({ref}) is not cached (HF_HUB_OFFLINE is set)"
+            )
+        build = snapshot / "build"
         return ref, commit, sorted(p.name for p in build.iterdir() if p.is_dir()) if build.is_dir() else []
     ref, commit = _resolve_online(repo_id, repo_type, revision, version)
     return ref, commit, _variants_online(repo_id, repo_type, commit)
@@ -284,14 +305,15 @@ def fetch_variant(repo_id: str, repo_type: str, ref: str, commit: str, variant: 
             # Offline, a cache filled by another tool has no marker: huggingface_hub checks completeness.
             where = {"local_files_only": True} if offline() else {"endpoint": endpoint()}
             try:
-                snapshot_download(
-                    repo_id,
-                    repo_type=repo_type,
-                    revision=commit,
-                    cache_dir=str(cache_dir()),
-                    allow_patterns=[f"build/{variant}/*"],
-                    **where,
-                )
+                with _hub_errors(repo_id, repo_type, commit):
+                    snapshot_download(
+                        repo_id,
+                        repo_type=repo_type,
+                        revision=commit,
+                        cache_dir=str(cache_dir()),
+                        allow_patterns=[f"build/{variant}/*"],
+                        **where,
+                    )
             except Exception as e:
                 if not offline():
                     raise

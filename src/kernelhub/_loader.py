@@ -60,17 +60,20 @@ def _install_finder() -> None:
 
 
 def find_variant_dir(repo_dir: Path) -> Path:
-    """The build variant of a kernel repository that this process can run (Triton: universal)."""
+    """The build variant of a kernel repository that this system runs best, ranked as `get_kernel`
+    ranks a Hub repository's (a compiled build for this torch/backend first, `torch-universal` last)."""
+    from kernelhub.variants import rank_variants
+
     build = repo_dir / "build"
     if not build.is_dir():
         raise FileNotFoundError(f"kernel repository {repo_dir} has no build/ directory")
-    universal = build / UNIVERSAL_VARIANT
-    if universal.is_dir():
-        return universal
     found = sorted(p.name for p in build.iterdir() if p.is_dir())
+    usable, rejected = rank_variants(found)
+    if usable:
+        return build / usable[0]
     raise FileNotFoundError(
-        f"kernel repository {repo_dir} has no build variant for this platform "
-        f"(looked for {UNIVERSAL_VARIANT!r}; found {found})"
+        f"kernel repository {repo_dir} has no build variant for this system (found {found}: "
+        + ("; ".join(f"{n}: {why}" for n, why in rejected.items()) or "none") + ")"
     )
 
 

@@ -180,7 +180,10 @@ def get_kernel(
 
 
 def _import_resolved(resolved: ResolvedKernel) -> ModuleType:
-    kernel = load_kernel_from_dir(resolved.path)
+    try:
+        kernel = load_kernel_from_dir(resolved.path)
+    except FileNotFoundError as e:  # a variant directory the loader cannot use (no single package)
+        raise KernelHubError(f"kernel {resolved.repo_id!r} at {resolved.commit[:12]}: {e}") from e
     if not hasattr(kernel, "__kernelhub_source__"):
         kernel.__kernelhub_source__ = resolved  # for reports: which commit and variant this module is
     return kernel

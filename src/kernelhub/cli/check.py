@@ -5,7 +5,8 @@ Checked: `kernel.toml` (top level or `[general]`) has `name` (identifier), `vers
 `build/` has at least one variant, each a valid variant name holding `<name>/__init__.py`, a
 `metadata.json` (JSON, in the variant or the package directory) and a `layers` module that defines
 every layer named in kernel.toml (read statically; `--import` also imports the package and checks
-each layer is an `nn.Module` subclass).
+each layer is a stateless `nn.Module` subclass declaring `has_backward` and `can_torch_compile`);
+exactly one package per variant; no symlinks among the published files.
 """
 
 from __future__ import annotations
@@ -42,16 +43,26 @@ def read_manifest(repo: Path) -> KernelManifest:
     if not path.is_file():
         return KernelManifest("", 0, [], problems=[f"{path}: missing (needs name, version, layers)"])
     try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        return KernelManifest("", 0, [], problems=[f"{path}: not valid TOML: {e}"])
-    data = {**data.get("general", {}), **{k: v for k, v in data.items() if k != "general"}}
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        return KernelManifest("", 0, [], problems=[f"{path}: not valid UTF-8 TOML: {e}"])
+    general = data.get("general", {})
+    if not isinstance(general, dict):
+        return KernelManifest("", 0, [], problems=[f"{path}: `general` must be a table, got {general!r}"])
+    data = {**general, **{k: v for k, v in data.items() if k != "general"}}
     problems = []
     name, version, layers = data.get("name"), data.get("version"), data.get("layers")
     if isinstance(layers, dict):  # `[layers]` table: {LayerName = {description = ..., has_backward = ...}}
+        for layer, table in layers.items():
+            attrs = table if isinstance(table, dict) else {}
+            bad = {k: v for k, v in attrs.items() if k in ("has_backward", "can_torch_compile") and type(v) is not bool}
+            if not isinstance(table, dict) or bad:
+                problems.append(f"{path}: [layers.{layer}] must be a table whose has_backward / can_torch_compile "
+                                f"are true or false, got {table!r}")
         layers = list(layers)
-    if not isinstance(name, str) or not name.isidentifier():
-        problems.append(f"{path}: `name` must be a Python identifier (the package name), got {name!r}")
+    if not isinstance(name, str) or not name.isidentifier() or name == "build":
+        problems.append(f"{path}: `name` must be a Python identifier (the package name) other than 'build', "
+                        f"got {name!r}")
     if isinstance(version, bool) or not isinstance(version, int) or version < 1:
         problems.append(f"{path}: `version` must be an int >= 1, got {version!r}")
     if (
@@ -70,19 +81,52 @@ def read_manifest(repo: Path) -> KernelManifest:
     )
 
 
-def _defined_names(source: str) -> set[str]:
-    """Top-level names a module defines or imports (classes, assignments, `from x import y`)."""
+def _defined_names(source: str) -> set[str] | None:
+    """Module-level names a module defines or imports (classes, assignments, imports; also inside
+    `if` / `try` / `with` blocks), or None where they cannot be read statically (`import *`)."""
     names: set[str] = set()
-    for node in ast.parse(source).body:
-        if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update((a.asname or a.name).split(".")[0] for a in node.names)
-        elif isinstance(node, ast.Assign):
-            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            names.add(node.target.id)
-    return names
+
+    def targets(t: ast.expr) -> None:
+        if isinstance(t, ast.Name):
+            names.add(t.id)
+        elif isinstance(t, (ast.Tuple, ast.List)):
+            for e in t.elts:
+                targets(e)
+
+    def visit(body: list[ast.stmt]) -> bool:
+        for node in body:
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                if any(a.name == "*" for a in node.names):
+                    return False
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
+            elif isinstance(node, ast.Assign):
+                for t in node.targets:
+                    targets(t)
+            elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+                targets(node.target)
+            for block in ("body", "orelse", "finalbody", "handlers"):  # if / try / with / for blocks
+                inner = getattr(node, block, None)
+                if isinstance(inner, list) and not isinstance(node, (ast.ClassDef, ast.FunctionDef,
+                                                                      ast.AsyncFunctionDef)):
+                    stmts = [h for h in inner if isinstance(h, ast.stmt)]
+                    stmts += [s for h in inner if isinstance(h, ast.ExceptHandler) for s in h.body]
+                    if not visit(stmts):
+                        return False
+        return True
+
+    return names if visit(ast.parse(source).body) else None
+
+
+def _symlinks(repo: Path) -> list[str]:
+    """Symlinked files or directories among what `upload` publishes: upload_folder skips a linked
+    directory and copies a linked file's target (possibly from outside the repository)."""
+    found = []
+    for top in (repo / "kernel.toml", repo / "README.md", repo / "build"):
+        paths = [top] + (sorted(top.rglob("*")) if top.is_dir() and not top.is_symlink() else [])
+        found += [f"{p}: a symlink; publish the real file or directory" for p in paths if p.is_symlink()]
+    return found
 
 
 def _check_variant(vdir: Path, manifest: KernelManifest, do_import: bool) -> list[str]:
@@ -94,22 +138,27 @@ def _check_variant(vdir: Path, manifest: KernelManifest, do_import: bool) -> lis
     pkg = vdir / manifest.name
     if not (pkg / "__init__.py").is_file():
         return problems + [f"{vdir}: missing {manifest.name}/__init__.py (the package named in kernel.toml)"]
+    packages = sorted(p.name for p in vdir.iterdir() if (p / "__init__.py").is_file())
+    if packages != [manifest.name]:
+        problems.append(f"{vdir}: must hold exactly one package, {manifest.name}/ (the loader imports the only "
+                        f"one), found {packages}")
     metas = [p for p in (vdir / "metadata.json", pkg / "metadata.json") if p.is_file()]
     if not metas:
         problems.append(f"{vdir}: missing metadata.json (in {vdir.name}/ or {vdir.name}/{manifest.name}/)")
     for meta in metas:
         try:
-            json.loads(meta.read_text())
-        except json.JSONDecodeError as e:
-            problems.append(f"{meta}: not valid JSON: {e}")
+            if not isinstance(json.loads(meta.read_text(encoding="utf-8")), dict):
+                problems.append(f"{meta}: must hold a JSON object")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            problems.append(f"{meta}: not valid UTF-8 JSON: {e}")
     layers_src = pkg / "layers.py" if (pkg / "layers.py").is_file() else pkg / "layers" / "__init__.py"
     if not layers_src.is_file():
         return problems + [f"{pkg}: missing layers.py (the layers named in kernel.toml live there)"]
     try:
-        defined = _defined_names(layers_src.read_text())
-    except SyntaxError as e:
-        return problems + [f"{layers_src}: syntax error: {e}"]
-    missing = [x for x in manifest.layers if x not in defined]
+        defined = _defined_names(layers_src.read_text(encoding="utf-8"))
+    except (SyntaxError, UnicodeDecodeError) as e:
+        return problems + [f"{layers_src}: not valid UTF-8 Python: {e}"]
+    missing = [x for x in manifest.layers if defined is not None and x not in defined]
     if missing:
         problems.append(f"{layers_src}: layers {missing} named in kernel.toml are not defined")
     if do_import and not problems:
@@ -131,6 +180,14 @@ def _check_by_import(vdir: Path, manifest: KernelManifest) -> list[str]:
         layer = getattr(getattr(kernel, "layers", None), name, None)
         if not (isinstance(layer, type) and issubclass(layer, nn.Module)):
             problems.append(f"{vdir}: layers.{name} is not an nn.Module subclass")
+            continue
+        # DESIGN: stateless nn.Modules whose forward replaces the host's, declaring both attributes
+        if layer.__init__ is not nn.Module.__init__:
+            problems.append(f"{vdir}: layers.{name} defines __init__; kernel layers must be stateless")
+        for attr in ("has_backward", "can_torch_compile"):
+            if type(getattr(layer, attr, None)) is not bool:
+                problems.append(f"{vdir}: layers.{name}.{attr} must be True or False, "
+                                f"got {getattr(layer, attr, None)!r}")
     return problems
 
 
@@ -140,7 +197,7 @@ def check_kernel_dir(repo: str | Path, *, do_import: bool = False) -> tuple[Kern
     if not repo.is_dir():
         return KernelManifest("", 0, []), [f"{repo}: not a directory"]
     manifest = read_manifest(repo)
-    problems = list(manifest.problems)
+    problems = list(manifest.problems) + _symlinks(repo)
     build = repo / "build"
     variants = sorted(p for p in build.iterdir() if p.is_dir()) if build.is_dir() else []
     if not variants:

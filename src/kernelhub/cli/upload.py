@@ -20,7 +20,7 @@ from kernelhub.cli.check import check_kernel_dir
 __all__ = ["add_parser", "run", "upload_kernel"]
 
 _ALLOW = ["kernel.toml", "README.md", "LICENSE*", "build/*"]
-_IGNORE = ["*/__pycache__/*", "*.pyc", ".*"]
+_IGNORE = ["*/__pycache__/*", "*.pyc", ".*", "*/.*"]  # hidden files at any depth (.DS_Store, ...)
 
 
 def upload_kernel(
@@ -55,7 +55,8 @@ def upload_kernel(
         commit_message=f"Upload {manifest.name} version {version}",
     )
     tags = [t.name for t in hub.list_repo_refs(repo_id, repo_type=repo_type).tags]
-    release = sum(1 for t in tags if re.fullmatch(rf"v{version}\.\d+", t))
+    # the next release number after the highest (a deleted tag leaves a gap: counting would collide)
+    release = max((int(m.group(1)) for t in tags if (m := re.fullmatch(rf"v{version}\.(\d+)", t))), default=-1) + 1
     tag = f"v{version}.{release}"
     hub.create_tag(
         repo_id,
