@@ -375,15 +375,23 @@ def test_a_release_after_a_deleted_tag_takes_the_next_free_number(hub, tmp_path)
 
 
 def test_a_variant_the_loader_cannot_use_is_a_kernel_hub_error(hub, tmp_path):
-    src = tiny_copy(tmp_path / "two", factor=2.0)
-    pkg = src / "build" / "torch-universal" / "tiny"
+    """Two packages in one variant: `check` (so `upload`) refuses it, and one published by other
+    means loads as a KernelHubError naming the kernel, not the loader's bare FileNotFoundError."""
     import shutil
 
-    from kernelhub.cli.upload import upload_kernel as upload
+    from huggingface_hub import HfApi
 
-    with pytest.raises(ValueError, match="must hold exactly one package"):  # `check` refuses to publish it
-        shutil.copytree(pkg, pkg.parent / "other")
-        upload(src, "org/two", version=1)
+    src = tiny_copy(tmp_path / "two", factor=2.0)
+    pkg = src / "build" / "torch-universal" / "tiny"
+    shutil.copytree(pkg, pkg.parent / "other")
+    with pytest.raises(ValueError, match="must hold exactly one package"):
+        upload_kernel(src, "org/two", version=1)
+    api = HfApi(endpoint=hub.url)
+    api.create_repo("org/two", repo_type="kernel")
+    api.create_branch("org/two", branch="v1", repo_type="kernel")
+    api.upload_folder(repo_id="org/two", folder_path=str(src), repo_type="kernel", revision="v1")
+    with pytest.raises(KernelHubError, match="kernel 'org/two' at .*exactly one kernel package"):
+        get_kernel("org/two", version=1, trust_remote_code=True)
 
 
 def test_offline_with_a_cached_ref_but_no_snapshot_says_not_cached(hub, tmp_path, monkeypatch):
