@@ -652,6 +652,32 @@ class _GraphRecorder:
         self.backend = aot_autograd(fw_compiler=keep, bw_compiler=keep)
 
 
+@pytest.mark.parametrize(("T", "ids", "variant"), [(0, None, "sm80"), (3, -1, "reference"), (3, -1, "sm80")])
+def test_torch_compile_training_with_nothing_routed_gives_zero_gradients(T, ids, variant):
+    """No (token, k) pair routed: the backward op's reference gradients were expanded views of one
+    scalar, which a custom op may not return (they alias), so the compiled backward failed."""
+    torch._dynamo.reset()
+    x, gu, dn, idx, w = make_inputs(max(T, 1), 32, 16, 4, 2)
+    x, idx, w = x[:T], idx[:T], w[:T]
+    if ids is not None:
+        idx = torch.full_like(idx, ids)
+    leaves = [t.clone().requires_grad_() for t in (x, gu, dn, w)]
+    fn = torch.compile(lambda *a: moe.fused_experts(a[0], a[1], a[2], idx, a[3], variant=variant),
+                       backend="aot_eager", fullgraph=True)
+    fn(*leaves).sum().backward()
+    assert all(t.grad is not None and not t.grad.any() for t in leaves)
+
+
+def test_torch_compile_of_a_torch_func_transform_runs_the_reference():
+    """compile(grad(f)): under the transform the eager path (default variant: the reference) runs,
+    not the custom op, whose Function has no setup_context for functorch."""
+    torch._dynamo.reset()
+    x, gu, dn, idx, w = make_inputs(6, 32, 16, 4, 2)
+    grad = torch.func.grad(lambda xx: moe.fused_experts(xx, gu, dn, idx, w).sum())
+    # (not fullgraph: the reference's routing is data-dependent)
+    torch.testing.assert_close(torch.compile(grad, backend="aot_eager")(x), grad(x))
+
+
 @pytest.mark.parametrize("variant", [*TRITON_VARIANTS, "reference"])
 def test_torch_compile_fullgraph_gives_the_eager_bits(variant):
     """Under torch.compile fused_experts is one custom op forward and one backward: no graph break

@@ -512,6 +512,15 @@ def test_kernel_toml_lists_every_layer_with_its_attributes():
 
 # ---------------------------------------------------------------- torch.compile
 
+def test_torch_compile_of_a_torch_func_transform_runs_the_reference():
+    torch._dynamo.reset()
+    g, u = _rand((4, 32), torch.float32), _rand((4, 32), torch.float32)
+    grad = torch.func.grad(lambda a, b: ops.swiglu(a, b).sum(), argnums=(0, 1))
+    packed_grad = torch.func.grad(lambda x: ops.swiglu_packed(x).sum())
+    for f, args in ((grad, (g, u)), (packed_grad, (torch.cat([g, u], dim=-1),))):
+        torch.testing.assert_close(torch.compile(f, backend="aot_eager", fullgraph=True)(*args), f(*args))
+
+
 @pytest.mark.parametrize("impl", [None, "sm90", "reference"])
 def test_torch_compile_fullgraph_matches_eager(impl):
     # the compiled path goes through custom ops: fullgraph=True fails on any graph break

@@ -122,7 +122,9 @@ def _reference_grads(dout, x, gate_up_proj, down_proj, topk_idx, topk_weights, n
     if not wanted:
         return (None,) * 4
     _, vjp = torch.func.vjp(f, *(tensors[i] for i in wanted))
-    found = iter(vjp(dout))
+    # copies: with nothing routed the reference ties the inputs in by sums, and their gradients come
+    # back as expanded views of one scalar, which a custom op may not return (they alias)
+    found = iter(g.clone(memory_format=torch.contiguous_format) for g in vjp(dout))
     return tuple((next(found) if need else None) for need in needs)
 
 

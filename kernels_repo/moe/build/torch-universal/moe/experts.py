@@ -602,7 +602,9 @@ def fused_experts(
         TypeError: a non-tensor argument or unsupported dtype.
         ValueError: shapes, devices, index range or variant are wrong.
     """
-    if torch.compiler.is_compiling():  # one opaque custom op per call (no graph breaks)
+    # one opaque custom op per call (no graph breaks); under a torch.func transform the eager path
+    # below runs (its default variant is then the reference, which the transforms trace)
+    if torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active():
         _validate(x, gate_up_proj, down_proj, topk_idx, topk_weights, False)
         variant = _checked_variant(x, _traced_variant(x.device) if variant is None else variant)
         return compiled_fused_experts(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, config)

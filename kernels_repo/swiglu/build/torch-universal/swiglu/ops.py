@@ -172,7 +172,8 @@ def swiglu(
     _check_pair("swiglu", gate, up)
     if out is not None:
         _check_out("swiglu", out, gate.shape, gate, gate.requires_grad or up.requires_grad)
-    if torch.compiler.is_compiling() and impl != "reference":
+    # (under a torch.func transform, compiled or not, the reference runs: see `_functorch`)
+    if torch.compiler.is_compiling() and impl != "reference" and not _functorch_active():
         y = _swiglu_op(gate, up, _impl_arg("swiglu", impl))
         return y if out is None else out.copy_(y)
     target = _resolve("swiglu", gate, impl)
@@ -203,7 +204,7 @@ def swiglu_packed(
     _check_packed(x)
     if out is not None:
         _check_out("swiglu_packed", out, (*x.shape[:-1], x.shape[-1] // 2), x, x.requires_grad)
-    if torch.compiler.is_compiling() and impl != "reference":
+    if torch.compiler.is_compiling() and impl != "reference" and not _functorch_active():
         y = _swiglu_packed_op(x, _impl_arg("swiglu_packed", impl))
         return y if out is None else out.copy_(y)
     target = _resolve("swiglu_packed", x, impl)
