@@ -52,26 +52,10 @@ def test_check_accepts_the_fixture_and_imports_it(capsys):
     assert "ok: tiny v1" in capsys.readouterr().out
 
 
-_LAYERS = """from torch import nn
-
-from .ops import scale
-
-
-class TinyScale(nn.Module):
-    has_backward = {has_backward}
-    can_torch_compile = True
-{extra}
-    def forward(self, x):
-        return scale(x)
-
-
-class TinyScaleDouble(nn.Module):
-    has_backward = True
-    can_torch_compile = True
-
-    def forward(self, x):
-        return scale(scale(x))
-"""
+def _edit_first(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, f"{path} no longer holds {old!r}"
+    path.write_text(text.replace(old, new, 1))
 
 
 def _broken(tmp_path: Path, how: str) -> Path:
@@ -100,11 +84,11 @@ def _broken(tmp_path: Path, how: str) -> Path:
         (pkg / "layers.py").write_bytes(b"x = '\xff'\n")
     elif how == "metadata-not-an-object":
         (pkg / "metadata.json").write_text("[]")
-    elif how == "stateful-layer":
-        (pkg / "layers.py").write_text(_LAYERS.format(extra="    def __init__(self, n):\n        super().__init__()\n",
-                                                      has_backward="True"))
-    elif how == "no-backward-attribute":
-        (pkg / "layers.py").write_text(_LAYERS.format(extra="", has_backward="None"))
+    elif how == "stateful-layer":  # TinyScale gets an __init__ taking an argument
+        _edit_first(pkg / "layers.py", "    def forward(self, x):\n",
+                    "    def __init__(self, n):\n        super().__init__()\n\n    def forward(self, x):\n")
+    elif how == "no-backward-attribute":  # TinyScale loses has_backward
+        _edit_first(pkg / "layers.py", "    has_backward = True\n", "")
     elif how == "named-build":
         (repo / "kernel.toml").write_text('name = "build"\nversion = 1\nlayers = ["TinyScale"]\n')
     return repo
