@@ -78,12 +78,18 @@ def find_variant_dir(repo_dir: Path) -> Path:
 
 
 def _package_dir(path: Path) -> Path:
-    """Accept a repository root, a variant directory, or the package directory itself."""
+    """Accept a repository root, a variant directory, or the package directory itself.
+
+    A repository root with no `build/` is read from its source, `torch-ext/<name>/` (kernel-builder's
+    layout): the bundled kernels ship as source, so a stale build can never shadow an edit.
+    """
     path = path.resolve()
     if (path / "__init__.py").is_file():
         return path
     if (path / "build").is_dir():
         path = find_variant_dir(path)
+    elif (path / "torch-ext").is_dir():
+        path = path / "torch-ext"
     packages = [p for p in sorted(path.iterdir()) if (p / "__init__.py").is_file()]
     if len(packages) != 1:
         raise FileNotFoundError(

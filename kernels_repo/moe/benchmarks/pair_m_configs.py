@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-CONFIGS = Path(__file__).resolve().parents[1] / "build" / "torch-universal" / "moe" / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "torch-ext" / "moe" / "configs"
 
 
 def paired(bucket: dict) -> dict:
