@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: versions, GPU tests, the demo, then the benchmarks.
-# Usage (device tool): bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [tiles] [profile] [moehost] [diag] [graphdiag] [sweep] [persist] [tune] [routing] [moe] [moeprof] [flatcheck] [ncu] [pairab] [cfgab] [dirab]
-# Env: CFG_A, CFG_B, AB_ROUNDS=2 (cfgab), GPU_TESTS (pytest paths for `tests`), GPU_K (its -k expression), TESTS_TIMEOUT, MOE_TIMEOUT, SWEEP_TIMEOUT, PERSIST_TIMEOUT, TUNE_TIMEOUT, TUNE_ARGS, and the benchmarks' own (SHAPES, TOKENS...)
-# Logs and JSON lines land in $OUT. The GPU image has torch/triton/transformers of its own; we
-# run from the source tree (PYTHONPATH=src) and bring Liger-Kernel as a wheel in .whl/.
+# One run on a GPU machine, from the repository root: versions, GPU tests, the demo, then the benchmarks.
+# Usage: bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [routing] [moe] [tune] [cfgab] [dirab]
+#   diagnostics (scripts in tools/): [tiles] [profile] [moehost] [diag] [graphdiag] [sweep] [persist] [moeprof] [flatcheck] [ncu] [pairab]
+# Env: OUT (logs and JSON lines; default /tmp/kernelhub-out), GPU_TESTS (pytest paths for `tests`), GPU_K (its -k
+# expression), CFG_A, CFG_B, AB_ROUNDS=2 (cfgab), MOE_OLD (dirab), TESTS_TIMEOUT, MOE_TIMEOUT, SWEEP_TIMEOUT,
+# PERSIST_TIMEOUT, TUNE_TIMEOUT, TUNE_ARGS, and the benchmarks' own (SHAPES, TOKENS, IMPLS, MODES...).
+# Runs from the source tree (PYTHONPATH=src) on the machine's own torch/triton/transformers; wheels
+# in .whl/ (e.g. Liger-Kernel, a peer) are installed first.
 set -u
 OUT=${OUT:-/tmp/kernelhub-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} KERNELHUB_TEST_GPU=1 TRITON_INTERPRET=0
@@ -11,20 +14,19 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 steps=${*:-tests demo swiglu routing moe}
-# Peers' Triton autotuning (Liger's fused MoE: minutes per shape, longer than a call at Mixtral sizes)
-# is cached on disk and carried between calls: benchmarks/peer_autotune/*.tgz (the *.autotune.json
-# files of earlier calls, valid for one GPU, Triton and Liger version; otherwise Triton tunes again)
-# is unpacked into the Triton cache first, and every call packs what the cache then holds into
-# $OUT/peer_autotune.tgz, to be committed as benchmarks/peer_autotune/<date>.tgz. Our kernels do
-# not autotune (their tiles are data: configs/*.json), so this only spares the peers' tuning time.
+# Peers' Triton autotuning (Liger's fused MoE: minutes per model shape) is kept on disk so that a
+# later run skips it: every run packs the Triton cache's *.autotune.json files into
+# $OUT/peer_autotune.tgz, and unpacks the tarballs found in $PEER_AUTOTUNE (default .peer_autotune/,
+# ignored by git: copy an earlier run's tarball there) into the cache first. Without them Triton tunes
+# again. The results hold for one GPU, Triton and peer version. Our kernels do not autotune (their
+# tiles are data: configs/*.json), so this only spares the peers' tuning time.
 export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 mkdir -p "$TRITON_CACHE_DIR"
-for t in benchmarks/peer_autotune/*.tgz; do [ -f "$t" ] && tar xzf "$t" -C "$TRITON_CACHE_DIR"; done
+for t in "${PEER_AUTOTUNE:-.peer_autotune}"/*.tgz; do [ -f "$t" ] && tar xzf "$t" -C "$TRITON_CACHE_DIR"; done
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 bench_runs() { # VAR NAME=DIR...: bench_moe.py once per NAME=DIR argument, with env VAR=DIR (empty DIR:
-  # ours as shipped); JSON lines in $OUT/NAME/bench_moe.jsonl, every run's log in $OUT/ab.log (the
-  # device tool returns 8 files at most)
+  # ours as shipped); JSON lines in $OUT/NAME/bench_moe.jsonl, every run's log in one file, $OUT/ab.log
   local var=$1; shift
   for arg in "$@"; do
     local run=${arg%%=*} dir=${arg#*=}
@@ -42,40 +44,40 @@ for step in $steps; do
     tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short ${GPU_TESTS:-} ${GPU_K:+-k "$GPU_K"} > "$OUT/gpu_tests.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -30 ;;
     demo) timeout 120 python3 examples/demo.py 2>&1 | tee "$OUT/demo.log" | tail -40 ;;
     swiglu) timeout 200 python3 kernels_repo/swiglu/benchmarks/bench_swiglu.py 2>&1 | tee "$OUT/bench_swiglu.log" | tail -3 ;;
-    tiles) timeout 150 python3 kernels_repo/swiglu/benchmarks/sweep_tiles.py 2>&1 | tee "$OUT/sweep_tiles.log" | grep "^sweep" ;;
-    profile) timeout 60 python3 benchmarks/profile_swiglu_host.py 2>&1 | tee "$OUT/profile_swiglu.log" | head -45 ;;
-    moehost) # MOEHOST_OLD: another copy of kernels_repo/moe, profiled first in the same call
-      if [ -n "${MOEHOST_OLD:-}" ]; then timeout 90 python3 benchmarks/profile_moe_host.py ${MOEHOST_T:-1} "$MOEHOST_OLD" 2>&1 | tee "$OUT/profile_moe_host_old.log" | head -${MOEHOST_LINES:-45}; fi
-      timeout 90 python3 benchmarks/profile_moe_host.py ${MOEHOST_T:-1} 2>&1 | tee "$OUT/profile_moe_host.log" | head -${MOEHOST_LINES:-45} ;;
-    diag) timeout 200 python3 benchmarks/diag_host.py ${DIAG:-} > "$OUT/diag.log" 2>&1; grep -E "^##|Error" "$OUT/diag.log" ;;
-    graphdiag) timeout 200 python3 benchmarks/diag_swiglu_graph.py 2>&1 | tee "$OUT/diag_swiglu_graph.log" | tail -8 ;;
-    sweep) timeout ${SWEEP_TIMEOUT:-240} python3 kernels_repo/moe/benchmarks/sweep_backward.py 2>&1 | tee "$OUT/sweep_backward.log" | grep -v "^ " ;;
+    tiles) timeout 150 python3 tools/sweep_tiles.py 2>&1 | tee "$OUT/sweep_tiles.log" | grep "^sweep" ;;
+    profile) timeout 60 python3 tools/profile_swiglu_host.py 2>&1 | tee "$OUT/profile_swiglu.log" | head -45 ;;
+    moehost) # MOEHOST_OLD: another copy of kernels_repo/moe, profiled first in the same run
+      if [ -n "${MOEHOST_OLD:-}" ]; then timeout 90 python3 tools/profile_moe_host.py ${MOEHOST_T:-1} "$MOEHOST_OLD" 2>&1 | tee "$OUT/profile_moe_host_old.log" | head -${MOEHOST_LINES:-45}; fi
+      timeout 90 python3 tools/profile_moe_host.py ${MOEHOST_T:-1} 2>&1 | tee "$OUT/profile_moe_host.log" | head -${MOEHOST_LINES:-45} ;;
+    diag) timeout 200 python3 tools/diag_host.py ${DIAG:-} > "$OUT/diag.log" 2>&1; grep -E "^##|Error" "$OUT/diag.log" ;;
+    graphdiag) timeout 200 python3 tools/diag_swiglu_graph.py 2>&1 | tee "$OUT/diag_swiglu_graph.log" | tail -8 ;;
+    sweep) timeout ${SWEEP_TIMEOUT:-240} python3 tools/sweep_backward.py 2>&1 | tee "$OUT/sweep_backward.log" | grep -v "^ " ;;
     tune) timeout ${TUNE_TIMEOUT:-400} python3 kernels_repo/moe/benchmarks/tune_moe.py ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune_moe.log" | grep -E "^==| block_m=|wrote" ;;
     routing) timeout 120 python3 benchmarks/bench_moe_routing.py 2>&1 | tee "$OUT/bench_routing.log" | tail -40 ;;
     moe) timeout ${MOE_TIMEOUT:-300} python3 kernels_repo/moe/benchmarks/bench_moe.py 2>&1 | tee "$OUT/bench_moe.log" | tail -40 ;;
-    moeprof) timeout ${PROF_TIMEOUT:-150} python3 kernels_repo/moe/benchmarks/profile_moe.py 2>&1 | tee "$OUT/profile_moe.log" | grep -E "^==|^  " | head -${PROF_LINES:-80} ;;
-    persist) timeout ${PERSIST_TIMEOUT:-300} python3 kernels_repo/moe/benchmarks/sweep_persistent.py 2>&1 | tee "$OUT/sweep_persistent.log" | grep -E "^(==|persist|sum)|skip|Error" ;;
-    flatcheck) timeout ${FLAT_TIMEOUT:-200} python3 kernels_repo/moe/benchmarks/check_flat_wgrad.py 2>&1 | tee "$OUT/check_flat_wgrad.log" | tail -40 ;;
+    moeprof) timeout ${PROF_TIMEOUT:-150} python3 tools/profile_moe.py 2>&1 | tee "$OUT/profile_moe.log" | grep -E "^==|^  " | head -${PROF_LINES:-80} ;;
+    persist) timeout ${PERSIST_TIMEOUT:-300} python3 tools/sweep_persistent.py 2>&1 | tee "$OUT/sweep_persistent.log" | grep -E "^(==|persist|sum)|skip|Error" ;;
+    flatcheck) timeout ${FLAT_TIMEOUT:-200} python3 tools/check_flat_wgrad.py 2>&1 | tee "$OUT/check_flat_wgrad.log" | tail -40 ;;
     ncu) # hardware counters of the MoE GEMMs in one forward+backward (NCU_POINT, NCU_K kernel regex, NCU_C launches)
       NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       if [ -z "$NCU" ]; then echo "no ncu on this machine"; else
         POINTS=${NCU_POINT:-deepseek_v3:4096} MODES=fwdbwd REPS=1 timeout ${NCU_TIMEOUT:-300} "$NCU" -k "regex:${NCU_K:-_grouped}" \
           -c ${NCU_C:-6} --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
-          python3 kernels_repo/moe/benchmarks/profile_moe.py > "$OUT/ncu.log" 2>&1
+          python3 tools/profile_moe.py > "$OUT/ncu.log" 2>&1
         grep -E "_grouped|Throughput|Duration|Hit Rate|Achieved Occupancy|ERR|==PROF==|==ERROR==" "$OUT/ncu.log" | head -${NCU_LINES:-90}
       fi ;;
-    pairab) # fused_experts as shipped, then with the 128-row buckets as block_m=64 + pair_m (same call)
-      python3 kernels_repo/moe/benchmarks/pair_m_configs.py /tmp/pair_m_configs
+    pairab) # fused_experts as shipped, then with the 128-row buckets as block_m=64 + pair_m (same run)
+      python3 tools/pair_m_configs.py /tmp/pair_m_configs
       bench_ab shipped= pair_m=/tmp/pair_m_configs ;;
-    dirab) # bench_moe.py on the kernel repository copy $MOE_OLD (an older commit), then on ours (same call);
-      # AB_ROUNDS=2: old, new, old, new (host drift within a call)
+    dirab) # bench_moe.py on the kernel repository copy $MOE_OLD (an older commit), then on ours (same run);
+      # AB_ROUNDS=2: old, new, old, new (host drift within a run)
       old=${MOE_OLD:?set MOE_OLD to a copy of kernels_repo/moe}
       runs="old=$old new="; [ "${AB_ROUNDS:-1}" = 2 ] && runs="$runs old2=$old new2="
       TOKENS=${TOKENS:-4096} bench_runs MOE_DIR $runs ;;
-    cfgab) # fused_experts with the config file $CFG_A (and $CFG_B, if set; as sm90.json) against the shipped configs (same call)
+    cfgab) # fused_experts with the config file $CFG_A (and $CFG_B, if set; as sm90.json) against the shipped configs (same run)
       mkdir -p /tmp/cfg_a && cp "${CFG_A:?set CFG_A to an sm90.json to compare}" /tmp/cfg_a/sm90.json
       if [ -n "${CFG_B:-}" ]; then mkdir -p /tmp/cfg_b && cp "$CFG_B" /tmp/cfg_b/sm90.json; fi
-      if [ "${AB_ROUNDS:-1}" = 2 ]; then  # interleaved: A, (B,) shipped, A, (B,) shipped (drift within a call)
+      if [ "${AB_ROUNDS:-1}" = 2 ]; then  # interleaved: A, (B,) shipped, A, (B,) shipped (drift within a run)
         bench_ab cfg_a=/tmp/cfg_a ${CFG_B:+cfg_b=/tmp/cfg_b} shipped= cfg_a2=/tmp/cfg_a ${CFG_B:+cfg_b2=/tmp/cfg_b} shipped2=
       else
         bench_ab cfg_a=/tmp/cfg_a ${CFG_B:+cfg_b=/tmp/cfg_b} shipped=

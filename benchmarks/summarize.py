@@ -1,7 +1,7 @@
 """Markdown tables from the benchmarks' JSON lines (as pasted into docs/performance.md).
 
-    python benchmarks/summarize.py swiglu benchmarks/results/2026-12-02-run3/swiglu_bench.jsonl
-    python benchmarks/summarize.py moe benchmarks/results/2026-12-02-run3/bench_moe.jsonl [more.jsonl]
+    python benchmarks/summarize.py swiglu benchmarks/results/2026-12-05-s14-call6/swiglu_bench.jsonl
+    python benchmarks/summarize.py moe benchmarks/results/2026-12-05-s13-call3/bench_moe.jsonl [more.jsonl]
 """
 
 from __future__ import annotations

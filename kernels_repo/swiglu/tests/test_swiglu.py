@@ -553,7 +553,7 @@ def test_gpu_code_is_vectorised_and_fits_its_register_budget():
     # compile for sm80 and sm90 (Triton's bundled ptxas, no device needed) in a fresh process,
     # since this one defined the kernels for the interpreter
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    probe = Path(__file__).with_name("compile_probe.py")
+    probe = Path(__file__).resolve().parents[3] / "tools" / "compile_probe.py"
     out = subprocess.run([sys.executable, str(probe)], env=env, capture_output=True, text=True,
                          timeout=300, check=True).stdout
     rows = [json.loads(line) for line in out.splitlines()]

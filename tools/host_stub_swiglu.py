@@ -7,8 +7,8 @@ allocations, or against another commit's code. Everything of ours runs as on a G
 current (the cached launch path, a reused no-op guard) except the launcher's call into the driver.
 Not a GPU measurement.
 
-    python benchmarks/host_stub_swiglu.py [SHAPE]                # SHAPE e.g. 1,128 (default) or 2,3,128
-    python benchmarks/host_stub_swiglu.py --against DIR [SHAPE]  # this tree's code against DIR's, where
+    python tools/host_stub_swiglu.py [SHAPE]                # SHAPE e.g. 1,128 (default) or 2,3,128
+    python tools/host_stub_swiglu.py --against DIR [SHAPE]  # this tree's code against DIR's, where
         DIR holds `git archive REV kernels_repo/swiglu src/kernelhub/triton_launch.py | tar -x -C DIR`
 """
 

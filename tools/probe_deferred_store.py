@@ -10,7 +10,7 @@ memory, registers, spills and where the PTX waits for the MMAs. Finding (triton 
 every MMA right after issuing it (`wgmma.wait_group 0`) and needs 238-255 registers instead of
 90-154, so the deferred store cannot overlap anything. Usage (repo root, TRITON_INTERPRET unset):
 
-    python kernels_repo/moe/benchmarks/probe_deferred_store.py
+    python tools/probe_deferred_store.py
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""cProfile of n eager calls on the GPU machine, shared by the host-time scripts in benchmarks/."""
+"""cProfile of n eager calls on the GPU machine, shared by the host-time scripts in tools/."""
 
 import cProfile
 import pstats

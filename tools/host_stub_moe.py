@@ -7,7 +7,7 @@ tensors take the sm90 variant's path with the interpreter's tile config (not the
 it measures the Python around the launches, not a GPU's time. Shapes are Qwen3-30B-A3B's E and K
 with small H and I (allocation cost is not the question).
 
-    python benchmarks/host_stub_moe.py [KERNEL_REPO_DIR ...]   # default: kernels_repo/moe
+    python tools/host_stub_moe.py [KERNEL_REPO_DIR ...]   # default: kernels_repo/moe
 """
 
 import os

@@ -2,7 +2,7 @@
 
 The forward tiles were tuned by `tune_moe.py`; this is the short list to check the backward ones
 (the dgrad epilogue and the weight gradients set the forward+backward time at large T).
-Usage (repo root, GPU): PYTHONPATH=src python kernels_repo/moe/benchmarks/sweep_backward.py
+Usage (repo root, GPU): PYTHONPATH=src python tools/sweep_backward.py
   env: POINTS=mixtral_8x7b:16384,deepseek_v3:16384  PARTS=dgrad,wgrad  NOGATHER=1 (also time the wgrad
   GEMMs on operands already in row order, as the wgrad key "ROWS" does, and the copy; NOGATHER=only:
   those alone)
@@ -18,10 +18,14 @@ Usage (repo root, GPU): PYTHONPATH=src python kernels_repo/moe/benchmarks/sweep_
 from __future__ import annotations
 
 import os
+import sys
 from functools import partial
+from pathlib import Path
 
 import torch
-from tune_moe import DEV, SHAPES, ex, rt, sweep_points, timed  # same directory
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels_repo" / "moe" / "benchmarks"))
+from tune_moe import DEV, SHAPES, ex, rt, sweep_points, timed  # noqa: E402  (kernels_repo/moe/benchmarks/)
 
 
 def _tile(bn: int, bk: int, warps: int, stages: int) -> dict:

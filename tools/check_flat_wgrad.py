@@ -3,16 +3,20 @@
 Both operands in row order (the "ROWS" key's operands), each wgrad config run on the same inputs:
 bits against the plain persistent loop, and the error against an fp32 per-expert reference; where
 bits differ, which experts and tiles. Usage (repo root, GPU):
-  PYTHONPATH=src python kernels_repo/moe/benchmarks/check_flat_wgrad.py
+  PYTHONPATH=src python tools/check_flat_wgrad.py
   env: POINTS=mixtral_8x7b:2048,qwen3_30b_a3b:4096,deepseek_v3:4096 (the default)
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import torch
-from tune_moe import DEV, SHAPES, ex, rt  # same directory
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels_repo" / "moe" / "benchmarks"))
+from tune_moe import DEV, SHAPES, ex, rt  # noqa: E402  (kernels_repo/moe/benchmarks/)
 
 _TS = {"TMA": True, "TMA_STORE": True}
 _BASE = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, **_TS}

@@ -1,6 +1,6 @@
 """Sweep the sm80-kernel tile size and warps of swiglu (forward and backward), eager and graph.
 
-Usage (repo root, GPU): PYTHONPATH=src python kernels_repo/swiglu/benchmarks/sweep_tiles.py
+Usage (repo root, GPU): PYTHONPATH=src python tools/sweep_tiles.py
   env: SHAPES="4096x6144,8192x14336"  MODE=bytes|rows
 Prints one line per (shape, pass, tile bytes, warps): fraction of the copy bandwidth per eager
 call and under CUDA-graph replay, as bench_swiglu.py measures them. MODE=rows instead tries tile
@@ -10,10 +10,14 @@ shapes (rows x columns, warps) forward only, including whole-row tiles (Liger-Ke
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import torch
 import triton
-from bench_swiglu import DEV, call_fn, copy_bandwidth, implementations, time_eager, time_graph
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels_repo" / "swiglu" / "benchmarks"))
+from bench_swiglu import DEV, call_fn, copy_bandwidth, implementations, time_eager, time_graph  # noqa: E402  (kernels_repo/swiglu/benchmarks/)
 
 TILES = [(4096, 4), (8192, 4), (8192, 8), (16384, 8), (32768, 8)]
 

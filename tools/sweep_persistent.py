@@ -7,7 +7,7 @@ timed in ROUNDS interleaved rounds and the median is printed: within one call th
 up to 30% slower late in a long sequential sweep (s10 call 2), so candidates are never timed in
 blocks. A shipped bucket with "pair_m" is also timed at twice its block_m unpaired, and each
 candidate on both layouts (paired persistent programs read the tile lists of `_pair_tiles`).
-Usage (repo root, GPU): PYTHONPATH=src python kernels_repo/moe/benchmarks/sweep_persistent.py
+Usage (repo root, GPU): PYTHONPATH=src python tools/sweep_persistent.py
   env: POINTS=qwen3_30b_a3b:4096,deepseek_v3:4096  STAGES=down,dx  ROUNDS=3
 """
 
@@ -16,9 +16,13 @@ from __future__ import annotations
 import copy
 import os
 import statistics
+import sys
+from pathlib import Path
 
 import torch
-from tune_moe import DEV, SHAPES, ex, rt, sweep_points, timed  # same directory
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels_repo" / "moe" / "benchmarks"))
+from tune_moe import DEV, SHAPES, ex, rt, sweep_points, timed  # noqa: E402  (kernels_repo/moe/benchmarks/)
 
 # Candidates: extra keys for the stages they name. Measured in s10 call 2 (sequentially, first version
 # of this script): the gathering persistent gate_up 17-52% slower than one program per tile (255

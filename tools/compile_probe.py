@@ -21,7 +21,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[1] / "kernels_repo" / "swiglu"
 CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "EVEN_N", "PACKED")
 UNIT_STRIDES = ("stride_gn", "stride_un", "stride_dyn")
 

@@ -4,7 +4,7 @@ Hypothesis: buffer placement (where gate, up and the output land), not the kerne
 same kernel under graph replay with the output allocated inside the graph (as bench_swiglu.py),
 preallocated outside it, and at several byte offsets inside one larger buffer; and torch's own
 3-tensor elementwise `torch.mul(g, u, out=)` in the same placements as a reference kernel.
-Usage (repo root, GPU): PYTHONPATH=src python benchmarks/diag_swiglu_graph.py
+Usage (repo root, GPU): PYTHONPATH=src python tools/diag_swiglu_graph.py
 """
 
 from __future__ import annotations

@@ -4,18 +4,22 @@ The stage times of `bench_moe.py` time each GEMM alone, host overhead and launch
 this shows what the GPU spends on each kernel inside the real call, so that the gap to the floor
 can be split between GEMMs, copies, routing and combine.
 
-Usage (repo root, GPU): PYTHONPATH=src python kernels_repo/moe/benchmarks/profile_moe.py
+Usage (repo root, GPU): PYTHONPATH=src python tools/profile_moe.py
   env: POINTS=qwen3_30b_a3b:4096,deepseek_v3:4096  MODES=fwd,fwdbwd  REPS=10
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections import defaultdict
+from pathlib import Path
 
 import torch
-from bench_moe import DEV, SHAPES, moe, routing  # same directory
 from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels_repo" / "moe" / "benchmarks"))
+from bench_moe import DEV, SHAPES, moe, routing  # noqa: E402  (kernels_repo/moe/benchmarks/)
 
 
 def _kernel_times(fn, reps: int) -> tuple[dict[str, tuple[float, int]], float]:

@@ -5,7 +5,7 @@ SwiGLU forward+backward at 4096x6144, the MoE alignment at Qwen3-30B-A3B T=512/4
 fused_experts forward at T=1/512. Prints, per case, the ms per eager call (CUDA events around
 N calls), the host ms per call (perf_counter before the sync) and the profiler's top rows.
 
-    PYTHONPATH=src python benchmarks/diag_host.py [swiglu] [swhost] [align] [experts]
+    PYTHONPATH=src python tools/diag_host.py [swiglu] [swhost] [align] [experts]
 """
 
 from __future__ import annotations

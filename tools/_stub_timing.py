@@ -1,4 +1,4 @@
-"""Host-time medians for the launch-stubbed CPU scripts in benchmarks/ (host_stub_*.py)."""
+"""Host-time medians for the launch-stubbed CPU scripts in tools/ (host_stub_*.py)."""
 
 import statistics
 import time

@@ -1,6 +1,6 @@
 """Where the host time of one eager `fused_experts` forward goes (decode: T=1), on the GPU machine.
 
-    PYTHONPATH=src python benchmarks/profile_moe_host.py [T [KERNEL_DIR]]
+    PYTHONPATH=src python tools/profile_moe_host.py [T [KERNEL_DIR]]
 
 Prints us per eager call (host, and GPU-inclusive) for Qwen3-30B-A3B experts, then cProfile's top
 entries by own time. Eager decode is all host time: the kernels take ~30 us of GPU time at T=1.
@@ -14,7 +14,7 @@ import torch
 from kernelhub.hub import get_local_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "kernels_repo" / "swiglu" / "benchmarks"))
 from _host_profile import print_profile  # noqa: E402
 from bench_swiglu import time_eager  # noqa: E402  (the SwiGLU benchmark's eager timing)

@@ -3,7 +3,7 @@
 A fake 3-tensor, 7-int, 4-constexpr kernel on the cached (GPU) path: what `split` itself costs per
 eager launch (key, lookup, argument list), interleaved against another commit's triton_launch.py.
 
-    python benchmarks/host_stub_launch.py [--against DIR]
+    python tools/host_stub_launch.py [--against DIR]
         DIR holds `git archive REV src/kernelhub/triton_launch.py | tar -x -C DIR`
 """
 

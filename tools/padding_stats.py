@@ -5,7 +5,7 @@ experts; the padding rows cost MMA work like real ones. With random routing (sof
 logits, top-k, as in the benchmark) an expert of a T*K/E ~ 256-row load gets 2 or 3 tiles of 128
 about equally often. Prints the padded fraction per shape, T and block_m (CPU; no GPU needed).
 
-    python benchmarks/padding_stats.py [SEED]
+    python tools/padding_stats.py [SEED]
 """
 
 from __future__ import annotations

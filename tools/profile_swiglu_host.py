@@ -1,6 +1,6 @@
 """Where the host time of one eager swiglu forward+backward goes (cProfile, GPU machine).
 
-    PYTHONPATH=src python benchmarks/profile_swiglu_host.py [T I]
+    PYTHONPATH=src python tools/profile_swiglu_host.py [T I]
 """
 
 import sys

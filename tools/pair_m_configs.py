@@ -1,7 +1,7 @@
 """Write a config directory in which the shipped buckets with 128-row tiles pad rows to 64 and pair
 them ("pair_m"), for an A/B of fused_experts end to end:
 
-    python kernels_repo/moe/benchmarks/pair_m_configs.py /tmp/pair_m
+    python tools/pair_m_configs.py /tmp/pair_m
     KERNELHUB_MOE_CONFIG_DIR=/tmp/pair_m python kernels_repo/moe/benchmarks/bench_moe.py
 
 Every other key of every bucket stays as shipped, so the two runs differ only in the padding.
@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-CONFIGS = Path(__file__).resolve().parents[1] / "torch-ext" / "moe" / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "kernels_repo" / "moe" / "torch-ext" / "moe" / "configs"
 
 
 def paired(bucket: dict) -> dict:
