@@ -3,7 +3,7 @@
 Shape (DeepSeek-V3 layer): T=16384 tokens, K=8, E=256 experts, H=7168, bf16, alignment 128.
 Floors: expand/reduce move T*H + P*H elements; their ratio is to the device copy bandwidth
 measured in this run. Peers in the same run: torch gather / index_add, and Liger-Kernel's
-`compute_routing_metadata` (import guarded; bring its wheel, see /work/shared/bench/peers.py).
+`compute_routing_metadata` (import guarded; bring its wheel, see benchmarks/README.md).
 
 Usage: PYTHONPATH=src python benchmarks/bench_moe_routing.py   (env OUT, default /tmp; SWEEP=0 to
 skip the block-size sweep). Prints one line per measurement, appends JSON lines to

@@ -1,6 +1,6 @@
 """Benchmark fused_experts against its peers on one GPU, in one run.
 
-Peers (as /work/shared/bench/peers.py calls them): transformers experts `eager`, `grouped_mm`,
+Peers (each as a user calls it, eager): transformers experts `eager`, `grouped_mm`,
 `batched_mm`, and Liger-Kernel's fused MoE when importable. Shapes Qwen3-30B-A3B, Mixtral 8x7B,
 DeepSeek-V3; T in 1, 32, 512, 4096, 16384; forward (no_grad) and forward+backward.
 Floor = max(FLOPs / measured bf16 matmul rate, touched-weight bytes / measured copy rate), with
@@ -15,9 +15,9 @@ Usage (repo root): PYTHONPATH=src python kernels_repo/moe/benchmarks/bench_moe.p
        SKEW=s: skewed routing, as a trained router's hot experts: expert logits get a bias of
          -s * log(1 + rank) over a random ranking of the experts (0, the default: uniform); rows
          then carry skew=s and the "--" line the hottest expert's load over the mean
-  Liger-Kernel autotunes its MoE kernels on first use of a shape: at Mixtral sizes that outlasted
-  the 2-4 minutes two device calls had left for it (2026-12-03), so a full run there wants IMPLS
-  without liger, or a longer slot.
+  Liger-Kernel autotunes its MoE kernels on first use of a shape, for minutes at Mixtral and
+  DeepSeek-V3 sizes: give such a run a long timeout, or keep the tuning between runs
+  (benchmarks/README.md).
 """
 
 from __future__ import annotations

@@ -75,8 +75,7 @@ def gemm_space(full: bool, rows_per_expert: float):
 def stage_space(stage: str, full: bool, rows_per_expert: float, tma: bool) -> list[dict]:
     """gemm_space, plus for the down tile on sm90 (tma) the same wide tiles reading h (and dL/dx's
     d[gate|up]) by TMA from persistent programs (stage keys "A_TMA", "PERSISTENT"): 6-21% off down
-    and dL/dx at block_m=128 on an H200 (docs/performance.md, tenth session; gate_up and dgrad
-    lost with them)."""
+    and dL/dx at block_m=128 on an H200 (gate_up and dgrad lost with them)."""
     space = list(gemm_space(full, rows_per_expert))
     if stage == "down" and tma and rows_per_expert > 32:
         space += [{**c, "A_TMA": True, "PERSISTENT": 1} for c in space if c["BLOCK_N"] >= 128 and "maxnreg" not in c]

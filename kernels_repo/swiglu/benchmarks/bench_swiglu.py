@@ -180,8 +180,8 @@ def interleaved_eager(impls: dict, shapes, rounds: int, copy_bw: float) -> None:
     """Per eager call at host-bound shapes, every implementation once per round, rounds interleaved.
 
     Why: at these shapes a call costs what the host takes to issue it, and the host's speed drifts
-    by 10-20% within one device call (2026-12-05: the same kernels as `ours` and `ours_sm80` read
-    255 and 210 us at 64x14336 forward+backward, timed one after the other); measured in turn,
+    by 10-20% within one run (the same kernels as `ours` and `ours_sm80` once read 255 and 210 us
+    at 64x14336 forward+backward, timed one after the other); measured in turn,
     each implementation would get a different host. The median over the rounds is emitted as
     kind=swiglu_interleaved (eager only: under graph replay the host does not matter). Each shape
     twice: [T, I] and [1, T, I], the layout a model's MLP passes (leading dims take another path).
@@ -240,9 +240,8 @@ def main() -> None:
             try:
                 errs = check(name, fn, T, I)
                 # Fresh segments for the timed buffers. Placement moves the two-input forward at the
-                # large shapes by ~7% for every implementation (H200, 2026-12-03): with check()'s
-                # fragments reused, 1.01 of copy eager / 0.93-0.96 under graph (call 5); after this
-                # line 0.93 eager / 1.03 graph (call 6); the packed form reads 1.02-1.03 either way.
+                # large shapes by ~7% for every implementation (H200): with check()'s fragments
+                # reused, 1.01 of copy eager / 0.93-0.96 under graph; after this line 0.93 / 1.03.
                 torch.cuda.empty_cache()
                 g = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
                 u = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)

@@ -8,7 +8,7 @@ registers fit the 65536 of an SM. Per thread and tensor, the forward moves two 1
 per tile (4 KiB tiles), the backward one (2 KiB tiles, three inputs); at 48 registers ptxas
 issues all of a tile's loads before the first use (checked in the SASS: more vectors, or a
 32-register cap, serialise them). In flight per SM: 1280 threads x 64 B = 80 KiB forward,
-x 48 B = 60 KiB backward. `tests/compile_probe.py` checks the cap holds without spills.
+x 48 B = 60 KiB backward. `tools/compile_probe.py` checks the cap holds without spills.
 Kernels and launch configs only: devices are handled in `ops.py`.
 """
 
