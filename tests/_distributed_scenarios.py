@@ -328,10 +328,10 @@ def one_rank_fails_in_ep(rank: int, world: int, group) -> dict[str, tuple[str, s
         y = reference_experts(*args)
         return y[:-1] if bad else y
 
-    def by_hand(rows_off: int):
+    def by_hand(rows_off: int = 0, cols_off: int = 0):
         d = ep_dispatch(x, idx, w, E, group=group)
         y = reference_experts(d.hidden_states, gate_up, down, d.topk_idx, d.topk_weights)
-        return ep_combine(y[: y.shape[0] - rows_off] if bad else y, d.handle)
+        return ep_combine(y[: y.shape[0] - rows_off, : y.shape[1] - cols_off] if bad else y, d.handle)
 
     cases = {
         "experts_raise": lambda: ep_moe(x, idx, w, gate_up, down, E, group=group, experts_fn=experts_raise),
@@ -339,7 +339,8 @@ def one_rank_fails_in_ep(rank: int, world: int, group) -> dict[str, tuple[str, s
         "weight_shape": lambda: ep_moe(
             x, idx, w, gate_up, down[:, :, :-1] if bad else down, E, group=group
         ),
-        "combine_rows": lambda: by_hand(1),
+        "combine_rows": lambda: by_hand(rows_off=1),
+        "combine_width": lambda: by_hand(cols_off=1),  # rows of different sizes: gloo aborted
         "meta": lambda: ep_dispatch(
             x.to("meta") if bad else x, idx.to("meta") if bad else idx, w.to("meta") if bad else w, E, group=group
         ),

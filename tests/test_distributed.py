@@ -296,6 +296,12 @@ def test_an_ep_error_on_one_rank_raises_on_every_rank(ep_failures, case_name, on
     assert on_rank_1[1] in rank0[1], rank0  # the peers see the failing rank's own message
 
 
+def test_ranks_that_combine_rows_of_different_widths_raise_on_every_rank(ep_failures):
+    for kind, msg in (r["combine_width"] for r in ep_failures):
+        assert kind == "ValueError" and "ranks disagree on `expert_out`'s width or dtype" in msg, msg
+        assert "rank 0: H=16 float32, rank 1: H=15 float32" in msg, msg
+
+
 def test_the_group_still_works_after_ep_errors_on_one_rank(ep_failures):
     assert [r["after"] for r in ep_failures] == [("shape", "(5, 16)"), ("shape", "(8, 16)")]
 

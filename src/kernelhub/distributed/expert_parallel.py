@@ -240,6 +240,8 @@ def _dispatch(
 def ep_combine(expert_out: Tensor, handle: EPHandle) -> Tensor:
     """Return each row to the rank it came from and sum each token's rows in fp32 (collective).
 
+    Before the all-to-all, one all-gather (a host sync) checks every rank's `expert_out`.
+
     Args:
         expert_out: [N, H], the local experts' weighted output for `ep_dispatch`'s rows, in order.
         handle: from the matching `ep_dispatch`.
@@ -269,13 +271,17 @@ def _combine(fn: str, expert_out, handle: EPHandle, error: Exception | None) -> 
             error = ValueError(f"{fn}: `expert_out` must be [{n}, H] (rows received), got {got}")
         elif not expert_out.is_floating_point():
             error = TypeError(f"{fn}: `expert_out` must be floating, got {expert_out.dtype}")
+        elif expert_out.device != handle.dispatched[0].device:
+            error = ValueError(
+                f"{fn}: `expert_out` must be on {handle.dispatched[0].device} (the dispatched rows'), "
+                f"got {expert_out.device}"
+            )
     if dist.get_world_size(handle.group) == 1:
         if error is not None:
             raise error
         return _combine_rows(expert_out, handle)
     dev = handle.dispatched[0].device  # where the dispatch's collectives ran
-    mine = [0, 0, 0] if error is not None else [0, expert_out.shape[1], _dtype_code(expert_out.dtype)]
-    mine[0] = int(error is not None)
+    mine = [1, 0, 0] if error is not None else [0, expert_out.shape[1], _dtype_code(expert_out.dtype)]
     with device_guard(dev):
         rows = gather_ints(mine, handle.group, dev)  # host sync
         raise_if_any_failed(error, [r[0] for r in rows], where=fn, group=handle.group)
