@@ -377,6 +377,10 @@ def one_rank_fails_in_heap(rank: int, world: int, group) -> dict[str, tuple[str,
         "larger_than_shm": lambda: SymmetricHeap(1 << 40, group=group).close(),
     }
     out = {name: _caught(fn) for name, fn in cases.items()}
+    with SymmetricHeap(1024, group=group, check_symmetry=True) as heap:
+        # with the check on, the peers wait in this allocation's comparison
+        out["allocate_checked"] = _caught(lambda: heap.allocate((-1,) if bad else (4,), torch.float32))
+        out["allocations_checked"] = ("count", str(len(heap.allocations)))
     with SymmetricHeap(1024, group=group) as heap:  # the group still works
         out["after"] = ("allocated", str(tuple(heap.allocate(4, torch.float32).shape)))
     return out

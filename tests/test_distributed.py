@@ -322,6 +322,8 @@ def heap_failures():
          ("ValueError", "SymmetricHeap failed on rank(s) [1]")),
         ("env", ("ValueError", "KERNELHUB_CHECK_ALLOC_SYMMETRY='enabled' is not 1/true/yes/on"),
          ("ValueError", "SymmetricHeap failed on rank(s) [1]")),
+        ("allocate_checked", ("ValueError", "SymmetricHeap.allocate: `shape` must hold ints >= 0, got (-1,)"),
+         ("ValueError", "SymmetricHeap.allocate failed on rank(s) [1]")),
     ],
 )
 def test_heap_arguments_wrong_on_one_rank_raise_on_every_rank(heap_failures, case_name, on_rank_1, on_rank_0):
@@ -330,6 +332,8 @@ def test_heap_arguments_wrong_on_one_rank_raise_on_every_rank(heap_failures, cas
     rank0, rank1 = (r[case_name] for r in heap_failures)
     assert rank1[0] == on_rank_1[0] and on_rank_1[1] in rank1[1], rank1
     assert rank0[0] == on_rank_0[0] and on_rank_0[1] in rank0[1] and on_rank_1[1] in rank0[1], rank0
+    if case_name == "allocate_checked":  # nothing was recorded on either rank: close() agreed
+        assert [r["allocations_checked"] for r in heap_failures] == [("count", "0")] * 2
 
 
 @pytest.mark.parametrize(("case_name", "size"), [("huge", 1 << 50), ("larger_than_shm", 1 << 40)])

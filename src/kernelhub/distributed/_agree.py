@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["agree", "collective_device", "gather_ints", "raise_if_any_failed"]
+__all__ = ["agree", "collective_device", "gather_ints", "raise_failures", "raise_if_any_failed"]
 
 # Exception types a peer re-raises as such (bad input, out of memory); anything else: RuntimeError.
 _KINDS: dict[str, type[Exception]] = {"TypeError": TypeError, "ValueError": ValueError, "MemoryError": MemoryError}
@@ -40,24 +40,25 @@ def raise_if_any_failed(
 
     Costs one object all-gather (the messages), and only when some rank failed.
     """
-    failed = [r for r, flag in enumerate(flags) if flag]
-    if not failed:
+    if not any(flags):
         return
     messages: list[object] = [None] * dist.get_world_size(group)
     mine = None if error is None else (type(error).__name__, str(error))
     dist.all_gather_object(messages, mine, group=group)
+    raise_failures(error, messages, where=where, rank=dist.get_rank(group))
+
+
+def raise_failures(error: BaseException | None, messages: list, *, where: str, rank: int) -> None:
+    """Raise if any rank failed: `messages[r]` is rank r's (exception type name, message) or None."""
+    failed = [r for r, m in enumerate(messages) if m is not None]
+    if not failed:
+        return
     if error is not None:
         raise error
-    kinds = {messages[r][0] for r in failed if messages[r] is not None}
+    kinds = {messages[r][0] for r in failed}
     kind = _KINDS.get(kinds.pop(), RuntimeError) if len(kinds) == 1 else RuntimeError
-    detail = "; ".join(
-        f"rank {r}: {messages[r][0]}: {messages[r][1]}" if messages[r] is not None else f"rank {r}: failed"
-        for r in failed
-    )
-    raise kind(
-        f"{where} failed on rank(s) {failed}, so every rank raises (this is rank {dist.get_rank(group)}): "
-        f"{detail}"
-    )
+    detail = "; ".join(f"rank {r}: {messages[r][0]}: {messages[r][1]}" for r in failed)
+    raise kind(f"{where} failed on rank(s) {failed}, so every rank raises (this is rank {rank}): {detail}")
 
 
 def agree(

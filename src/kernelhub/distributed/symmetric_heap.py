@@ -20,7 +20,13 @@ import torch
 import torch.distributed as dist
 
 from kernelhub.device import as_torch_device, device_guard
-from kernelhub.distributed._agree import agree, collective_device, gather_ints, raise_if_any_failed
+from kernelhub.distributed._agree import (
+    agree,
+    collective_device,
+    gather_ints,
+    raise_failures,
+    raise_if_any_failed,
+)
 from kernelhub.distributed._backing import CpuSharedBacking, CudaSymmetricBacking
 
 __all__ = [
@@ -224,11 +230,16 @@ class SymmetricHeap:
             SymmetricHeapFullError: the allocation does not fit (message names the sizes).
         """
         self._check_open("allocate")
-        dims = _check_shape(shape)
-        if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"SymmetricHeap.allocate: `dtype` must be a torch.dtype, got {dtype!r}")
-        if tag is not None and not isinstance(tag, str):
-            raise TypeError(f"SymmetricHeap.allocate: `tag` must be a str or None, got {type(tag).__name__}")
+        try:
+            dims = _check_shape(shape)
+            if not isinstance(dtype, torch.dtype):
+                raise TypeError(f"SymmetricHeap.allocate: `dtype` must be a torch.dtype, got {dtype!r}")
+            if tag is not None and not isinstance(tag, str):
+                raise TypeError(f"SymmetricHeap.allocate: `tag` must be a str or None, got {type(tag).__name__}")
+        except (TypeError, ValueError) as e:
+            if self._check:  # the peers are in this allocation's comparison: they raise too
+                self._compare(("failed", type(e).__name__, str(e)), "SymmetricHeap.allocate", error=e)
+            raise
         itemsize = dtype.itemsize
         numel = 1
         for d in dims:
@@ -349,9 +360,11 @@ class SymmetricHeap:
                 "divergent allocation."
             )
 
-    def _compare(self, entry: tuple, where: str) -> None:
+    def _compare(self, entry: tuple, where: str, error: Exception | None = None) -> None:
         with device_guard(self._device):
             entries = self._gather_objects(entry)
+        # a rank whose arguments failed sends ("failed", type name, message) instead of its entry
+        raise_failures(error, [e[1:] if e[0] == "failed" else None for e in entries], where=where, rank=self._rank)
         if all(e == entries[0] for e in entries):
             return
         ref = entries[0]
