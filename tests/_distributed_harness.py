@@ -35,7 +35,15 @@ def _context():
 
 
 def _worker(
-    rank: int, world: int, backend: str, store: str, scenario: str, kwargs: dict, env: dict, out: str
+    rank: int,
+    world: int,
+    backend: str,
+    store: str,
+    scenario: str,
+    kwargs: dict,
+    env: dict,
+    out: str,
+    op_timeout: float | None,
 ):
     import _distributed_scenarios as scenarios
     import torch
@@ -55,6 +63,10 @@ def _worker(
             timeout=timedelta(seconds=60),
             **init,
         )
+        if op_timeout is not None:
+            # Startup (forkserver, rendezvous) can take seconds on a loaded machine; collectives of
+            # this group time out after `op_timeout`: a rank left waiting fails the test quickly.
+            kwargs = {**kwargs, "group": dist.new_group(timeout=timedelta(seconds=op_timeout))}
         result = ("ok", getattr(scenarios, scenario)(rank, world, **kwargs))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which fails the test
         result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
@@ -73,9 +85,14 @@ def run_ranks(
     backend: str = "gloo",
     env: dict[str, str] | None = None,
     timeout: float = 60.0,
+    op_timeout: float | None = None,
     **kwargs: Any,
 ) -> list[Any]:
-    """Run `_distributed_scenarios.<scenario>(rank, world, **kwargs)` on `world` processes."""
+    """Run `_distributed_scenarios.<scenario>(rank, world, **kwargs)` on `world` processes.
+
+    With `op_timeout`, the scenario also gets `group=`: a new group of all ranks whose collectives
+    time out after that many seconds (the default group's timeout is 60 s).
+    """
     ctx = _context()
     env = {"KERNELHUB_CHECK_ALLOC_SYMMETRY": "0", **(env or {})}
     with tempfile.TemporaryDirectory(prefix="kernelhub-dist-") as tmp:
@@ -84,7 +101,7 @@ def run_ranks(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world, backend, store, scenario, kwargs, env, outs[r]),
+                args=(r, world, backend, store, scenario, kwargs, env, outs[r], op_timeout),
                 name=f"{scenario}-rank{r}",
                 daemon=True,
             )

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from kernelhub.distributed import (
     ExpertParallelMoE,
     SymmetricHeap,
+    ep_combine,
     ep_dispatch,
     ep_moe,
     local_expert_range,
@@ -301,3 +302,85 @@ def ep_disagreement(rank: int, world: int, what: str) -> tuple[str, str]:
     if what == "dtype" and rank == 1:
         w = w.double()
     return _caught(lambda: ep_dispatch(x, mine["topk_idx"], w, E))
+
+
+def one_rank_fails_in_ep(rank: int, world: int, group) -> dict[str, tuple[str, str]]:
+    """Rank 1 alone does something wrong, case after case, on one group with a short timeout.
+
+    Every case must raise on every rank before any rank waits in a collective the failing rank
+    skips; a case that left rank 0 waiting would end in a gloo timeout instead (and break the
+    cases after it), which the test reports.
+    """
+    case = moe_case(world)
+    mine = case["ranks"][rank]
+    E = case["num_experts"]
+    start, end = local_expert_range(rank, E, world)
+    x, idx, w = mine["x"], mine["topk_idx"], mine["topk_weights"]
+    gate_up, down = case["gate_up_proj"][start:end], case["down_proj"][start:end]
+    bad = rank == 1
+
+    def experts_raise(*args):
+        if bad:
+            raise RuntimeError("boom in experts_fn")
+        return reference_experts(*args)
+
+    def experts_short(*args):
+        y = reference_experts(*args)
+        return y[:-1] if bad else y
+
+    def by_hand(rows_off: int = 0, cols_off: int = 0):
+        d = ep_dispatch(x, idx, w, E, group=group)
+        y = reference_experts(d.hidden_states, gate_up, down, d.topk_idx, d.topk_weights)
+        return ep_combine(y[: y.shape[0] - rows_off, : y.shape[1] - cols_off] if bad else y, d.handle)
+
+    cases = {
+        "experts_raise": lambda: ep_moe(x, idx, w, gate_up, down, E, group=group, experts_fn=experts_raise),
+        "experts_shape": lambda: ep_moe(x, idx, w, gate_up, down, E, group=group, experts_fn=experts_short),
+        "weight_shape": lambda: ep_moe(
+            x, idx, w, gate_up, down[:, :, :-1] if bad else down, E, group=group
+        ),
+        "combine_rows": lambda: by_hand(rows_off=1),
+        "combine_width": lambda: by_hand(cols_off=1),  # rows of different sizes: gloo aborted
+        "meta": lambda: ep_dispatch(
+            x.to("meta") if bad else x, idx.to("meta") if bad else idx, w.to("meta") if bad else w, E, group=group
+        ),
+        "int32_idx": lambda: ep_dispatch(x, idx.int() if bad else idx, w, E, group=group),
+        "indivisible_experts": lambda: ep_dispatch(x, idx, w, E - 1 if bad else E, group=group),
+    }
+    out = {name: _caught(fn) for name, fn in cases.items()}
+    # the group still works after all of that: a correct call on every rank
+    out["after"] = ("shape", str(tuple(ep_moe(x, idx, w, gate_up, down, E, group=group).shape)))
+    return out
+
+
+def one_rank_fails_in_heap(rank: int, world: int, group) -> dict[str, tuple[str, str]]:
+    """SymmetricHeap arguments wrong on rank 1 alone, or too large for any rank."""
+    import os
+
+    bad = rank == 1
+
+    def env_on_rank_1():
+        if bad:
+            os.environ["KERNELHUB_CHECK_ALLOC_SYMMETRY"] = "enabled"
+        try:
+            SymmetricHeap(1024, group=group).close()
+        finally:
+            os.environ.pop("KERNELHUB_CHECK_ALLOC_SYMMETRY", None)
+
+    cases = {
+        "alignment": lambda: SymmetricHeap(1024, alignment=3 if bad else 256, group=group).close(),
+        "nbytes_type": lambda: SymmetricHeap(1024.0 if bad else 1024, group=group).close(),
+        "device": lambda: SymmetricHeap(1024, device="cuda:0" if bad else "cpu", group=group).close(),
+        "env": env_on_rank_1,
+        "huge": lambda: SymmetricHeap(1 << 50, group=group).close(),
+        # sparse files: this used to succeed and kill the process with SIGBUS on first touch
+        "larger_than_shm": lambda: SymmetricHeap(1 << 40, group=group).close(),
+    }
+    out = {name: _caught(fn) for name, fn in cases.items()}
+    with SymmetricHeap(1024, group=group, check_symmetry=True) as heap:
+        # with the check on, the peers wait in this allocation's comparison
+        out["allocate_checked"] = _caught(lambda: heap.allocate((-1,) if bad else (4,), torch.float32))
+        out["allocations_checked"] = ("count", str(len(heap.allocations)))
+    with SymmetricHeap(1024, group=group) as heap:  # the group still works
+        out["after"] = ("allocated", str(tuple(heap.allocate(4, torch.float32).shape)))
+    return out

@@ -142,11 +142,83 @@ def test_trusted_publishers_and_lockfile_change_the_repository_kind(tmp_path):
         ),
         ({"layers": {"A": {"repo": "a/b", "revision": ""}}}, r"layers\.A\.revision: .*non-empty string"),
         ({"layers": {"A": {"path": " "}}}, r"layers\.A\.path: .*non-empty string"),
+        # accepted before and never applied: torch spells the index "1"
+        ({"layers": {"A": {"device": {"cuda:01": {"layer": "B"}}}}}, r"device key 'cuda:01'.*leading zeros: cuda:1"),
+        # the Hub's own id rules: these failed only when the kernel was fetched
+        ({"layers": {"A": {"repo": "a/b--c"}}}, r"layers\.A\.repo: `repo` must be a Hub id.*'a/b--c': Cannot have --"),
+        ({"layers": {"A": {"repo": "a/b."}}}, r"layers\.A\.repo: `repo` must be a Hub id"),
+        ({"lockfile": ""}, r"lockfile: `lockfile` must be a non-empty string"),
+        ({"lockfile": "a\x00b"}, r"lockfile: `lockfile` must be a non-empty string"),
+        ({"layers": {"A": {"path": "p\x00"}}}, r"layers\.A\.path: `path` must be a non-empty string"),
+        # a revision is joined into cache paths: nothing that can leave them
+        ({"layers": {"A": {"repo": "a/b", "revision": "../../etc/passwd"}}}, r"layers\.A\.revision: .*'\.\.'"),
+        ({"layers": {"A": {"repo": "a/b", "revision": "/etc/passwd"}}}, r"layers\.A\.revision: .*empty"),
+        ({"layers": {"A": {"repo": "a/b", "revision": "main\\x"}}}, r"layers\.A\.revision: .*control"),
+        ({"layers": {"A": {"repo": "a/b", "revision": " main"}}}, r"layers\.A\.revision: .*surrounding spaces"),
+        ({"layers": {"A": {"capability": {"9.0": {"revision": "a/./b"}}}}},
+         r"layers\.A\.capability\.9\.0\.revision: .*'\.'-leading"),
+        ({"layers": {"A": {"repo": "a/b", "revision": 1}}}, r"layers\.A\.revision: .*valid string"),
+        # a publisher no repo id can have trusts nothing, silently
+        ({"trusted_publishers": [""]}, r"trusted_publishers: .*Hub user or org names.*got ''"),
+        ({"trusted_publishers": [" org"]}, r"trusted_publishers: .*got ' org'"),
+        ({"trusted_publishers": ["org/name"]}, r"trusted_publishers: .*got 'org/name'"),
+        ({"layers": {"A": {"repo": "a/b", "layer": "class"}}}, r"layers\.A\.layer: `layer` must be a layer class"),
+        ({"layers": {"class": {"repo": "a/b"}}}, r"layer name 'class'"),
     ],
 )
 def test_invalid_config_names_the_key_and_allowed_values(table, pattern):
     with pytest.raises(ConfigError, match=pattern):
         KernelhubConfig.from_dict(table, source="test")
+
+
+def test_valid_spellings_still_load():
+    config = KernelhubConfig.from_dict(
+        {
+            "trusted_publishers": ["my-org", "kernels-community", "user_1"],
+            "layers": {
+                "A": {
+                    "repo": "org/a.b_c-d",
+                    "revision": "refs/pr/1",
+                    "capability": {"9.0": {"revision": "v1.2"}, "8.0": {"revision": "0" * 40}},
+                    "device": {"cuda:0": {"layer": "B"}, "cuda:10": {"layer": "C"}},
+                }
+            },
+        }
+    )
+    assert config.repository_for("A", torch.device("cuda", 10), 90, None).layer_name == "C"
+    assert config.repository_for("A", CUDA1, 90, None).revision == "v1.2"
+
+
+@pytest.mark.parametrize("text", ['tool = "kernelhub"\n', "tool = 1\n", "tool = [1]\n"])
+def test_a_tool_key_that_is_not_a_table_is_a_config_error(tmp_path, monkeypatch, text):
+    """`tool = ...` is valid TOML: it raised a raw TypeError (string indices / `in` an int)."""
+    (tmp_path / "pyproject.toml").write_text(text)
+    with pytest.raises(ConfigError, match=r"pyproject\.toml: `tool` must be a table"):
+        load_config(tmp_path / "pyproject.toml")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"pyproject\.toml: `tool` must be a table"):
+        load_config(None)  # the search of the current directory reads `tool` too
+    (tmp_path / "kernelhub.toml").write_text(text)
+    with pytest.raises(ConfigError, match=r"kernelhub\.toml: `tool` must be a table"):
+        load_config(tmp_path / "kernelhub.toml")
+
+
+def test_a_file_that_is_not_utf8_is_a_config_error_naming_it(tmp_path):
+    (tmp_path / "kernelhub.toml").write_bytes(b'[layers.A]\nrepo = "org/\xff"\n')
+    with pytest.raises(ConfigError, match=r"kernelhub\.toml is not UTF-8 text \(byte 23\)"):
+        load_config(tmp_path / "kernelhub.toml")
+    with pytest.raises(ConfigError, match=r"kernelhub\.toml is not UTF-8"):
+        load_config(tmp_path)
+
+
+def test_a_lockfile_that_is_a_directory_and_an_empty_path_are_refused(tmp_path):
+    (tmp_path / "locks").mkdir()
+    with pytest.raises(ConfigError, match=r"lockfile: `lockfile` 'locks' is a directory"):
+        KernelhubConfig.from_dict({"lockfile": "locks"}, base_dir=tmp_path, source="t")
+    with pytest.raises(ValueError, match="load_config: `path` must name a file or directory"):
+        load_config("")  # Path("") is ".": it searched the current directory
+    with pytest.raises(TypeError, match="from_dict: `base_dir` must be a str or Path"):
+        KernelhubConfig.from_dict({}, base_dir=3)
 
 
 def test_invalid_files_are_reported(tmp_path):

@@ -254,3 +254,91 @@ def test_an_experts_fn_of_another_dtype_comes_back_in_xs_dtype():
 def test_ranks_that_disagree_on_experts_or_dtypes_raise_on_every_rank(what, words):
     for err in run_ranks("ep_disagreement", 2, what=what):
         assert err[0] == "ValueError" and words in err[1], err
+
+
+# -- one rank fails: every rank raises, within seconds (issue 30) ---------------------------------
+# The ranks' collectives time out after _OP_TIMEOUT s: a rank left waiting for the failing one
+# ends in a gloo timeout error, not in the expected message, and the test fails in seconds.
+_OP_TIMEOUT = 5.0
+
+
+@pytest.fixture(scope="module")
+def ep_failures():
+    return run_ranks("one_rank_fails_in_ep", 2, op_timeout=_OP_TIMEOUT, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("case_name", "on_rank_1", "on_rank_0"),
+    [
+        # between the dispatch and the combine: exchanged before the combine
+        ("experts_raise", ("RuntimeError", "boom in experts_fn"),
+         ("RuntimeError", "ep_moe failed on rank(s) [1], so every rank raises (this is rank 0): "
+                          "rank 1: RuntimeError: boom in experts_fn")),
+        ("experts_shape", ("ValueError", "ep_moe: `experts_fn` must return a floating ["),
+         ("ValueError", "ep_moe failed on rank(s) [1]")),
+        ("combine_rows", ("ValueError", "ep_combine: `expert_out` must be ["),
+         ("ValueError", "ep_combine failed on rank(s) [1]")),
+        # before the first collective: carried by the dispatch's metadata exchange
+        ("weight_shape", ("ValueError", "ep_moe: `down_proj` must be [4, 16, 12], got (4, 16, 11)"),
+         ("ValueError", "ep_moe failed on rank(s) [1]")),
+        ("meta", ("ValueError", "ep_dispatch: `x` is on the meta device"),
+         ("ValueError", "ep_dispatch failed on rank(s) [1]")),
+        ("int32_idx", ("TypeError", "ep_dispatch: `topk_idx` must be int64"),
+         ("TypeError", "rank 1: TypeError: ep_dispatch: `topk_idx` must be int64")),
+        ("indivisible_experts", ("ValueError", "ep_dispatch: `num_experts` (7) must be divisible"),
+         ("ValueError", "ep_dispatch failed on rank(s) [1]")),
+    ],
+)
+def test_an_ep_error_on_one_rank_raises_on_every_rank(ep_failures, case_name, on_rank_1, on_rank_0):
+    rank0, rank1 = (r[case_name] for r in ep_failures)
+    assert rank1[0] == on_rank_1[0] and on_rank_1[1] in rank1[1], rank1
+    assert rank0[0] == on_rank_0[0] and on_rank_0[1] in rank0[1], rank0
+    assert on_rank_1[1] in rank0[1], rank0  # the peers see the failing rank's own message
+
+
+def test_ranks_that_combine_rows_of_different_widths_raise_on_every_rank(ep_failures):
+    for kind, msg in (r["combine_width"] for r in ep_failures):
+        assert kind == "ValueError" and "ranks disagree on `expert_out`'s width or dtype" in msg, msg
+        assert "rank 0: H=16 float32, rank 1: H=15 float32" in msg, msg
+
+
+def test_the_group_still_works_after_ep_errors_on_one_rank(ep_failures):
+    assert [r["after"] for r in ep_failures] == [("shape", "(5, 16)"), ("shape", "(8, 16)")]
+
+
+@pytest.fixture(scope="module")
+def heap_failures():
+    return run_ranks("one_rank_fails_in_heap", 2, op_timeout=_OP_TIMEOUT, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("case_name", "on_rank_1", "on_rank_0"),
+    [
+        ("alignment", ("ValueError", "SymmetricHeap: `alignment` must be a power of two, got 3"),
+         ("ValueError", "SymmetricHeap failed on rank(s) [1]")),
+        ("nbytes_type", ("TypeError", "SymmetricHeap: `nbytes` must be an int, got float"),
+         ("TypeError", "SymmetricHeap failed on rank(s) [1]")),
+        ("device", ("ValueError", "`device` is cuda:0, but CUDA is not available"),
+         ("ValueError", "SymmetricHeap failed on rank(s) [1]")),
+        ("env", ("ValueError", "KERNELHUB_CHECK_ALLOC_SYMMETRY='enabled' is not 1/true/yes/on"),
+         ("ValueError", "SymmetricHeap failed on rank(s) [1]")),
+        ("allocate_checked", ("ValueError", "SymmetricHeap.allocate: `shape` must hold ints >= 0, got (-1,)"),
+         ("ValueError", "SymmetricHeap.allocate failed on rank(s) [1]")),
+    ],
+)
+def test_heap_arguments_wrong_on_one_rank_raise_on_every_rank(heap_failures, case_name, on_rank_1, on_rank_0):
+    if case_name == "device" and torch.cuda.is_available():
+        pytest.skip("the case needs a machine without CUDA")
+    rank0, rank1 = (r[case_name] for r in heap_failures)
+    assert rank1[0] == on_rank_1[0] and on_rank_1[1] in rank1[1], rank1
+    assert rank0[0] == on_rank_0[0] and on_rank_0[1] in rank0[1] and on_rank_1[1] in rank0[1], rank0
+    if case_name == "allocate_checked":  # nothing was recorded on either rank: close() agreed
+        assert [r["allocations_checked"] for r in heap_failures] == [("count", "0")] * 2
+
+
+@pytest.mark.parametrize(("case_name", "size"), [("huge", 1 << 50), ("larger_than_shm", 1 << 40)])
+def test_a_heap_larger_than_shared_memory_names_its_size(heap_failures, case_name, size):
+    for kind, msg in (r[case_name] for r in heap_failures):
+        assert kind == "MemoryError", msg
+        assert f"SymmetricHeap: {size} bytes per rank x 2 ranks do not fit in" in msg
+    assert [r["after"] for r in heap_failures] == [("allocated", "(4,)")] * 2

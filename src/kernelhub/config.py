@@ -7,6 +7,7 @@ Read from `kernelhub.toml` (top level) or `pyproject.toml` (`[tool.kernelhub]`);
 from __future__ import annotations
 
 import difflib
+import keyword
 import re
 import warnings
 from pathlib import Path
@@ -19,11 +20,13 @@ from pydantic import (
     PrivateAttr,
     StrictBool,
     StrictInt,
+    StrictStr,
     ValidationError,
     field_validator,
     model_validator,
 )
 
+from kernelhub._fetch import check_repo_id
 from kernelhub.hub import LayerRepository, LocalLayerRepository, LockedLayerRepository
 
 try:
@@ -34,8 +37,31 @@ except ImportError:  # Python 3.10
 __all__ = ["ConfigError", "KernelhubConfig", "LayerConfig", "PinConfig", "load_config"]
 
 _CAPABILITY_RE = re.compile(r"^(\d+)\.(\d)$")
-_DEVICE_RE = re.compile(r"^(cuda|xpu|npu|mps):(\d+)$")  # (CPU tensors have no index: "cpu:0" never matches)
-_REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# One spelling per device, as torch prints it: "cuda:01" would never equal f"{type}:{index}".
+# (CPU tensors have no index: "cpu:0" never matches either.)
+_DEVICE_RE = re.compile(r"^(cuda|xpu|npu|mps):(0|[1-9]\d*)$")
+# A Hub namespace (user or org), as in the first half of a repo id.
+_PUBLISHER_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?$")
+
+
+def _revision_problem(v: str) -> str | None:
+    """Why `v` is not a branch, tag or commit name (git's ref rules), or None.
+
+    A revision is joined into cache paths (`refs/<revision>`) and URLs: "..", a leading "/", a
+    backslash or a control character there would leave the cache or mean something else.
+    """
+    if not v.strip() or v != v.strip():
+        return "must be a non-empty string without surrounding spaces"
+    if len(v) > 255:
+        return "must be at most 255 characters"
+    if any(ord(c) < 0x20 or c == "\x7f" for c in v) or any(c in v for c in " ~^:?*[\\"):
+        return "must not contain spaces, control characters or any of ~^:?*[\\"
+    if ".." in v or "@{" in v or v == "@":
+        return "must not contain '..' or '@{'"
+    parts = v.split("/")
+    if any(not part or part.startswith(".") or part.endswith(".lock") for part in parts) or v.endswith("."):
+        return "must be a branch, tag or commit: no empty, '.'-leading or '.lock' path parts, no trailing '.'"
+    return None
 
 
 class ConfigError(ValueError):
@@ -58,32 +84,43 @@ class _Strict(BaseModel):
 class PinConfig(_Strict):
     """Where a layer comes from: a Hub repo or a local path, a version or revision, a layer class name."""
 
-    repo: str | None = None
-    path: str | None = None
+    # strict str: bytes (or `revision = 1` from a dict) are mistakes, not text
+    repo: StrictStr | None = None
+    path: StrictStr | None = None
     # strict: TOML `version = true` or `"1"` is a mistake, not version 1 (the Python API refuses them too)
     version: StrictInt | None = None
-    revision: str | None = None
-    layer: str | None = None
+    revision: StrictStr | None = None
+    layer: StrictStr | None = None
     trust_remote_code: StrictBool | None = None  # None: as get_kernel's default (see hub._check_trust)
 
     @field_validator("repo")
     @classmethod
     def _repo(cls, v: str | None) -> str | None:
-        if v is not None and not _REPO_RE.match(v):
-            raise ValueError(f"`repo` must be a Hub id like 'org/name', got {v!r}")
+        if v is not None:
+            try:  # the rule get_kernel applies ("--", "..", a trailing "." would fail at load time)
+                check_repo_id("config", v)
+            except ValueError as e:
+                why = str(e).partition("is not a valid Hub id: ")[2]
+                detail = f": {why}" if why else ""
+                raise ValueError(f"`repo` must be a Hub id like 'org/name', got {v!r}{detail}") from None
         return v
 
-    @field_validator("path", "revision")
+    @field_validator("path")
     @classmethod
-    def _non_empty(cls, v: str | None, info) -> str | None:
-        if v is not None and not v.strip():
-            raise ValueError(f"`{info.field_name}` must be a non-empty string, got {v!r}")
+    def _path(cls, v: str | None) -> str | None:
+        return _check_path("path", v)
+
+    @field_validator("revision")
+    @classmethod
+    def _revision(cls, v: str | None) -> str | None:
+        if v is not None and (problem := _revision_problem(v)):
+            raise ValueError(f"`revision` {problem}, got {v!r}")
         return v
 
     @field_validator("layer")
     @classmethod
     def _layer(cls, v: str | None) -> str | None:
-        if v is not None and not v.isidentifier():
+        if v is not None and (not v.isidentifier() or keyword.iskeyword(v)):
             raise ValueError(f"`layer` must be a layer class name, got {v!r}")
         return v
 
@@ -133,8 +170,11 @@ class LayerConfig(PinConfig):
     def _device_keys(cls, v: dict[str, PinConfig]) -> dict[str, PinConfig]:
         for key in v:
             if not _DEVICE_RE.match(key):
-                hint = " (CPU tensors have no device index: the layer's general entry covers the CPU)" \
-                    if key.startswith("cpu") else ""
+                hint = ""
+                if key.startswith("cpu"):
+                    hint = " (CPU tensors have no device index: the layer's general entry covers the CPU)"
+                elif re.match(r"^[a-z]+:0\d+$", key):
+                    hint = f" (write the index without leading zeros: {key.split(':')[0]}:{int(key.split(':')[1])})"
                 raise ValueError(f"device key {key!r} must be a GPU with an index like 'cuda:1'{hint}")
         return v
 
@@ -150,17 +190,33 @@ class KernelhubConfig(_Strict):
     """The whole `[tool.kernelhub]` table."""
 
     layers: dict[str, LayerConfig] = {}
-    trusted_publishers: list[str] = []
-    lockfile: str | None = None
+    trusted_publishers: list[StrictStr] = []
+    lockfile: StrictStr | None = None
     _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
 
     @field_validator("layers")
     @classmethod
     def _layer_names(cls, v: dict[str, LayerConfig]) -> dict[str, LayerConfig]:
         for key in v:
-            if not key.isidentifier():
+            if not key.isidentifier() or keyword.iskeyword(key):
                 raise ValueError(f"layer name {key!r} must be an identifier like 'SwiGLUMLP'")
         return v
+
+    @field_validator("trusted_publishers")
+    @classmethod
+    def _publishers(cls, v: list[str]) -> list[str]:
+        # A publisher that no repo id can have (" org", "", "org/x") would trust nothing, silently.
+        for name in v:
+            if not _PUBLISHER_RE.match(name) or "--" in name or ".." in name:
+                raise ValueError(
+                    f"`trusted_publishers` entries must be Hub user or org names like 'my-org', got {name!r}"
+                )
+        return v
+
+    @field_validator("lockfile")
+    @classmethod
+    def _lockfile(cls, v: str | None) -> str | None:
+        return _check_path("lockfile", v)
 
     @classmethod
     def from_dict(
@@ -169,6 +225,10 @@ class KernelhubConfig(_Strict):
         """Validate a `[tool.kernelhub]` table; relative `path`/`lockfile` resolve against `base_dir`."""
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: expected a table, got {type(data).__name__}")
+        if base_dir is not None and not isinstance(base_dir, (str, Path)):
+            raise TypeError(
+                f"KernelhubConfig.from_dict: `base_dir` must be a str or Path, got {type(base_dir).__name__}"
+            )
         try:
             config = cls.model_validate(data)
         except ValidationError as e:
@@ -179,6 +239,8 @@ class KernelhubConfig(_Strict):
                 lines.append(f"{source}: {loc or '<top>'}: {msg}")
             raise ConfigError("\n".join(lines)) from None
         config._base_dir = Path(base_dir) if base_dir is not None else Path.cwd()
+        if config.lockfile is not None and (config._base_dir / config.lockfile).is_dir():
+            raise ConfigError(f"{source}: lockfile: `lockfile` {config.lockfile!r} is a directory, not a lock file")
         return config
 
     # -- building repositories -------------------------------------------------------------------
@@ -269,11 +331,28 @@ class KernelhubConfig(_Strict):
         return out
 
 
+def _check_path(key: str, v: str | None) -> str | None:
+    if v is not None and (not v.strip() or "\x00" in v):
+        raise ValueError(f"`{key}` must be a non-empty string (a file path), got {v!r}")
+    return v
+
+
 def _read_toml(path: Path) -> dict:
+    # TOML is UTF-8 by definition (not the locale's encoding)
     try:
-        return tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"load_config: {path} is not UTF-8 text (byte {e.start}): TOML must be UTF-8") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"load_config: {path} is not valid TOML: {e}") from e
+
+
+def _tool_table(data: dict, path: Path) -> dict:
+    """`data["tool"]`, which TOML allows to be any value (`tool = "kernelhub"`)."""
+    tools = data.get("tool", {})
+    if not isinstance(tools, dict):
+        raise ConfigError(f"load_config: {path}: `tool` must be a table ([tool.kernelhub]), got {tools!r}")
+    return tools
 
 
 def load_config(path: str | Path | None = None) -> KernelhubConfig | None:
@@ -284,13 +363,15 @@ def load_config(path: str | Path | None = None) -> KernelhubConfig | None:
     """
     if path is not None and not isinstance(path, (str, Path)):
         raise TypeError(f"load_config: `path` must be a str or Path, got {type(path).__name__}")
+    if isinstance(path, str) and not path.strip():  # Path("") is "." : a silent search of the cwd
+        raise ValueError(f"load_config: `path` must name a file or directory, got {path!r}")
     if path is None or Path(path).is_dir():
         folder = Path(path) if path is not None else Path.cwd()
         if (folder / "kernelhub.toml").is_file():
             return load_config(folder / "kernelhub.toml")
         pyproject = folder / "pyproject.toml"
         if pyproject.is_file():
-            tools = _read_toml(pyproject).get("tool", {})
+            tools = _tool_table(_read_toml(pyproject), pyproject)
             if "kernelhub" in tools:
                 return load_config(pyproject)
             near = difflib.get_close_matches("kernelhub", [str(k) for k in tools], n=1, cutoff=0.8)
@@ -303,7 +384,7 @@ def load_config(path: str | Path | None = None) -> KernelhubConfig | None:
         raise FileNotFoundError(f"load_config: `path` {path} does not exist")
     data = _read_toml(path)
     if path.name == "pyproject.toml" or "tool" in data:
-        if "kernelhub" not in data.get("tool", {}):
+        if "kernelhub" not in _tool_table(data, path):
             raise ConfigError(f"load_config: {path} has no [tool.kernelhub] table")
         return KernelhubConfig.from_dict(
             data["tool"]["kernelhub"], base_dir=path.parent, source=f"{path} [tool.kernelhub]"

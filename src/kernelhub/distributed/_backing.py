@@ -11,12 +11,16 @@ import os
 import socket
 import tempfile
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 __all__ = ["CpuSharedBacking", "CudaSymmetricBacking"]
+
+# Exchange a failure flag over the group and raise on every rank if any rank failed (_agree.agree).
+Agree = Callable[..., None]
 
 
 def _shm_dir() -> str:
@@ -32,7 +36,9 @@ class CpuSharedBacking:
     so nothing is left in /dev/shm even if a process dies later: the mappings keep the pages.
     """
 
-    def __init__(self, nbytes: int, group: dist.ProcessGroup, rank: int, world_size: int) -> None:
+    def __init__(
+        self, nbytes: int, group: dist.ProcessGroup, rank: int, world_size: int, agreed: Agree
+    ) -> None:
         hosts: list[str | None] = [None] * world_size
         dist.all_gather_object(hosts, socket.gethostname(), group=group)
         if len(set(hosts)) != 1:
@@ -46,22 +52,43 @@ class CpuSharedBacking:
         paths = [os.path.join(directory, f"{prefix[0]}-r{r}") for r in range(world_size)]
         self._maps: list[mmap.mmap] = []
         own = paths[rank]
-        fd = os.open(own, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        created = False
+        error: BaseException | None = None
         try:
-            os.ftruncate(fd, nbytes)
-        finally:
-            os.close(fd)
+            _check_room(directory, nbytes, world_size)
+            fd = os.open(own, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            created = True
+            try:
+                os.ftruncate(fd, nbytes)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            error = _no_room(e, nbytes, directory)
+        except MemoryError as e:
+            error = e
         try:
-            dist.barrier(group=group)  # every file exists before anyone opens a peer's
+            # Every rank's file exists (or every rank raises) before anyone opens a peer's.
+            agreed(error, where="SymmetricHeap (creating its shared-memory file)")
             for path in paths:
-                fd = os.open(path, os.O_RDWR)
                 try:
-                    self._maps.append(mmap.mmap(fd, nbytes, mmap.MAP_SHARED))
-                finally:
-                    os.close(fd)
-            dist.barrier(group=group)  # every rank has mapped every file: names no longer needed
+                    fd = os.open(path, os.O_RDWR)
+                    try:
+                        self._maps.append(mmap.mmap(fd, nbytes, mmap.MAP_SHARED))
+                    finally:
+                        os.close(fd)
+                except OSError as e:
+                    error = _no_room(e, nbytes, directory)
+                    break
+            # Every rank has mapped every file: the names are no longer needed.
+            agreed(error, where="SymmetricHeap (mapping the peers' shared-memory files)")
+        except BaseException:
+            for m in self._maps:
+                m.close()
+            self._maps = []
+            raise
         finally:
-            os.unlink(own)
+            if created:
+                os.unlink(own)
         # Through numpy, whose array holds a buffer export on the mapping for as long as any tensor
         # viewing it lives (torch.frombuffer holds none: close() would unmap memory under live
         # tensors, and a use after close() would crash the process).
@@ -78,6 +105,25 @@ class CpuSharedBacking:
                 pass
 
 
+def _check_room(directory: str, nbytes: int, world_size: int) -> None:
+    """Refuse a heap the shared-memory filesystem cannot hold.
+
+    The files are sparse: creating one far larger than the filesystem succeeds, and the process is
+    killed by SIGBUS when it first touches a page that has no room.
+    """
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    if nbytes * world_size > free:
+        raise MemoryError(
+            f"SymmetricHeap: {nbytes} bytes per rank x {world_size} ranks do not fit in {directory} "
+            f"({free} bytes free): pass a smaller `nbytes`"
+        )
+
+
+def _no_room(error: OSError, nbytes: int, directory: str) -> MemoryError:
+    return MemoryError(f"SymmetricHeap: could not map {nbytes} bytes per rank in {directory}: {error}")
+
+
 def _torch_version() -> tuple[int, int]:
     major, minor = torch.__version__.split(".")[:2]
     return int(major), int(minor)
@@ -92,7 +138,13 @@ class CudaSymmetricBacking:
     """
 
     def __init__(
-        self, nbytes: int, group: dist.ProcessGroup, rank: int, world_size: int, device: torch.device
+        self,
+        nbytes: int,
+        group: dist.ProcessGroup,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        agreed: Agree,
     ) -> None:
         os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
         import torch.distributed._symmetric_memory as symm_mem
@@ -101,7 +153,15 @@ class CudaSymmetricBacking:
             # Before 2.11 rendezvous needs the group's store registered first (deprecated since).
             if not symm_mem.is_symm_mem_enabled_for_group(group.group_name):
                 symm_mem.enable_symm_mem_for_group(group.group_name)
-        self._local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        error: BaseException | None = None
+        try:
+            self._local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            error = MemoryError(
+                f"SymmetricHeap: could not allocate {nbytes} bytes of symmetric memory on {device}: {e}"
+            )
+        # rendezvous is collective: a rank that failed above must not leave the others in it
+        agreed(error, where="SymmetricHeap (allocating symmetric memory)")
         # The group name (a str) is accepted by rendezvous in every torch that has it.
         self._handle = symm_mem.rendezvous(self._local, group.group_name)
         self.buffers = [

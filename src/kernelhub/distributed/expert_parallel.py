@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernelhub.device import device_guard
+from kernelhub.distributed._agree import collective_device, gather_ints, raise_if_any_failed
 
 __all__ = [
     "EPDispatch",
@@ -159,15 +160,42 @@ def ep_dispatch(
         group: process group (default world); NCCL needs CUDA tensors, gloo CPU tensors.
 
     Raises:
-        ValueError: on every rank, if any rank's `topk_idx` is out of range or ranks disagree on
-            H or K; locally for bad shapes, dtypes or devices.
+        ValueError, TypeError: on every rank, if any rank's arguments are invalid (bad shapes,
+            dtypes, devices, meta tensors, `topk_idx` out of range) or ranks disagree on H, K, E
+            or dtypes: the failing rank raises its own error, the others one naming it.
     """
-    _check_routing("ep_dispatch", x, topk_idx, topk_weights, num_experts)
+    return _dispatch("ep_dispatch", x, topk_idx, topk_weights, num_experts, group, None)
+
+
+def _dispatch(
+    fn: str, x, topk_idx, topk_weights, num_experts, group, more_checks: Callable[[], None] | None
+) -> EPDispatch:
+    """`ep_dispatch`, after `more_checks` (the caller's own argument checks, made collective too)."""
+    error: Exception | None = None
+    try:
+        _check_routing(fn, x, topk_idx, topk_weights, num_experts)
+        if more_checks is not None:
+            more_checks()
+    except (TypeError, ValueError) as e:
+        error = e
+    if error is not None and (not dist.is_available() or not dist.is_initialized()):
+        raise error  # no group: no peer to wait
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    if num_experts % world:
-        raise ValueError(
-            f"ep_dispatch: `num_experts` ({num_experts}) must be divisible by the group size ({world})"
+    if error is None and num_experts % world:
+        error = ValueError(
+            f"{fn}: `num_experts` ({num_experts}) must be divisible by the group size ({world})"
         )
+    if error is not None:
+        # Take part in the metadata exchange (every rank's first collective) with a failure flag,
+        # so every rank raises now instead of the others waiting in it.
+        dev = x.device if isinstance(x, Tensor) and x.device.type != "meta" else collective_device(group)
+        with device_guard(dev):
+            meta = torch.zeros((world, _META_COLUMNS), dtype=torch.int64, device=dev)
+            meta[:, _FAILED] = 1
+            recv_meta = torch.empty_like(meta)
+            dist.all_to_all_single(recv_meta, meta, group=group)
+            raise_if_any_failed(error, recv_meta[:, _FAILED].tolist(), where=fn, group=group)
+        raise error  # not reached: raise_if_any_failed re-raises this rank's error
     per_rank = num_experts // world
     T, H = x.shape
     K = topk_idx.shape[1]
@@ -189,14 +217,16 @@ def ep_dispatch(
                 torch.full_like(send_counts, num_experts),
                 torch.full_like(send_counts, _dtype_code(x.dtype)),
                 torch.full_like(send_counts, _dtype_code(topk_weights.dtype)),
+                torch.zeros_like(send_counts),  # _FAILED: this rank's arguments are valid
             ],
             dim=1,
         )
         recv_meta = torch.empty_like(meta)
         dist.all_to_all_single(recv_meta, meta, group=group)
         rows = recv_meta.tolist()  # host sync: receive buffers are sized by the counts
+        raise_if_any_failed(None, [r[_FAILED] for r in rows], where=fn, group=group)
         send_splits = send_counts.tolist()
-        _check_peers("ep_dispatch", rows, rank, H, K, num_experts)
+        _check_peers(fn, rows, rank, H, K, num_experts)
         recv_splits = [r[0] for r in rows]
 
         here = owner[tok] == dest.unsqueeze(-1)  # [S, K]: slot's expert lives on the destination
@@ -210,19 +240,63 @@ def ep_dispatch(
 def ep_combine(expert_out: Tensor, handle: EPHandle) -> Tensor:
     """Return each row to the rank it came from and sum each token's rows in fp32 (collective).
 
+    Before the all-to-all, one all-gather (a host sync) checks every rank's `expert_out`.
+
     Args:
         expert_out: [N, H], the local experts' weighted output for `ep_dispatch`'s rows, in order.
         handle: from the matching `ep_dispatch`.
 
     Returns:
         [T, H] in expert_out's dtype, on this rank's original tokens.
+
+    Raises:
+        ValueError, TypeError: on every rank, if any rank's `expert_out` is not [N, H] floating
+            (N: the rows it received), or ranks disagree on H or the dtype. A `handle` that is
+            not an EPHandle raises on that rank only (it names no group to tell).
     """
     if not isinstance(handle, EPHandle):
         raise TypeError(f"ep_combine: `handle` must be an EPHandle, got {type(handle).__name__}")
+    return _combine("ep_combine", expert_out, handle, None)
+
+
+def _combine(fn: str, expert_out, handle: EPHandle, error: Exception | None) -> Tensor:
+    """`ep_combine`, after an exchange of (failed, H, dtype) so that no rank is left waiting in it.
+
+    `error`: what went wrong on this rank since the dispatch (e.g. in `experts_fn`), or None.
+    """
     n = sum(handle.recv_splits)
-    if not isinstance(expert_out, Tensor) or expert_out.dim() != 2 or expert_out.shape[0] != n:
-        got = tuple(expert_out.shape) if isinstance(expert_out, Tensor) else type(expert_out).__name__
-        raise ValueError(f"ep_combine: `expert_out` must be [{n}, H] (rows received), got {got}")
+    if error is None:
+        if not isinstance(expert_out, Tensor) or expert_out.dim() != 2 or expert_out.shape[0] != n:
+            got = tuple(expert_out.shape) if isinstance(expert_out, Tensor) else type(expert_out).__name__
+            error = ValueError(f"{fn}: `expert_out` must be [{n}, H] (rows received), got {got}")
+        elif not expert_out.is_floating_point():
+            error = TypeError(f"{fn}: `expert_out` must be floating, got {expert_out.dtype}")
+        elif expert_out.device != handle.dispatched[0].device:
+            error = ValueError(
+                f"{fn}: `expert_out` must be on {handle.dispatched[0].device} (the dispatched rows'), "
+                f"got {expert_out.device}"
+            )
+    if dist.get_world_size(handle.group) == 1:
+        if error is not None:
+            raise error
+        return _combine_rows(expert_out, handle)
+    dev = handle.dispatched[0].device  # where the dispatch's collectives ran
+    mine = [1, 0, 0] if error is not None else [0, expert_out.shape[1], _dtype_code(expert_out.dtype)]
+    with device_guard(dev):
+        rows = gather_ints(mine, handle.group, dev)  # host sync
+        raise_if_any_failed(error, [r[0] for r in rows], where=fn, group=handle.group)
+        if len({(r[1], r[2]) for r in rows}) != 1:
+            detail = ", ".join(
+                f"rank {src}: H={r[1]} {_dtype_name(r[2])}" for src, r in enumerate(rows)
+            )
+            raise ValueError(
+                f"{fn}: ranks disagree on `expert_out`'s width or dtype ({detail}); "
+                f"this is rank {dist.get_rank(handle.group)}"
+            )
+    return _combine_rows(expert_out, handle)
+
+
+def _combine_rows(expert_out: Tensor, handle: EPHandle) -> Tensor:
     with device_guard(expert_out):
         back = _Combine.apply(
             handle.group, handle.send_splits, handle.recv_splits, expert_out, *handle.dispatched
@@ -255,32 +329,56 @@ def ep_moe(
 
     Returns:
         [T, H] in x's dtype: equal to the single-process routed experts over all E experts.
+
+    Raises:
+        On every rank, within one exchange: what `ep_dispatch` raises, a bad local weight on any
+        rank, and an `experts_fn` that raised or returned something other than [N, H] floating on
+        any rank (that rank re-raises its error; the others raise one naming the rank and it).
     """
-    _check_routing("ep_moe", x, topk_idx, topk_weights, num_experts)
-    world = dist.get_world_size(group)
-    if num_experts % world:
-        raise ValueError(f"ep_moe: `num_experts` ({num_experts}) must be divisible by the group size ({world})")
-    per_rank = num_experts // world
-    for name, w in (("gate_up_proj_local", gate_up_proj_local), ("down_proj_local", down_proj_local)):
-        if not isinstance(w, Tensor) or w.dim() != 3 or w.shape[0] != per_rank:
-            got = tuple(w.shape) if isinstance(w, Tensor) else type(w).__name__
-            raise ValueError(f"ep_moe: `{name}` must hold E/W = {per_rank} experts [E/W, ., .], got {got}")
-        if w.dtype != x.dtype:
-            raise TypeError(f"ep_moe: `{name}` must have x's dtype {x.dtype}, got {w.dtype}")
-    _check_experts_args("ep_moe", x, gate_up_proj_local, down_proj_local, topk_idx, topk_weights)
-    d = ep_dispatch(x, topk_idx, topk_weights, num_experts, group=group)
+    def check_weights() -> None:
+        world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+        if num_experts % world:
+            raise ValueError(
+                f"ep_moe: `num_experts` ({num_experts}) must be divisible by the group size ({world})"
+            )
+        per_rank = num_experts // world
+        for name, w in (("gate_up_proj_local", gate_up_proj_local), ("down_proj_local", down_proj_local)):
+            if not isinstance(w, Tensor) or w.dim() != 3 or w.shape[0] != per_rank:
+                got = tuple(w.shape) if isinstance(w, Tensor) else type(w).__name__
+                raise ValueError(f"ep_moe: `{name}` must hold E/W = {per_rank} experts [E/W, ., .], got {got}")
+            if w.dtype != x.dtype:
+                raise TypeError(f"ep_moe: `{name}` must have x's dtype {x.dtype}, got {w.dtype}")
+        _check_experts_args("ep_moe", x, gate_up_proj_local, down_proj_local, topk_idx, topk_weights)
+
+    d = _dispatch("ep_moe", x, topk_idx, topk_weights, num_experts, group, check_weights)
     fn = reference_experts if experts_fn is None else experts_fn
+    error: Exception | None = None
     with device_guard(x):
-        if d.hidden_states.shape[0] == 0:
+        N = d.hidden_states.shape[0]
+        if N == 0:
             # Kernels need not accept empty inputs; the combine still runs (collective). Tying the
             # local weights into it gives them a zero gradient (not None), as in one process.
             y = d.hidden_states.new_zeros(d.hidden_states.shape)
             d.handle.dispatched = (*d.handle.dispatched, gate_up_proj_local, down_proj_local)
         else:
-            y = fn(d.hidden_states, gate_up_proj_local, down_proj_local, d.topk_idx, d.topk_weights)
-            if y.dtype != x.dtype:  # every rank sends x's dtype back (a rank with no rows sends zeros)
-                y = y.to(x.dtype)
-    return ep_combine(y, d.handle)
+            # Anything raised here happens between two collectives: it is exchanged before the
+            # combine (in _combine), so the other ranks raise too instead of waiting in it.
+            try:
+                y = fn(d.hidden_states, gate_up_proj_local, down_proj_local, d.topk_idx, d.topk_weights)
+                if not isinstance(y, Tensor) or tuple(y.shape) != (N, x.shape[1]) or not y.is_floating_point():
+                    got = f"{y.dtype} {tuple(y.shape)}" if isinstance(y, Tensor) else type(y).__name__
+                    raise ValueError(
+                        f"ep_moe: `experts_fn` must return a floating [{N}, {x.shape[1]}] tensor "
+                        f"(rows received, H), got {got}"
+                    )
+                if y.device != x.device:
+                    raise ValueError(f"ep_moe: `experts_fn` returned a tensor on {y.device}, x is on {x.device}")
+            except Exception as e:  # noqa: BLE001 - re-raised on this rank by _combine, after telling the others
+                error, y = e, None
+            else:
+                if y.dtype != x.dtype:  # every rank sends x's dtype back (a rank with no rows sends zeros)
+                    y = y.to(x.dtype)
+    return _combine("ep_moe", y, d.handle, error)
 
 
 class ExpertParallelMoE(nn.Module):
@@ -393,9 +491,17 @@ def _check_routing(fn: str, x, topk_idx, topk_weights, num_experts) -> None:
     for name, t in (("topk_idx", topk_idx), ("topk_weights", topk_weights)):
         if t.device != x.device:
             raise ValueError(f"{fn}: `{name}` must be on {x.device} like `x`, got {t.device}")
+    if x.device.type == "meta":
+        # which rows go where depends on the values: there is no shape-only (meta) dispatch
+        raise ValueError(f"{fn}: `x` is on the meta device; expert parallelism moves real data between ranks")
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts <= 0:
         raise ValueError(f"{fn}: `num_experts` must be an int > 0, got {num_experts!r}")
 
+
+# Columns of the dispatch's metadata exchange: counts, bad-id flag, H, K, E, x dtype, weights dtype,
+# and whether this rank's arguments failed its checks.
+_META_COLUMNS = 8
+_FAILED = 7
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

@@ -14,11 +14,19 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from kernelhub.device import as_torch_device, device_guard
+from kernelhub.distributed._agree import (
+    agree,
+    collective_device,
+    gather_ints,
+    raise_failures,
+    raise_if_any_failed,
+)
 from kernelhub.distributed._backing import CpuSharedBacking, CudaSymmetricBacking
 
 __all__ = [
@@ -66,7 +74,13 @@ def _align_up(value: int, alignment: int) -> int:
 
 
 def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+    """A boolean environment variable; a value that is neither on nor off is an error, never "off"."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"SymmetricHeap: {name}={os.environ[name]!r} is not 1/true/yes/on or 0/false/no/off")
 
 
 class SymmetricHeap:
@@ -109,14 +123,10 @@ class SymmetricHeap:
         alignment: int = 256,
         check_symmetry: bool | None = None,
     ) -> None:
-        for name, value in (("nbytes", nbytes), ("alignment", alignment)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"SymmetricHeap: `{name}` must be an int, got {type(value).__name__}")
-        if nbytes <= 0:
-            raise ValueError(f"SymmetricHeap: `nbytes` must be > 0, got {nbytes}")
-        if alignment <= 0 or alignment & (alignment - 1):
-            raise ValueError(f"SymmetricHeap: `alignment` must be a power of two, got {alignment}")
+        problem = _check_args(nbytes, alignment)
         if not dist.is_available() or not dist.is_initialized():
+            if problem is not None:
+                raise problem
             raise RuntimeError(
                 "SymmetricHeap: torch.distributed is not initialised; call init_process_group first"
             )
@@ -126,29 +136,48 @@ class SymmetricHeap:
             raise ValueError("SymmetricHeap: this process is not a member of `group`")
         self._world_size = dist.get_world_size(self._group)
         self._backend = str(dist.get_backend(self._group)).lower()
-        self._device = self._resolve_device(device)
+        self._device = torch.device("cpu")
+        if problem is None:
+            try:
+                self._device = self._resolve_device(device)
+            except (TypeError, ValueError) as e:
+                problem = e
         self._capacity = nbytes
         self._alignment = alignment
-        self._check = _env_flag(CHECK_ENV) if check_symmetry is None else bool(check_symmetry)
+        self._check = False
+        if problem is None:
+            try:
+                self._check = _env_flag(CHECK_ENV) if check_symmetry is None else bool(check_symmetry)
+            except ValueError as e:
+                problem = e
         self._allocations: list[Allocation] = []
         self._top = 0
         self._closed = False
         self._backing: CpuSharedBacking | CudaSymmetricBacking | None = None
 
-        with device_guard(self._device):
-            settings = self._gather_ints([nbytes, alignment, int(self._check)])
+        # Arguments that are wrong on one rank only must fail on every rank: the settings exchange
+        # carries a validity flag, so it runs before anything is raised.
+        ok = problem is None
+        device_code = _DEVICE_CODES[self._device.type]
+        mine = [int(ok), nbytes if ok else 0, alignment if ok else 0, int(self._check), device_code]
+        with device_guard(self._device):  # (the CPU placeholder when the arguments were bad)
+            collective = collective_device(self._group)  # the heap's GPU under NCCL, as every later check
+            settings = gather_ints(mine, self._group, collective)
+            failed = [1 - row[0] for row in settings]
+            raise_if_any_failed(problem, failed, where="SymmetricHeap", group=self._group)
             if any(row != settings[0] for row in settings):
                 rows = "; ".join(
-                    f"rank {r}: nbytes={n} alignment={a} check_symmetry={bool(c)}"
-                    for r, (n, a, c) in enumerate(settings)
+                    f"rank {r}: nbytes={n} alignment={a} check_symmetry={bool(c)} device={_DEVICE_TYPES[d]}"
+                    for r, (_, n, a, c, d) in enumerate(settings)
                 )
                 raise ValueError(f"SymmetricHeap: ranks were created with different settings: {rows}")
+            agreed = partial(agree, group=self._group, device=collective)
             if self._device.type == "cuda":
                 self._backing = CudaSymmetricBacking(
-                    nbytes, self._group, self._rank, self._world_size, self._device
+                    nbytes, self._group, self._rank, self._world_size, self._device, agreed
                 )
             else:
-                self._backing = CpuSharedBacking(nbytes, self._group, self._rank, self._world_size)
+                self._backing = CpuSharedBacking(nbytes, self._group, self._rank, self._world_size, agreed)
         self._buffers = self._backing.buffers
 
     # -- properties -------------------------------------------------------------------------
@@ -201,11 +230,16 @@ class SymmetricHeap:
             SymmetricHeapFullError: the allocation does not fit (message names the sizes).
         """
         self._check_open("allocate")
-        dims = _check_shape(shape)
-        if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"SymmetricHeap.allocate: `dtype` must be a torch.dtype, got {dtype!r}")
-        if tag is not None and not isinstance(tag, str):
-            raise TypeError(f"SymmetricHeap.allocate: `tag` must be a str or None, got {type(tag).__name__}")
+        try:
+            dims = _check_shape(shape)
+            if not isinstance(dtype, torch.dtype):
+                raise TypeError(f"SymmetricHeap.allocate: `dtype` must be a torch.dtype, got {dtype!r}")
+            if tag is not None and not isinstance(tag, str):
+                raise TypeError(f"SymmetricHeap.allocate: `tag` must be a str or None, got {type(tag).__name__}")
+        except (TypeError, ValueError) as e:
+            if self._check:  # the peers are in this allocation's comparison: they raise too
+                self._compare(("failed", type(e).__name__, str(e)), "SymmetricHeap.allocate", error=e)
+            raise
         itemsize = dtype.itemsize
         numel = 1
         for d in dims:
@@ -297,19 +331,12 @@ class SymmetricHeap:
         dev = as_torch_device(device, argument="device")
         if dev.type not in ("cpu", "cuda"):
             raise ValueError(f"SymmetricHeap: `device` must be a CPU or CUDA device, got {dev}")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"SymmetricHeap: `device` is {dev}, but CUDA is not available")
         return dev
 
-    def _collective_device(self) -> torch.device:
-        # NCCL-only groups take CUDA tensors; gloo (and "cpu:gloo,cuda:nccl") take CPU tensors.
-        if "nccl" in self._backend and ":" not in self._backend:
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
     def _gather_ints(self, values: list[int]) -> list[list[int]]:
-        local = torch.tensor(values, dtype=torch.int64, device=self._collective_device())
-        out = [torch.empty_like(local) for _ in range(self._world_size)]
-        dist.all_gather(out, local, group=self._group)
-        return [t.tolist() for t in out]  # host sync: the check needs the values
+        return gather_ints(values, self._group, collective_device(self._group))  # host sync
 
     def _gather_objects(self, obj: object) -> list[object]:
         out: list[object] = [None] * self._world_size
@@ -333,9 +360,11 @@ class SymmetricHeap:
                 "divergent allocation."
             )
 
-    def _compare(self, entry: tuple, where: str) -> None:
+    def _compare(self, entry: tuple, where: str, error: Exception | None = None) -> None:
         with device_guard(self._device):
             entries = self._gather_objects(entry)
+        # a rank whose arguments failed sends ("failed", type name, message) instead of its entry
+        raise_failures(error, [e[1:] if e[0] == "failed" else None for e in entries], where=where, rank=self._rank)
         if all(e == entries[0] for e in entries):
             return
         ref = entries[0]
@@ -361,6 +390,22 @@ class SymmetricHeap:
         # destroy_process_group; with gloo that aborted ~1 run in 4 at interpreter exit
         # ("terminate called without an active exception").
         self._group = None
+
+
+_DEVICE_TYPES = ("cpu", "cuda")
+_DEVICE_CODES = {t: i for i, t in enumerate(_DEVICE_TYPES)}
+
+
+def _check_args(nbytes: object, alignment: object) -> Exception | None:
+    """What is wrong with the sizes (checked on every rank before it is raised on any), or None."""
+    for name, value in (("nbytes", nbytes), ("alignment", alignment)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            return TypeError(f"SymmetricHeap: `{name}` must be an int, got {type(value).__name__}")
+    if nbytes <= 0 or nbytes >= 1 << 62:
+        return ValueError(f"SymmetricHeap: `nbytes` must be > 0 and < 2**62, got {nbytes}")
+    if alignment <= 0 or alignment & (alignment - 1) or alignment >= 1 << 62:
+        return ValueError(f"SymmetricHeap: `alignment` must be a power of two, got {alignment}")
+    return None
 
 
 def _describe(entry: tuple) -> str:
