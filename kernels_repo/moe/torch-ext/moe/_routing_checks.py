@@ -128,6 +128,29 @@ def check_no_self_overlap(fn: str, name: str, t: Tensor) -> None:
                          f"shape {tuple(t.shape)} with strides {t.stride()} (an expanded view?)")
 
 
+def _span(t: Tensor) -> tuple[int, int]:
+    """[first, one past the last) byte address of a non-empty tensor's elements (torch strides are
+    never negative)."""
+    start = t.data_ptr()
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    return start, start + (last + 1) * t.element_size()
+
+
+def check_no_overlap(fn: str, out: Tensor, **inputs: Tensor | None) -> None:
+    """A written `out` shares no memory with what the launch reads: one program's store would
+    change what another still has to read. Byte ranges that intersect are refused (conservative
+    where a strided input's gaps would hold `out`), whatever the dtypes."""
+    if out.numel() == 0:
+        return
+    lo, hi = _span(out)
+    for name, t in inputs.items():
+        if t is None or t.numel() == 0:
+            continue
+        start, end = _span(t)
+        if start < hi and lo < end:
+            raise ValueError(f"{fn}: `out` overlaps `{name}`'s memory; pass a separate tensor")
+
+
 def row_major(t: Tensor) -> Tensor:
     """Unit stride along the last dimension (kernels take the other strides as arguments)."""
     return t if t.dim() == 0 or t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
