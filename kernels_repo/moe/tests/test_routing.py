@@ -494,6 +494,26 @@ def test_inplace_unique_leaves_ids_below_minus_one_alone_and_refuses_shared_memo
         moe.inplace_unique_group_indices(shared, 4)
 
 
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_inplace_unique_refuses_rows_that_overlap_each_other(monkeypatch, path):
+    """Rows sharing elements (as_strided with strides (1, 1): row t, column j is element t + j) have
+    no defined in-place result (the kernel turned first occurrences into -1); refused. Layouts that
+    interleave without sharing (strides (1, T), a transpose) stay fine."""
+    if path == "torch":
+        monkeypatch.setattr(checks, "interpreting", lambda: False)
+    dev = "cpu" if path == "torch" else DEV
+    buf = torch.tensor([1, 2, 1, 2, 3, 1, 3, 3, 2, 1, 0, 2, 3], device=dev)
+    with pytest.raises(ValueError, match="`group_indices` is modified in place"):
+        moe.inplace_unique_group_indices(buf.as_strided((8, 4), (1, 1)), 4)
+    with pytest.raises(ValueError, match="`group_indices` is modified in place"):
+        moe.inplace_unique_group_indices(buf.as_strided((4, 3), (2, 3)), 4)  # (3, 0) and (0, 2): both 6
+    g = buf[:8].as_strided((4, 2), (1, 4))  # the transpose of a [2, 4] block: disjoint elements
+    want = g.clone()
+    ref.inplace_unique_group_indices_ref(want, 4)
+    moe.inplace_unique_group_indices(g, 4)
+    assert torch.equal(g, want)
+
+
 def test_expand_with_no_tokens_but_padding_rows_writes_zeros(variant):
     """T = 0 with P > 0 (force_no_sync's bound, or an explicit P): every row is padding, so zero,
     not the buffer's old contents (the fixture poisons every torch.empty)."""
