@@ -801,6 +801,27 @@ def test_reference_with_nothing_routed_still_gives_zero_gradients():
     assert all(t.grad is not None and not t.grad.any() for t in leaves)
 
 
+@pytest.mark.parametrize("variant", TRITON_VARIANTS + ["reference"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_dropped_pairs_and_unrouted_tokens_are_never_read(variant, bad):
+    """A NaN/inf weight on a dropped pair, or in a token no pair routes, changes no output and no
+    gradient, also when nothing is routed (the reference returned 0 * (a sum over every input):
+    NaN, where the kernels return zeros)."""
+    x, gu, dn, idx, w = make_inputs(4, 32, 16, 4, 2, drop=2)
+    idx[3] = -1  # token 3: no pair routed
+    for ids in (idx, torch.full_like(idx, -1)):
+        clean = w.masked_fill(ids < 0, 0.0)
+        want = moe.fused_experts(x, gu, dn, ids, clean, variant=variant)
+        xb = x.clone()
+        xb[3] = bad
+        leaves = [t.clone().requires_grad_() for t in (xb, gu, dn, w.masked_fill(ids < 0, bad))]
+        out = moe.fused_experts(leaves[0], leaves[1], leaves[2], ids, leaves[3], variant=variant)
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        out.sum().backward()
+        assert all(t.grad.isfinite().all() for t in leaves)
+        assert not leaves[3].grad[ids < 0].any() and not leaves[0].grad[3].any()
+
+
 @pytest.mark.parametrize("T", [3, 300])  # one-program alignment (<= 512 pairs); the mapping kernels
 def test_int64_ids_past_the_int32_range_are_dropped(T):
     x, gu, dn, idx, w = make_inputs(T, 32, 16, 4, 2, seed=T)
