@@ -820,6 +820,13 @@ def test_dropped_pairs_and_unrouted_tokens_are_never_read(variant, bad):
         out.sum().backward()
         assert all(t.grad.isfinite().all() for t in leaves)
         assert not leaves[3].grad[ids < 0].any() and not leaves[0].grad[3].any()
+    if variant != "reference":  # the token-major decode path (inference, up to 3 tokens here)
+        ids, wb = idx[1:], w[1:].masked_fill(idx[1:] < 0, bad)
+        xb = x[1:].clone()
+        xb[2] = bad
+        out = moe.fused_experts(xb, gu, dn, ids, wb, variant=variant, config=_with_decode())
+        want = moe.fused_experts(x[1:], gu, dn, ids, w[1:].masked_fill(ids < 0, 0.0), variant=variant)
+        torch.testing.assert_close(out, want)
 
 
 @pytest.mark.parametrize("T", [3, 300])  # one-program alignment (<= 512 pairs); the mapping kernels
