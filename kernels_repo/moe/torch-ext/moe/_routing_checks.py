@@ -152,7 +152,9 @@ def _span(t: Tensor) -> tuple[int, int]:
     """[first, one past the last) byte address of a non-empty tensor's elements (torch strides are
     never negative)."""
     start = t.data_ptr()
-    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    if t.is_contiguous():  # the usual case, without the Python loop below
+        return start, start + t.nbytes
+    last = sum([(n - 1) * st for n, st in zip(t.shape, t.stride())])
     return start, start + (last + 1) * t.element_size()
 
 
