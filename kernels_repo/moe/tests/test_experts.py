@@ -801,6 +801,41 @@ def test_reference_with_nothing_routed_still_gives_zero_gradients():
     assert all(t.grad is not None and not t.grad.any() for t in leaves)
 
 
+@pytest.mark.parametrize("variant", TRITON_VARIANTS + ["reference"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_dropped_pairs_and_unrouted_tokens_are_never_read(variant, bad):
+    """A NaN/inf weight on a dropped pair (-1, or the EP sentinel E), or in a token no pair routes,
+    changes no output and no gradient, also when nothing is routed (the reference returned
+    0 * (a sum over every input): NaN, where the kernels return zeros)."""
+    E = 4
+    x, gu, dn, idx, w = make_inputs(4, 32, 16, E, 2, drop=2)
+    idx[2, 0] = E  # transformers' expert-parallel sentinel
+    idx[3] = torch.tensor([-1, E])  # token 3: no pair routed
+    for ids in (idx, torch.where(idx[:, :1] < E, -1, E).expand(4, 2).contiguous()):  # ... or none
+        dropped = (ids < 0) | (ids >= E)
+        want = moe.fused_experts(x, gu, dn, ids, w.masked_fill(dropped, 0.0), variant=variant,
+                                 check_indices=False)
+        xb = x.clone()
+        xb[3] = bad
+        leaves = [t.clone().requires_grad_() for t in (xb, gu, dn, w.masked_fill(dropped, bad))]
+        out = moe.fused_experts(leaves[0], leaves[1], leaves[2], ids, leaves[3], variant=variant,
+                                check_indices=False)
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+        out.sum().backward()
+        assert all(t.grad.isfinite().all() for t in leaves)
+        assert not leaves[3].grad[dropped].any() and not leaves[0].grad[3].any()
+    if variant != "reference":  # the token-major decode path (inference, up to 3 tokens here)
+        ids = idx[1:]
+        dropped = (ids < 0) | (ids >= E)
+        xb = x[1:].clone()
+        xb[2] = bad
+        out = moe.fused_experts(xb, gu, dn, ids, w[1:].masked_fill(dropped, bad), variant=variant,
+                                config=_with_decode(), check_indices=False)
+        want = moe.fused_experts(x[1:], gu, dn, ids, w[1:].masked_fill(dropped, 0.0), variant=variant,
+                                 check_indices=False)
+        torch.testing.assert_close(out, want)
+
+
 @pytest.mark.parametrize("T", [3, 300])  # one-program alignment (<= 512 pairs); the mapping kernels
 def test_int64_ids_past_the_int32_range_are_dropped(T):
     x, gu, dn, idx, w = make_inputs(T, 32, 16, 4, 2, seed=T)

@@ -265,6 +265,64 @@ def test_reduce_fused_writes_into_out_and_validates_it(variant):
         moe.reduce_fused(z, w[:, :2], inv)
 
 
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_reduce_fused_refuses_an_out_overlapping_its_inputs(monkeypatch, path):
+    """A program writes out[t] while others still read x / the weights / the positions: an `out`
+    sharing their memory gave wrong values (max error 1.4 with out = x). Refused on every path."""
+    if path == "torch":
+        monkeypatch.setattr(checks, "interpreting", lambda: False)
+    dev = "cpu" if path == "torch" else DEV
+    t, k, h = 12, 1, 16
+    idx = random_topk(t, k, 4, drop=0.0, device=dev)
+    p2e, _, _, inv, *_ = moe.get_fused_mapping(idx, 4, 0, 1)
+    assert p2e.numel() == t  # alignment 1, one slot each: x has T rows, the shape of out
+    x = torch.randn(t, h, device=dev)
+    buf = torch.randn(3 * t * h, device=dev)
+    w_in_buf = buf[5 : 5 + t * k].view(t, k)
+    pos_buf = torch.zeros(t * h, dtype=torch.int32, device=dev)
+    pos_buf[: t * k] = inv.view(-1)
+    cases = [
+        ("x", x, torch.rand(t, k, device=dev), inv, x),  # the very tensor
+        ("x", buf[: t * h].view(t, h), None, inv, buf[h * 3 : h * 3 + t * h].view(t, h)),  # partly
+        ("topk_weights", x, w_in_buf, inv, buf[: t * h].view(t, h)),
+        ("token_topk_to_pos", x, None, pos_buf[: t * k].view(t, k), pos_buf.view(torch.float32).view(t, h)),
+    ]
+    for name, xs, w, pos, out in cases:
+        with pytest.raises(ValueError, match=rf"reduce_fused: `out` overlaps `{name}`'s memory"):
+            moe.reduce_fused(xs, w, pos, out=out)
+    # memory next to x's (one row past its end) is fine
+    buf2 = torch.randn(2 * t * h, device=dev)
+    x2, out2 = buf2[: t * h].view(t, h), buf2[t * h :].view(t, h)
+    w = torch.rand(t, k, device=dev)
+    assert moe.reduce_fused(x2, w, inv, out=out2) is out2
+    torch.testing.assert_close(out2, ref.reduce_fused_ref(x2, w, inv))
+
+
+@pytest.mark.parametrize("path", ["triton", "torch"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_reduce_fused_ignores_the_weight_of_a_dropped_slot(monkeypatch, path, bad):
+    """A slot with position -1 contributes nothing, whatever its weight: a NaN/inf weight there
+    made the Triton path return a row of NaN (0 * NaN); the reference and fused_experts skip it.
+    The reference's gradients stay finite too (where() alone passed 0 * NaN back to x)."""
+    if path == "torch":
+        monkeypatch.setattr(checks, "interpreting", lambda: False)
+    dev = "cpu" if path == "torch" else DEV
+    idx = random_topk(16, 3, 6, drop=0.0, device=dev)
+    idx[2, 1] = idx[7, 0] = idx[7, 2] = -1
+    p2e, _, _, inv, *_ = moe.get_fused_mapping(idx, 6, 0, 4)
+    x = torch.randn(p2e.numel(), 40, device=dev)
+    w = torch.rand(16, 3, device=dev)
+    clean = ref.reduce_fused_ref(x, torch.where(inv >= 0, w, 0.0), inv)
+    w[2, 1] = w[7, 0] = w[7, 2] = bad
+    got = moe.reduce_fused(x, w, inv)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, clean)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    moe.reduce_fused(xg, wg, inv).sum().backward()
+    assert xg.grad.isfinite().all() and wg.grad.isfinite().all()
+    assert (wg.grad[inv < 0] == 0).all()
+
+
 def _bad_positions(bad: str):
     idx = random_topk(12, 3, 5, drop=0.0, device=DEV)
     p2e, _, _, inv, *_ = moe.get_fused_mapping(idx, 5, 0, 4)
@@ -434,6 +492,26 @@ def test_inplace_unique_leaves_ids_below_minus_one_alone_and_refuses_shared_memo
     shared = torch.tensor([[1, 2, 1]], device=DEV).expand(4, 3)
     with pytest.raises(ValueError, match="`group_indices` is modified in place"):
         moe.inplace_unique_group_indices(shared, 4)
+
+
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_inplace_unique_refuses_rows_that_overlap_each_other(monkeypatch, path):
+    """Rows sharing elements (as_strided with strides (1, 1): row t, column j is element t + j) have
+    no defined in-place result (the kernel turned first occurrences into -1); refused. Layouts that
+    interleave without sharing (strides (1, T), a transpose) stay fine."""
+    if path == "torch":
+        monkeypatch.setattr(checks, "interpreting", lambda: False)
+    dev = "cpu" if path == "torch" else DEV
+    buf = torch.tensor([1, 2, 1, 2, 3, 1, 3, 3, 2, 1, 0, 2, 3], device=dev)
+    with pytest.raises(ValueError, match="`group_indices` is modified in place"):
+        moe.inplace_unique_group_indices(buf.as_strided((8, 4), (1, 1)), 4)
+    with pytest.raises(ValueError, match="`group_indices` is modified in place"):
+        moe.inplace_unique_group_indices(buf.as_strided((4, 3), (2, 3)), 4)  # (3, 0) and (0, 2): both 6
+    g = buf[:8].as_strided((4, 2), (1, 4))  # the transpose of a [2, 4] block: disjoint elements
+    want = g.clone()
+    ref.inplace_unique_group_indices_ref(want, 4)
+    moe.inplace_unique_group_indices(g, 4)
+    assert torch.equal(g, want)
 
 
 def test_expand_with_no_tokens_but_padding_rows_writes_zeros(variant):

@@ -291,6 +291,62 @@ def test_out_is_written_in_place_everywhere(impl):
     assert torch.equal(out, ops.swiglu(gate, up, impl=impl))
 
 
+def _overlapping_outs():
+    """(call, the argument `out` overlaps) for outs sharing part of an input's memory."""
+    buf = _rand((2 * 64 * 256 + 64,), torch.float32)
+    gate, up = buf[: 64 * 256].view(64, 256), buf[64 * 256 : 2 * 64 * 256].view(64, 256)
+    shifted = buf[100 : 100 + 64 * 256].view(64, 256)  # over gate's tail and up's head
+    square = _rand((64, 64), torch.float32)
+    x = _rand((64, 512), torch.float32)
+    row = buf[:256].view(1, 256)  # shares one element (255) with the out below
+    return [
+        (lambda impl: ops.swiglu(gate, up, out=shifted, impl=impl), "gate"),
+        (lambda impl: ops.swiglu(gate.clone(), up, out=buf[64 * 256 + 50 : 2 * 64 * 256 + 50].view(64, 256),
+                                 impl=impl), "up"),
+        # gate's very memory, read column-wise: the same bytes, other strides
+        (lambda impl: ops.swiglu(square.t(), square.t().clone(), out=square, impl=impl), "gate"),
+        (lambda impl: ops.swiglu(row.clone(), row, out=buf[255:511].view(1, 256), impl=impl), "up"),
+        (lambda impl: ops.swiglu_packed(x, out=x.view(-1)[: 64 * 256].view(64, 256), impl=impl), "x"),
+        (lambda impl: ops.swiglu_packed(x, out=x.view(-1)[-64 * 256 :].view(64, 256), impl=impl), "x"),
+    ]
+
+
+@pytest.mark.parametrize("impl", IMPLS + ["reference"])
+def test_out_overlapping_an_input_is_refused(impl):
+    """An `out` sharing part of an input's memory is read after other programs wrote it (max error
+    ~5 on the Triton variants): refused on every path, whatever `impl`, as torch's out= ops do."""
+    for call, name in _overlapping_outs():
+        with pytest.raises(ValueError, match=rf"swiglu(_packed)?: `out` overlaps `{name}`'s memory"):
+            call(impl)
+
+
+def test_overlapping_out_under_torch_compile_is_computed_then_copied():
+    """Compiled code has no addresses to compare; it computes the result, then copies it into `out`,
+    so an overlapping `out` still gets the right values there."""
+    def packed(x):
+        return ops.swiglu_packed(x, out=x.view(-1)[: 8 * 64].view(8, 64), impl="sm80")
+
+    x = _rand((8, 128), torch.float32)
+    want = _reference(*x.chunk(2, dim=-1))
+    got = torch.compile(packed, backend="aot_eager", fullgraph=True)(x)
+    _close(got, want, torch.float32)
+    _close(x.view(-1)[: 8 * 64].view(8, 64), want, torch.float32)
+
+
+@pytest.mark.parametrize("impl", IMPLS + ["reference"])
+def test_out_that_is_an_input_computes_in_place(impl):
+    """`out` that is gate or up itself (same memory, same strides) is fine for an elementwise kernel:
+    every element is read by the program that writes it, before it writes it. Torch allows it too."""
+    for which in ("gate", "up", "both"):
+        gate, up = (_rand((3, 5, 96), torch.bfloat16) for _ in range(2))
+        if which == "both":
+            up = gate
+        want = ops.swiglu(gate, up, impl=impl)
+        out = up if which == "up" else gate.view(15, 96).view(3, 5, 96)  # a view of the same memory
+        assert ops.swiglu(gate, up, out=out, impl=impl) is out
+        assert torch.equal(out, want)
+
+
 @pytest.mark.parametrize("impl", IMPLS + ["reference"])
 def test_empty_inputs(impl):
     for shape in [(0, 64), (4, 0), (2, 0, 8)]:

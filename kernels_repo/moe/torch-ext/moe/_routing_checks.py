@@ -6,6 +6,7 @@ config, the SM count sizes persistent grids, and `set_num_sms` overrides one ind
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 
@@ -121,11 +122,55 @@ def needs_grad(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def _shares_elements(t: Tensor) -> bool:
+    """Whether two indices of a 1-D or 2-D tensor address one element (exact).
+
+    2-D: (i, j) and (i + di, j + dj) meet iff di * a + dj * b = 0 with |di| < rows, |dj| < columns;
+    the smallest such step is di = b / gcd, dj = a / gcd (strides a, b > 0).
+    """
+    sizes, strides = tuple(t.shape), t.stride()
+    if t.numel() == 0:
+        return False
+    if any(st == 0 and n > 1 for n, st in zip(sizes, strides, strict=True)):
+        return True
+    if len(sizes) != 2 or min(sizes) <= 1:
+        return False
+    (rows, cols), (a, b) = sizes, strides
+    g = math.gcd(a, b)
+    return b // g < rows and a // g < cols
+
+
 def check_no_self_overlap(fn: str, name: str, t: Tensor) -> None:
-    """An in-place argument whose elements share memory (a stride-0 view) has no defined result."""
-    if any(st == 0 and n > 1 for n, st in zip(t.shape, t.stride(), strict=True)):
+    """An in-place argument whose elements share memory (an expanded or as_strided view whose rows
+    overlap) has no defined result."""
+    if _shares_elements(t):
         raise ValueError(f"{fn}: `{name}` is modified in place, so its elements must not share memory; got "
-                         f"shape {tuple(t.shape)} with strides {t.stride()} (an expanded view?)")
+                         f"shape {tuple(t.shape)} with strides {t.stride()} (an expanded or as_strided view?)")
+
+
+def _span(t: Tensor) -> tuple[int, int]:
+    """[first, one past the last) byte address of a non-empty tensor's elements (torch strides are
+    never negative)."""
+    start = t.data_ptr()
+    if t.is_contiguous():  # the usual case, without the Python loop below
+        return start, start + t.nbytes
+    last = sum([(n - 1) * st for n, st in zip(t.shape, t.stride())])
+    return start, start + (last + 1) * t.element_size()
+
+
+def check_no_overlap(fn: str, out: Tensor, **inputs: Tensor | None) -> None:
+    """A written `out` shares no memory with what the launch reads: one program's store would
+    change what another still has to read. Byte ranges that intersect are refused (conservative
+    where a strided input's gaps would hold `out`), whatever the dtypes."""
+    if out.numel() == 0:
+        return
+    lo, hi = _span(out)
+    for name, t in inputs.items():
+        if t is None or t.numel() == 0:
+            continue
+        start, end = _span(t)
+        if start < hi and lo < end:
+            raise ValueError(f"{fn}: `out` overlaps `{name}`'s memory; pass a separate tensor")
 
 
 def row_major(t: Tensor) -> Tensor:

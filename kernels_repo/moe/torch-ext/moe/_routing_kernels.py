@@ -224,7 +224,7 @@ def _reduce_kernel(
     num_pos, hidden, stride_xp, stride_wt, stride_wk, stride_mt, stride_ot,
     K: tl.constexpr, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """out[t] = sum_k w[t, k] * x[pos[t, k]], accumulated in fp32 in k order.
+    """out[t] = sum_k w[t, k] * x[pos[t, k]] over pos >= 0, accumulated in fp32 in k order.
     A position outside [-1, P) is not read and clears *valid_ptr (the caller asserts on it)."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -236,7 +236,8 @@ def _reduce_kernel(
         tl.store(valid_ptr, 0, mask=(pos < -1) | (pos >= num_pos))
         v = tl.load(x_ptr + pos * stride_xp + cols, mask=cmask & ok, other=0.0).to(tl.float32)
         if HAS_W:
-            w = tl.load(w_ptr + t * stride_wt + k * stride_wk).to(tl.float32)
+            # a dropped slot's weight is never read: a NaN/inf there would make 0 * w a NaN
+            w = tl.load(w_ptr + t * stride_wt + k * stride_wk, mask=ok, other=0.0).to(tl.float32)
             v = v * w
         acc += v
     tl.store(out_ptr + t * stride_ot + cols, _to(acc, out_ptr.dtype.element_ty, _INTERPRETER_RNE), mask=cmask)

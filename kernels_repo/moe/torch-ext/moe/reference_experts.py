@@ -39,6 +39,7 @@ def fused_experts_reference(
         y = y * topk_weights[token, slot].to(compute)[:, None]
         out = out.index_add(0, token, y)
     if not routed:  # no pair routed: zeros that still reach every input (zero gradients, as the kernels give)
-        link = x.sum() + gate_up_proj.reshape(-1)[:1].sum() + down_proj.reshape(-1)[:1].sum() + topk_weights.sum()
-        out = out + 0 * link.to(compute)
+        # sums of empty slices: exactly 0 whatever the inputs hold (0 * a sum is NaN beside an inf)
+        link = x[:0].sum() + gate_up_proj[:0].sum() + down_proj[:0].sum() + topk_weights[:0].sum()
+        out = out + link.to(compute)
     return out.to(x.dtype)

@@ -122,16 +122,22 @@ def expand_to_fused_ref(x: Tensor, token_topk_to_pos: Tensor, num_pos: int) -> T
 
 def reduce_fused_ref(x: Tensor, topk_weights: Tensor | None, token_topk_to_pos: Tensor,
                      acc_dtype: torch.dtype = torch.float32) -> Tensor:
-    """sum_k w[t, k] * x[pos[t, k]] in `acc_dtype` (k order), rows with pos -1 skipped."""
+    """sum_k w[t, k] * x[pos[t, k]] in `acc_dtype` (k order), slots with pos -1 skipped.
+
+    A skipped slot's weight and the row it would read are selected away, never multiplied by 0: a
+    NaN/inf weight there changes neither the result nor, through autograd, any gradient.
+    """
     t, k = token_topk_to_pos.shape
     acc = torch.zeros((t, x.shape[1]), dtype=acc_dtype, device=x.device)
     if x.shape[0] == 0:  # every position -1 (checked by the caller): nothing to gather
         return acc
+    zero = torch.zeros((), dtype=acc_dtype, device=x.device)
     for j in range(k):
         pos = token_topk_to_pos[:, j].long()
         valid = pos >= 0
         rows = x[pos.clamp(min=0)].to(acc_dtype)
         if topk_weights is not None:
-            rows = rows * topk_weights[:, j].to(acc_dtype).unsqueeze(1)
-        acc += torch.where(valid.unsqueeze(1), rows, torch.zeros((), dtype=acc_dtype, device=x.device))
+            # (where() alone would still send 0 * w back to the gathered row of x)
+            rows = rows * torch.where(valid, topk_weights[:, j].to(acc_dtype), zero).unsqueeze(1)
+        acc += torch.where(valid.unsqueeze(1), rows, zero)
     return acc

@@ -480,12 +480,15 @@ def reduce_fused(x: Tensor, topk_weights: Tensor | None, token_topk_to_pos: Tens
 
     Args:
         x: [P, H] fp16/bf16/fp32 expert outputs; rows may be strided.
-        topk_weights: [T, K] float weights, or None for a plain sum. Where `x` or these require
-            grad (and grad mode is on) the torch reference runs, so the result carries the gradient.
+        topk_weights: [T, K] float weights, or None for a plain sum. The weight of a slot with
+            position -1 is never used (a NaN or inf there changes nothing). Where `x` or these
+            require grad (and grad mode is on) the torch reference runs, so the result carries the
+            gradient.
         token_topk_to_pos: [T, K] int32/int64 from get_fused_mapping: positions in [0, P), or -1
             (others raise as in `expand_to_fused`).
         out: optional [T, H] contiguous, dtype x.dtype or float32, on x's device; written in
-            place and returned (never reallocated).
+            place and returned (never reallocated). It shares no memory with the other arguments
+            (ValueError on every path: programs would overwrite rows others still read).
     """
     fn = "reduce_fused"
     _c.check_tensor(fn, "x", x, ndim=2, dtypes=_c._FLOAT_DTYPES)
@@ -506,6 +509,7 @@ def reduce_fused(x: Tensor, topk_weights: Tensor | None, token_topk_to_pos: Tens
             raise ValueError(f"{fn}: `out` must have shape {(t, h)}, got {tuple(out.shape)}")
         if not out.is_contiguous():
             raise ValueError(f"{fn}: `out` must be contiguous, got strides {out.stride()}")
+        _c.check_no_overlap(fn, out, x=x, topk_weights=topk_weights, token_topk_to_pos=token_topk_to_pos)
     if not _c.use_triton(x) or _c.needs_grad(x, topk_weights):
         _check_positions(fn, token_topk_to_pos, num_pos, "the rows of `x`")
         res = _ref.reduce_fused_ref(x, topk_weights, token_topk_to_pos)

@@ -126,10 +126,51 @@ def _functorch(fn: str, impl: str | None) -> bool:
     return True
 
 
+def _addressable() -> bool:
+    """Tensors have addresses to compare: not while torch.compile traces (fake tensors) or under a
+    torch.func transform (batched tensors). Both paths compute the result first and copy it into
+    `out`, which is right whatever memory `out` shares."""
+    return not (torch.compiler.is_compiling() or _functorch_active())
+
+
 def _impl_arg(fn: str, impl: str | None) -> str:
     if impl is not None and impl not in IMPLS:
         raise ValueError(f"{fn}: `impl` must be one of {IMPLS} or None, got {impl!r}")
     return "auto" if impl is None else impl
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, one past the last) byte address of a non-empty tensor's elements (torch strides are
+    never negative)."""
+    start = t.data_ptr()
+    if t.is_contiguous():  # the usual case, without the Python loop below
+        return start, start + t.nbytes
+    last = sum([(n - 1) * st for n, st in zip(t.shape, t.stride())])
+    return start, start + (last + 1) * t.element_size()
+
+
+def _check_no_overlap(fn: str, out: torch.Tensor, inputs: tuple[tuple[str, torch.Tensor], ...],
+                      same_ok: bool) -> None:
+    """`out` shares no memory with the inputs, or (`same_ok`) is one of them exactly.
+
+    The kernels read an input element in the program that writes the same element of `out`, and
+    only there, so `out` that *is* an input (same address, shape and strides; `out` is contiguous)
+    is computed in place; any other sharing lets one program overwrite what another still has to
+    read. Conservative: byte ranges that intersect are refused even where a strided input's gaps
+    would hold `out`. Only calls given `out` pay for it (a couple of us).
+    """
+    if out.is_meta or not out.numel():  # (meta tensors have no memory)
+        return
+    lo, hi = _span(out)
+    for name, t in inputs:
+        if not t.numel():
+            continue
+        start, end = _span(t)
+        if start < hi and lo < end:
+            if same_ok and start == lo and end == hi and t.is_contiguous():
+                continue  # the very memory of `out`, element for element
+            exact = " (it may be that very tensor, with its strides)" if same_ok else ""
+            raise ValueError(f"{fn}: `out` overlaps `{name}`'s memory; pass a separate tensor{exact}")
 
 
 def _check_out(fn: str, out: object, shape: tuple, like: torch.Tensor, needs_grad: bool) -> None:
@@ -156,7 +197,8 @@ def swiglu(
         gate: [..., I], float16/bfloat16/float32, any strides (a `chunk` view works, no copy).
         up: same shape, dtype and device as `gate`.
         out: optional preallocated result: contiguous, gate's shape, dtype and device; written in
-            place and returned (not differentiable). Validated, never moved or reallocated.
+            place and returned (not differentiable). Validated, never moved or reallocated. It may
+            be `gate` or `up` itself (computed in place) but share no other memory with them.
         impl: None picks by the capability of `gate`'s device (>= 90: "sm90", else "sm80"; under a
             torch.func transform the torch reference); "sm90"/"sm80" force a Triton variant (CUDA,
             or CPU under TRITON_INTERPRET=1), "reference" the torch reference.
@@ -167,11 +209,15 @@ def swiglu(
     Raises:
         TypeError: not tensors, unsupported dtype, or dtypes differ.
         ValueError: devices or shapes differ, 0-d input, unknown `impl` (or a Triton one under a
-            torch.func transform), unusable `out`.
+            torch.func transform), unusable `out` (including one whose memory overlaps an input's
+            without being that input; checked in eager calls, while torch.compile and torch.func
+            compute the result first and copy it, right whatever `out` shares).
     """
     _check_pair("swiglu", gate, up)
     if out is not None:
         _check_out("swiglu", out, gate.shape, gate, gate.requires_grad or up.requires_grad)
+        if _addressable():
+            _check_no_overlap("swiglu", out, (("gate", gate), ("up", up)), same_ok=True)
     # (under a torch.func transform, compiled or not, the reference runs: see `_functorch`)
     if torch.compiler.is_compiling() and impl != "reference" and not _functorch_active():
         y = _swiglu_op(gate, up, _impl_arg("swiglu", impl))
@@ -195,7 +241,7 @@ def swiglu_packed(
 
     Args:
         x: [..., 2I], float16/bfloat16/float32, any strides.
-        out: optional preallocated [..., I] result, as for `swiglu`.
+        out: optional preallocated [..., I] result, as for `swiglu`; it shares no memory with `x`.
         impl: as for `swiglu`.
 
     Returns:
@@ -204,6 +250,8 @@ def swiglu_packed(
     _check_packed(x)
     if out is not None:
         _check_out("swiglu_packed", out, (*x.shape[:-1], x.shape[-1] // 2), x, x.requires_grad)
+        if _addressable():
+            _check_no_overlap("swiglu_packed", out, (("x", x),), same_ok=False)
     if torch.compiler.is_compiling() and impl != "reference" and not _functorch_active():
         y = _swiglu_packed_op(x, _impl_arg("swiglu_packed", impl))
         return y if out is None else out.copy_(y)
