@@ -83,7 +83,8 @@ def read_manifest(repo: Path) -> KernelManifest:
 
 def _defined_names(source: str) -> set[str] | None:
     """Module-level names a module defines or imports (classes, assignments, imports; also inside
-    `if` / `try` / `with` blocks), or None where they cannot be read statically (`import *`)."""
+    `if` / `try` / `with` blocks), or None where they cannot be read statically (`import *`,
+    `globals()`)."""
     names: set[str] = set()
 
     def targets(t: ast.expr) -> None:
@@ -116,7 +117,13 @@ def _defined_names(source: str) -> set[str] | None:
                         return False
         return True
 
-    return names if visit(ast.parse(source).body) else None
+    tree = ast.parse(source)
+    # a module that defines names through globals() (swiglu generates its layer classes from
+    # kernel.toml) cannot be read statically either: `--import` checks its layers
+    if any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "globals"
+           for n in ast.walk(tree)):
+        return None
+    return names if visit(tree.body) else None
 
 
 def _symlinks(repo: Path) -> list[str]:
