@@ -80,14 +80,14 @@ class DispatchTable:
         for c in self.classes:
             if c.layer == layer and c.variant == variant:
                 return c.name
-        raise ValueError(f"{_FN}: {self.path} declares no class of layer {layer!r} for variant {variant!r}")
+        raise ValueError(f"{_FN}: {self.path}: no [layers.<class>] of layer {layer!r} for variant {variant!r}")
 
     def variant_of(self, class_name: str) -> str | None:
         """The variant a class runs (None: the generic layer, which chooses per device)."""
         for c in self.classes:
             if c.name == class_name:
                 return c.variant
-        raise ValueError(f"{_FN}: {self.path} declares no layer class {class_name!r}")
+        raise ValueError(f"{_FN}: {self.path}: no [layers.{class_name}]")
 
 
 def _bad(path: Path, key: str, want: str, got: object) -> ValueError:
