@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -281,3 +282,12 @@ def test_check_accepts_layers_generated_through_globals_and_still_imports_them(t
     capsys.readouterr()
     assert main(["check", str(repo), "--import"]) == 2  # ... and the import finds what is missing
     assert "layers.TinyScaleDouble is not an nn.Module subclass" in capsys.readouterr().err
+
+
+def test_check_reports_a_bad_dispatch_table(tmp_path, capsys):
+    repo = _copy_kernels(tmp_path / "kernels_repo") / "moe"
+    toml = repo / "kernel.toml"
+    toml.write_text(toml.read_text().replace("capability = [90, 99]", "capability = [85, 99]"))
+    assert main(["check", str(repo)]) == 2
+    assert re.search(r"error: read_dispatch_table: .*kernel.toml: `dispatch.cuda` ranges \[80, 89\] and "
+                     r"\[85, 99\] overlap", capsys.readouterr().err)

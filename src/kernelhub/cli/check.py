@@ -1,7 +1,8 @@
 """`kernelhub check DIR`: validate a kernel repository's layout before it is published.
 
 Checked: `kernel.toml` (top level or `[general]`) has `name` (identifier), `version` (int >= 1) and
-`layers` (a non-empty list, or a `[layers]` table keyed by layer name);
+`layers` (a non-empty list, or a `[layers]` table keyed by layer name), and its `[dispatch]` and
+`[layers.<class>]` declarations are consistent (kernelhub.dispatch_table);
 `build/` has at least one variant, each a valid variant name holding `<name>/__init__.py`, a
 `metadata.json` (JSON, in the variant or the package directory) and a `layers` module that defines
 every layer named in kernel.toml (read statically; `--import` also imports the package and checks
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kernelhub.cli._common import add_subcommand
+from kernelhub.dispatch_table import read_dispatch_table
 from kernelhub.variants import Variant
 
 try:
@@ -205,6 +207,11 @@ def check_kernel_dir(repo: str | Path, *, do_import: bool = False) -> tuple[Kern
         return KernelManifest("", 0, []), [f"{repo}: not a directory"]
     manifest = read_manifest(repo)
     problems = list(manifest.problems) + _symlinks(repo)
+    if not manifest.problems:  # the variants and capability ranges kernel.toml declares
+        try:
+            read_dispatch_table(repo)
+        except ValueError as e:
+            problems.append(str(e))
     build = repo / "build"
     variants = sorted(p for p in build.iterdir() if p.is_dir()) if build.is_dir() else []
     if not variants:
