@@ -38,16 +38,32 @@ def _table() -> dict:
     return data
 
 
+_chosen: dict[int | None, str] = {}
+
+
 def auto_variant(capability: int | None) -> str:
-    """The variant the automatic choice runs on a CUDA GPU of `capability` (None: on the CPU)."""
+    """The variant the automatic choice runs on a CUDA GPU of `capability` (None: on the CPU).
+
+    Remembered per capability: an eager call pays one dict lookup, not a walk of the ranges."""
+    hit = _chosen.get(capability)
+    if hit is None:
+        hit = _chosen[capability] = _lookup(capability)
+    return hit
+
+
+def _lookup(capability: int | None) -> str:
     dispatch = _table()["dispatch"]
-    if capability is None:
-        return dispatch["cpu"]
-    for entry in dispatch.get("cuda", ()):
-        low, high = entry["capability"]
-        if low <= capability <= high:
-            return entry["variant"]
-    return dispatch["other_cuda"]
+    key = "cpu"
+    if capability is not None:
+        for entry in dispatch.get("cuda", ()):
+            low, high = entry["capability"]
+            if low <= capability <= high:
+                return entry["variant"]
+        key = "other_cuda"
+    if not isinstance(dispatch.get(key), str):
+        where = "the CPU" if capability is None else f"capability {capability}"
+        raise ValueError(f"{kernel_toml()}: [dispatch] needs `{key}` (the variant for {where})")
+    return dispatch[key]
 
 
 def declared_layers() -> list[tuple[str, dict]]:
