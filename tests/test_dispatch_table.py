@@ -165,12 +165,18 @@ def test_generated_swiglu_layers_are_module_level_classes_that_pass_layer_valida
             assert layer_problem(cls, host, Mode.TRAINING | Mode.TORCH_COMPILE) is None
 
 
-def test_kernel_toml_declares_the_attributes_of_moe_layers():
-    table = read_dispatch_table(bundled_kernels_dir() / "moe")
-    layers = get_local_kernel(bundled_kernels_dir() / "moe").layers
+def test_moe_layers_take_their_attributes_from_kernel_toml(tmp_path):
+    root = _copy_kernels(tmp_path / "kernels_repo")
+    toml = root / "moe" / "kernel.toml"
+    text = toml.read_text()
+    at = text.index("[layers.MoEExpertsSm90]")
+    toml.write_text(text[:at] + text[at:].replace("can_torch_compile = true", "can_torch_compile = false", 1))
+    table = read_dispatch_table(root / "moe")
+    layers = get_local_kernel(root / "moe").layers
     for c in table.classes:
         cls = getattr(layers, c.name)
         assert (cls.has_backward, cls.can_torch_compile) == (c.has_backward, c.can_torch_compile), c.name
+    assert layers.MoEExpertsSm90.can_torch_compile is False and layers.MoEExperts.can_torch_compile is True
 
 
 def test_each_kernel_reads_kernel_toml_with_the_same_reader():

@@ -16,6 +16,7 @@ import math
 import torch
 from torch import nn
 
+from ._variants import declared_layers
 from .experts import fused_experts
 
 _SILU_NAMES = ("silu", "swish")
@@ -140,10 +141,6 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
 class MoEExperts(nn.Module):
     """fused_experts for a transformers `*Experts` module; variant by the input device's capability."""
 
-    has_backward = True
-    # Under torch.compile `fused_experts` is one custom op (forward, and backward in training), so
-    # Dynamo traces no launch code and the graph does not break.
-    can_torch_compile = True
     # kernelize asks the layer whether it can serve a module before binding it ...
     unsupported_reason = staticmethod(unsupported_reason)
     # ... and, for a module it found by shape, whether the module is MoEExperts at all.
@@ -176,3 +173,15 @@ class MoEExpertsReference(MoEExperts):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         return _run(self, hidden_states, top_k_index, top_k_weights, "reference")
+
+
+def _declare_attributes() -> None:
+    """has_backward / can_torch_compile of each class, as kernel.toml's [layers.<class>] declares
+    them (true: under torch.compile `fused_experts` is one custom op, forward and backward, so
+    Dynamo traces no launch code and the graph does not break)."""
+    for name, spec in declared_layers():
+        cls = globals()[name]
+        cls.has_backward, cls.can_torch_compile = spec["has_backward"], spec["can_torch_compile"]
+
+
+_declare_attributes()
