@@ -50,6 +50,10 @@ _recognisers: dict[str, Callable[[nn.Module], str | None] | None] = {}
 _recognisers_lock = threading.Lock()
 
 
+def _refusal(why: str) -> Callable[[nn.Module], str]:
+    return lambda module: why
+
+
 def _recogniser(layer: str) -> Callable[[nn.Module], str | None] | None:
     """`mismatch_reason` of `layer`'s class in the bundled repository that declares it (loaded once)."""
     if layer not in _recognisers:
@@ -62,10 +66,7 @@ def _recogniser(layer: str) -> Callable[[nn.Module], str | None] | None:
             try:
                 check = getattr(LocalLayerRepository(home, layer_name=layer).load(), "mismatch_reason", None)
             except Exception as e:  # noqa: BLE001 - unable to tell: keep such modules as they are
-                why = f"could not ask {home} whether it is {layer}: {type(e).__name__}: {e}"
-
-                def check(module: nn.Module, why: str = why) -> str:
-                    return why
+                check = _refusal(f"could not ask {home} whether it is {layer}: {type(e).__name__}: {e}")
         with _recognisers_lock:
             _recognisers[layer] = check if callable(check) else None
     return _recognisers[layer]
