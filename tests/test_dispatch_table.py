@@ -297,3 +297,18 @@ def test_check_reports_a_bad_dispatch_table(tmp_path, capsys):
     assert main(["check", str(repo)]) == 2
     assert re.search(r"error: read_dispatch_table: .*kernel.toml: `dispatch.cuda` ranges \[80, 89\] and "
                      r"\[85, 99\] overlap", capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("name", ["swiglu", "moe"])
+def test_bundled_layers_pass_check_import_when_built(tmp_path, capsys, name):
+    """As `kernelhub build` lays a kernel out (the package and kernel.toml in build/torch-universal/,
+    no source tree): check --import finds every class kernel.toml declares, generated or written."""
+    repo = tmp_path / name
+    package = repo / "build" / "torch-universal" / name
+    shutil.copytree(bundled_kernels_dir() / name / "torch-ext" / name, package,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for where in (repo, package):
+        shutil.copy(bundled_kernels_dir() / name / "kernel.toml", where / "kernel.toml")
+    (package.parent / "metadata.json").write_text("{}")
+    assert main(["check", str(repo), "--import"]) == 0, capsys.readouterr().err
+    assert f"ok: {name} v1, layers " in capsys.readouterr().out
