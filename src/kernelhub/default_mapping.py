@@ -1,18 +1,25 @@
-"""The mapping kernelhub registers at import: the bundled kernel repositories, per capability."""
+"""The mapping kernelhub registers at import, built from the bundled kernel repositories' kernel.toml.
+
+Each repository under `kernels_repo/` declares in its kernel.toml which variant serves which
+capability (`[dispatch]`) and which layer class runs each variant (`[layers]`); this module turns
+those declarations into `{layer: {Device: LocalLayerRepository}}` and holds no capability of its own.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from kernelhub.device import CUDAProperties, Device
+from kernelhub.dispatch_table import read_dispatch_table
 from kernelhub.hub import LocalLayerRepository
 
-__all__ = ["bundled_kernels_dir", "default_kernel_mapping"]
-
-SM80_TO_SM89 = CUDAProperties(80, 89)  # Ampere, Ada
-SM90_AND_LATER = CUDAProperties(90, 129)
-SM90_ONLY = CUDAProperties(90, 99)
-SM100_AND_LATER = CUDAProperties(100, 129)
+__all__ = [
+    "bundled_kernels_dir",
+    "bundled_repositories",
+    "default_kernel_mapping",
+    "home_repository",
+    "kernel_mapping_from",
+]
 
 
 def bundled_kernels_dir() -> Path:
@@ -24,28 +31,48 @@ def bundled_kernels_dir() -> Path:
     raise FileNotFoundError(f"bundled kernels_repo not found next to {here}")
 
 
-def _variants(
-    repo: Path, layer: str, *, sm90_range: CUDAProperties, sm90_layer: str = "Sm90"
-) -> dict[Device, LocalLayerRepository]:
-    variants = {
-        Device("cuda", properties=sm90_range): LocalLayerRepository(repo, layer_name=f"{layer}{sm90_layer}"),
-        Device("cuda", properties=SM80_TO_SM89): LocalLayerRepository(repo, layer_name=f"{layer}Sm80"),
-        Device("cpu"): LocalLayerRepository(repo, layer_name=f"{layer}Reference"),
-    }
-    if sm90_range != SM90_AND_LATER:
-        variants[Device("cuda", properties=SM100_AND_LATER)] = LocalLayerRepository(repo, layer_name=f"{layer}Sm80")
-    return variants
+def bundled_repositories(root: Path | None = None) -> list[Path]:
+    """The kernel repositories under `root` (default `kernels_repo/`): every directory with a kernel.toml."""
+    root = bundled_kernels_dir() if root is None else Path(root)
+    return sorted(p for p in root.iterdir() if (p / "kernel.toml").is_file())
 
 
-def default_kernel_mapping() -> dict:
-    root = bundled_kernels_dir()
-    return {
-        # SwiGLU on sm90+: the sm80 (one tile per program) kernels, measured faster on an H200 than
-        # the persistent sm90 ones (0.97-0.98 vs 0.88-0.89 of copy bandwidth, docs/performance.md);
-        # pin layer SwiGLUMLPSm90 in config to use those.
-        "SwiGLUMLP": _variants(root / "swiglu", "SwiGLUMLP", sm90_range=SM90_AND_LATER, sm90_layer="Sm80"),
-        "SiluAndMul": _variants(root / "swiglu", "SiluAndMul", sm90_range=SM90_AND_LATER, sm90_layer="Sm80"),
-        # The sm90 grouped GEMM's TMA tiles are sized for Hopper's shared memory and untested on
-        # Blackwell, so sm100+ gets the pointer-load kernels until they are measured there.
-        "MoEExperts": _variants(root / "moe", "MoEExperts", sm90_range=SM90_ONLY),
-    }
+def kernel_mapping_from(repo: str | Path) -> dict[str, dict[Device, LocalLayerRepository]]:
+    """`{layer: {Device: LocalLayerRepository}}` for one kernel repository, as its kernel.toml declares.
+
+    A CUDA range maps to the class of its variant; a capability in no range gets no entry (kernelize
+    keeps the module's own forward there, and says so).
+    """
+    repo = Path(repo)
+    table = read_dispatch_table(repo)
+    mapping: dict[str, dict[Device, LocalLayerRepository]] = {}
+    for layer in table.layers:
+        entries: dict[Device, LocalLayerRepository] = {}
+        for r in table.cuda:
+            device = Device("cuda", properties=CUDAProperties(r.min_capability, r.max_capability))
+            entries[device] = LocalLayerRepository(repo, layer_name=table.class_for(layer, r.variant))
+        if table.cpu is not None:
+            entries[Device("cpu")] = LocalLayerRepository(repo, layer_name=table.class_for(layer, table.cpu))
+        if entries:
+            mapping[layer] = entries
+    return mapping
+
+
+def default_kernel_mapping(root: Path | None = None) -> dict[str, dict[Device, LocalLayerRepository]]:
+    """The mapping of every bundled kernel repository (or of those under `root`)."""
+    mapping: dict[str, dict[Device, LocalLayerRepository]] = {}
+    for repo in bundled_repositories(root):
+        for layer, entries in kernel_mapping_from(repo).items():
+            if layer in mapping:
+                raise ValueError(f"default_kernel_mapping: layer {layer!r} is declared by two kernel "
+                                 f"repositories ({repo} and {next(iter(mapping[layer].values())).path})")
+            mapping[layer] = entries
+    return mapping
+
+
+def home_repository(layer: str, root: Path | None = None) -> Path | None:
+    """The bundled kernel repository that declares `layer` (it also says which modules really are one)."""
+    for repo in bundled_repositories(root):
+        if layer in read_dispatch_table(repo).layers:
+            return repo
+    return None

@@ -1,7 +1,8 @@
 """`kernelhub check DIR`: validate a kernel repository's layout before it is published.
 
 Checked: `kernel.toml` (top level or `[general]`) has `name` (identifier), `version` (int >= 1) and
-`layers` (a non-empty list, or a `[layers]` table keyed by layer name);
+`layers` (a non-empty list, or a `[layers]` table keyed by layer name), and its `[dispatch]` and
+`[layers.<class>]` declarations are consistent (kernelhub.dispatch_table);
 `build/` has at least one variant, each a valid variant name holding `<name>/__init__.py`, a
 `metadata.json` (JSON, in the variant or the package directory) and a `layers` module that defines
 every layer named in kernel.toml (read statically; `--import` also imports the package and checks
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kernelhub.cli._common import add_subcommand
+from kernelhub.dispatch_table import read_dispatch_table
 from kernelhub.variants import Variant
 
 try:
@@ -83,7 +85,8 @@ def read_manifest(repo: Path) -> KernelManifest:
 
 def _defined_names(source: str) -> set[str] | None:
     """Module-level names a module defines or imports (classes, assignments, imports; also inside
-    `if` / `try` / `with` blocks), or None where they cannot be read statically (`import *`)."""
+    `if` / `try` / `with` blocks), or None where they cannot be read statically (`import *`,
+    `globals()`)."""
     names: set[str] = set()
 
     def targets(t: ast.expr) -> None:
@@ -116,7 +119,13 @@ def _defined_names(source: str) -> set[str] | None:
                         return False
         return True
 
-    return names if visit(ast.parse(source).body) else None
+    tree = ast.parse(source)
+    # a module that defines names through globals() (swiglu generates its layer classes from
+    # kernel.toml) cannot be read statically either: `--import` checks its layers
+    if any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "globals"
+           for n in ast.walk(tree)):
+        return None
+    return names if visit(tree.body) else None
 
 
 def _symlinks(repo: Path) -> list[str]:
@@ -198,6 +207,11 @@ def check_kernel_dir(repo: str | Path, *, do_import: bool = False) -> tuple[Kern
         return KernelManifest("", 0, []), [f"{repo}: not a directory"]
     manifest = read_manifest(repo)
     problems = list(manifest.problems) + _symlinks(repo)
+    if not manifest.problems:  # the variants and capability ranges kernel.toml declares
+        try:
+            read_dispatch_table(repo)
+        except ValueError as e:
+            problems.append(str(e))
     build = repo / "build"
     variants = sorted(p for p in build.iterdir() if p.is_dir()) if build.is_dir() else []
     if not variants:

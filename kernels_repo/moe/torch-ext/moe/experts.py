@@ -34,6 +34,7 @@ from ._experts_sm80 import (
     _grouped_wgrad_kernel,
     _pair_tiles_kernel,
 )
+from ._variants import auto_variant
 from .reference_experts import fused_experts_reference
 
 __all__ = ["fused_experts", "select_variant", "VARIANTS"]
@@ -61,13 +62,8 @@ def _interpreting() -> bool:
 
 
 def select_variant(device: torch.device) -> str:
-    """sm90 for capability 9.x, sm80 for other GPUs >= 8.0, the torch reference otherwise."""
-    if device.type != "cuda":
-        return "reference"
-    cap = device_capability(device)
-    if 90 <= cap < 100:
-        return "sm90"
-    return "sm80" if cap >= 80 else "reference"
+    """The variant for `device`'s capability as kernel.toml's [dispatch] declares (CPU: the reference)."""
+    return auto_variant(device_capability(device) if device.type == "cuda" else None)
 
 
 def _validate(x, gate_up_proj, down_proj, topk_idx, topk_weights, check_indices: bool) -> None:

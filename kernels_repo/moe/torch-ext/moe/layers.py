@@ -10,11 +10,13 @@ says so, and kernelize should keep its forward.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
 from torch import nn
 
+from ._variants import declared_layers
 from .experts import fused_experts
 
 _SILU_NAMES = ("silu", "swish")
@@ -54,6 +56,24 @@ def unsupported_reason(module: nn.Module) -> str | None:
         # (LongcatFlashExperts: gate_up_proj also covers "zero-compute" identity experts, ids >= E)
         return f"{name}: weight shapes {tuple(gu.shape)}, {tuple(dn.shape)} are not [E, 2I, H], [E, H, I]"
     return None
+
+
+def mismatch_reason(module: nn.Module) -> str | None:
+    """Why a module kernelhub found by its shape (an `*Experts` class with stacked 3-D weights) is not
+    MoEExperts, or None: its forward must take the routing as transformers v5 `*Experts` do,
+    (hidden_states, top_k_index, top_k_weights). Llama4TextExperts takes hidden states already sorted
+    per expert and no routing; binding MoEExperts there would misread its inputs whatever the weights."""
+    cls = type(module)
+    try:
+        every = list(inspect.signature(cls.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None  # no signature to read (a C extension): the layer's own checks decide
+    params = [p for p in every if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
+    if len(params) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in every):
+        return None
+    names = ", ".join(p.name for p in params)
+    return (f"{cls.__name__}.forward({names}) takes no routing; MoEExperts replaces "
+            "forward(hidden_states, top_k_index, top_k_weights)")
 
 
 # `unsupported_reason` reads ~15 attributes, most of them absent (an AttributeError each through
@@ -121,12 +141,10 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
 class MoEExperts(nn.Module):
     """fused_experts for a transformers `*Experts` module; variant by the input device's capability."""
 
-    has_backward = True
-    # Under torch.compile `fused_experts` is one custom op (forward, and backward in training), so
-    # Dynamo traces no launch code and the graph does not break.
-    can_torch_compile = True
-    # kernelize asks the layer whether it can serve a module before binding it.
+    # kernelize asks the layer whether it can serve a module before binding it ...
     unsupported_reason = staticmethod(unsupported_reason)
+    # ... and, for a module it found by shape, whether the module is MoEExperts at all.
+    mismatch_reason = staticmethod(mismatch_reason)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -155,3 +173,15 @@ class MoEExpertsReference(MoEExperts):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         return _run(self, hidden_states, top_k_index, top_k_weights, "reference")
+
+
+def _declare_attributes() -> None:
+    """has_backward / can_torch_compile of each class, as kernel.toml's [layers.<class>] declares
+    them (true: under torch.compile `fused_experts` is one custom op, forward and backward, so
+    Dynamo traces no launch code and the graph does not break)."""
+    for name, spec in declared_layers():
+        cls = globals()[name]
+        cls.has_backward, cls.can_torch_compile = spec["has_backward"], spec["can_torch_compile"]
+
+
+_declare_attributes()

@@ -1,8 +1,9 @@
 """Choosing and launching a variant on the input's own device.
 
-The variant is chosen per call from the capability of the input's device index (>= 90: `_sm90`,
-else `_sm80`); CPU tensors run the Triton kernels under TRITON_INTERPRET=1 (tests) and the torch
-reference otherwise. Launches run with the input's device current, so on its current stream.
+The variant is chosen per call from the capability of the input's device index, as kernel.toml's
+`[dispatch]` declares (`_variants.auto_variant`, the table kernelhub's default mapping is built from);
+CPU tensors run the Triton kernels under TRITON_INTERPRET=1 (tests) and the torch reference otherwise.
+Launches run with the input's device current, so on its current stream.
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ import torch
 from kernelhub.device import CachedLaunch, cuda_properties, device_cache, device_guard
 
 from . import _sm80, _sm90
+from ._variants import auto_variant
 
 IMPLS = ("sm90", "sm80", "reference")
-# What `impl=None` runs on capability >= 90. Measured on an H200 (docs/performance.md, 2026-12-02):
-# the one-tile-per-program sm80 kernels reach 0.97-0.98 of copy bandwidth at 8192x14336 and
-# 32768x4096 (eager) against 0.88-0.89 for the persistent sm90 ones, so they are the default there
-# until the sm90 variant beats them; impl="sm90" (or layer SwiGLUMLPSm90) still forces it.
-_AUTO_SM90 = "sm80"
+# What `impl=None` runs on capability 90: kernel.toml says (docs/performance.md says why);
+# impl="sm90" (or layer SwiGLUMLPSm90) forces the persistent kernels whatever it says.
+_AUTO_SM90 = auto_variant(90)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # The interpreter has no SMs; 2 keeps the persistent (sm90) grid smaller than the tile count in
 # tests, so its grid-stride loop runs more than once.
@@ -113,12 +113,22 @@ def _resolve(fn: str, x: torch.Tensor, impl: str | None) -> tuple[_Variant, int,
         target = _AUTO_TARGETS.get(index)
         if target is None:
             props = cuda_properties(index)
-            variant = _VARIANTS[_AUTO_SM90 if props.capability >= 90 else "sm80"]
-            target = _AUTO_TARGETS[index] = (variant, index, props.sm_count)
-        return target
+            target = _AUTO_TARGETS[index] = _auto_target(index, props.capability, props.sm_count)
+        return target or None
     if not _INTERPRET or not x.is_cpu:  # other device types (meta, mps, ...): torch ops
         return None
     return _CPU_TARGET if variant is None else (variant, -1, _INTERPRETER_SM_COUNT)
+
+
+def _auto_target(index: int, capability: int, sm_count: int) -> tuple:
+    """What impl=None runs on a GPU of `capability`: kernel.toml's variant (an empty tuple: the reference)."""
+    name = auto_variant(capability)
+    if name == "reference":
+        return ()
+    if name not in _VARIANTS:
+        raise ValueError(f"swiglu: kernel.toml's [dispatch] names variant {name!r} for capability "
+                         f"{capability}; this package has {IMPLS}")
+    return (_VARIANTS[name], index, sm_count)
 
 
 def _forced(fn: str, x: torch.Tensor, impl: object) -> _Variant:

@@ -1,33 +1,25 @@
 """Stateless layers whose `forward` replaces a host module's forward (kernelize binds it).
 
 `self` inside each forward is the *host* module (a transformers LlamaMLP, Qwen3MLP, ...), so
-these classes hold no state and read the host's `gate_proj`/`up_proj`/`down_proj`. The generic
-layers pick the variant from the input's device at call time; the Sm90/Sm80 layers force theirs
-on any CUDA GPU; the Reference layers use torch.
+these classes hold no state and read the host's `gate_proj`/`up_proj`/`down_proj`. The classes are
+generated from kernel.toml's `[layers.<class>]` tables: the layer itself (`SiluAndMul`,
+`SwiGLUMLP`) picks the variant from the input's device at call time; a variant class
+(`SwiGLUMLPSm90`, `SwiGLUMLPSm80`, `SwiGLUMLPReference`, ...) forces its kernels on any device.
+
+`mismatch_reason(module)` (on the SwiGLUMLP classes) says why a module kernelhub found by its shape
+is not SwiGLU after all (another activation, other maths).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
+from ._recognise import activation_of, is_silu, mlp_mismatch_reason
+from ._variants import declared_layers
 from .ops import swiglu, swiglu_packed
-
-__all__ = [
-    "SiluAndMul",
-    "SiluAndMulSm90",
-    "SiluAndMulSm80",
-    "SiluAndMulReference",
-    "SwiGLUMLP",
-    "SwiGLUMLPSm90",
-    "SwiGLUMLPSm80",
-    "SwiGLUMLPReference",
-]
-
-
-def _is_silu(act: object) -> bool:
-    # transformers' ACT2FN["silu"] is SiLUActivation; torch's is nn.SiLU
-    return act is None or isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
 def _impl_now(impl: str | None) -> str | None:
@@ -47,76 +39,46 @@ def _silu_and_mul_forward(impl: str | None):
 def _mlp_forward(impl: str | None):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """down_proj(silu(gate_proj(x)) * up_proj(x)), the host MLP's own computation."""
-        act = getattr(self, "act_fn", None)
-        if act is None:  # Llama4TextMLP's name for it
-            act = getattr(self, "activation_fn", None)
-        if not _is_silu(act):
-            # another gated activation (e.g. gelu): keep the host's semantics
+        found = activation_of(self)
+        act = None if found is None else found[1]
+        if act is not None and not is_silu(act):
+            # another gated activation (e.g. gelu) on a module that names this layer: its semantics
             return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), impl=_impl_now(impl)))
 
     return forward
 
 
-class SiluAndMul(nn.Module):
-    """Packed SwiGLU; variant chosen by the input's device capability at call time."""
-
-    has_backward = True
-    can_torch_compile = True
-    forward = _silu_and_mul_forward(None)
+# per layer name: the forward of its classes (given the variant), and its recogniser if it has one
+_FORWARDS: dict[str, Callable] = {"SiluAndMul": _silu_and_mul_forward, "SwiGLUMLP": _mlp_forward}
+_MISMATCH: dict[str, Callable] = {"SwiGLUMLP": mlp_mismatch_reason}
 
 
-class SiluAndMulSm90(nn.Module):
-    """Packed SwiGLU, the sm90 (persistent) Triton kernels on any CUDA GPU."""
-
-    has_backward = True
-    can_torch_compile = True
-    forward = _silu_and_mul_forward("sm90")
-
-
-class SiluAndMulSm80(nn.Module):
-    """Packed SwiGLU, the sm80 (one tile per program) Triton kernels on any CUDA GPU."""
-
-    has_backward = True
-    can_torch_compile = True
-    forward = _silu_and_mul_forward("sm80")
-
-
-class SiluAndMulReference(nn.Module):
-    """Packed SwiGLU in torch (fp32 math, one rounding)."""
-
-    has_backward = True
-    can_torch_compile = True
-    forward = _silu_and_mul_forward("reference")
+def _layer_class(name: str, spec: dict) -> type[nn.Module]:
+    layer = spec.get("layer", name)
+    if layer not in _FORWARDS:
+        raise ValueError(f"swiglu: kernel.toml declares [layers.{name}] of layer {layer!r}; "
+                         f"layers.py has forwards for {sorted(_FORWARDS)}")
+    attrs = {
+        "__module__": __name__,
+        "__qualname__": name,
+        "__doc__": spec.get("description", ""),
+        "has_backward": spec["has_backward"],
+        "can_torch_compile": spec["can_torch_compile"],
+        "forward": _FORWARDS[layer](spec.get("variant")),
+    }
+    if layer in _MISMATCH:
+        attrs["mismatch_reason"] = staticmethod(_MISMATCH[layer])
+    return type(name, (nn.Module,), attrs)
 
 
-class SwiGLUMLP(nn.Module):
-    """A SiLU-gated MLP's forward; variant chosen by the input's device capability at call time."""
-
-    has_backward = True
-    can_torch_compile = True
-    forward = _mlp_forward(None)
-
-
-class SwiGLUMLPSm90(nn.Module):
-    """A SiLU-gated MLP's forward with the sm90 Triton kernels on any CUDA GPU."""
-
-    has_backward = True
-    can_torch_compile = True
-    forward = _mlp_forward("sm90")
+def _define_layers() -> list[str]:
+    """Module-level classes, one per [layers.<class>] table (so pickling and `layers.<name>` find them)."""
+    names = []
+    for name, spec in declared_layers():
+        globals()[name] = _layer_class(name, spec)
+        names.append(name)
+    return names
 
 
-class SwiGLUMLPSm80(nn.Module):
-    """A SiLU-gated MLP's forward with the sm80 Triton kernels on any CUDA GPU."""
-
-    has_backward = True
-    can_torch_compile = True
-    forward = _mlp_forward("sm80")
-
-
-class SwiGLUMLPReference(nn.Module):
-    """A SiLU-gated MLP's forward in torch."""
-
-    has_backward = True
-    can_torch_compile = True
-    forward = _mlp_forward("reference")
+__all__ = _define_layers()  # the layer classes, as kernel.toml lists them

@@ -1,0 +1,71 @@
+"""This kernel's declared variants, read from its kernel.toml (the one home of capability -> variant).
+
+kernelhub builds its default mapping from the same file, so the automatic choice here and the
+layer kernelize binds agree. kernel.toml sits in this package's directory in a built kernel
+(`build/torch-universal/<name>/`) and two levels up in the source (`torch-ext/<name>/`). Parsed once:
+the table is a property of the package, not of a device.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10 (tomli is a declared dependency there)
+    import tomli as tomllib  # type: ignore[no-redef]
+
+__all__ = ["auto_variant", "declared_layers", "kernel_toml"]
+
+
+def kernel_toml() -> Path:
+    """kernel.toml of this package: beside it (built layout), else at the repository root (source)."""
+    here = Path(__file__).resolve()
+    for path in (here.parent / "kernel.toml", here.parents[2] / "kernel.toml"):
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"{here.parent.name}: no kernel.toml in {here.parent} or {here.parents[2]}")
+
+
+@functools.lru_cache(maxsize=1)
+def _table() -> dict:
+    path = kernel_toml()
+    data = tomllib.loads(path.read_text(encoding="utf-8"))
+    dispatch, layers = data.get("dispatch"), data.get("layers")
+    if not isinstance(dispatch, dict) or not isinstance(layers, dict):
+        raise ValueError(f"{path}: needs a [dispatch] table and [layers.<class>] tables")
+    return data
+
+
+_chosen: dict[int | None, str] = {}
+
+
+def auto_variant(capability: int | None) -> str:
+    """The variant the automatic choice runs on a CUDA GPU of `capability` (None: on the CPU).
+
+    Remembered per capability: an eager call pays one dict lookup, not a walk of the ranges."""
+    hit = _chosen.get(capability)
+    if hit is None:
+        hit = _chosen[capability] = _lookup(capability)
+    return hit
+
+
+def _lookup(capability: int | None) -> str:
+    dispatch = _table()["dispatch"]
+    key = "cpu"
+    if capability is not None:
+        for entry in dispatch.get("cuda", ()):
+            low, high = entry["capability"]
+            if low <= capability <= high:
+                return entry["variant"]
+        key = "other_cuda"
+    if not isinstance(dispatch.get(key), str):
+        where = "the CPU" if capability is None else f"capability {capability}"
+        raise ValueError(f"{kernel_toml()}: [dispatch] needs `{key}` (the variant for {where})")
+    return dispatch[key]
+
+
+def declared_layers() -> list[tuple[str, dict]]:
+    """[(class name, its [layers.<class>] table)] in declaration order."""
+    return list(_table()["layers"].items())
