@@ -92,7 +92,7 @@ def test_kernelized_logits_equal_eager(kind):
     with torch.no_grad():
         ref = model(input_ids=ids).logits
     with kernelhub.use_kernel_mapping(_triton_on_cpu_mapping()):
-        report = kernelhub.kernelize(model, config={})
+        report = kernelhub.kernelize_report(kernelhub.kernelize(model, config={}))
     assert len(report.kernelized) == sum(EXPECTED[kind]) and not report.fallbacks
     assert all(e.layer.endswith("Sm80") for e in report.entries)
     with torch.no_grad():
@@ -107,7 +107,7 @@ def test_training_loss_and_every_gradient_equal_eager(kind):
     ids = torch.randint(0, 64, (2, 5))
     ref = _loss_and_grads(model, ids)
     with kernelhub.use_kernel_mapping(_triton_on_cpu_mapping()):
-        report = kernelhub.kernelize(model, mode=kernelhub.Mode.TRAINING, config={})
+        report = kernelhub.kernelize_report(kernelhub.kernelize(model, mode=kernelhub.Mode.TRAINING, config={}))
     assert not report.fallbacks
     _assert_same_loss_and_grads(_loss_and_grads(model, ids), ref)
 
@@ -135,7 +135,8 @@ def test_compiled_kernelized_model_matches_the_uncompiled_one(kind):
     model = tiny_model(kind).train()
     ids = torch.randint(0, 64, (2, 5))
     with kernelhub.use_kernel_mapping(_triton_on_cpu_mapping()):
-        report = kernelhub.kernelize(model, mode=kernelhub.Mode.TRAINING | kernelhub.Mode.TORCH_COMPILE, config={})
+        model = kernelhub.kernelize(model, mode=kernelhub.Mode.TRAINING | kernelhub.Mode.TORCH_COMPILE, config={})
+        report = kernelhub.kernelize_report(model)
     assert len(report.kernelized) == sum(EXPECTED[kind]) and not report.fallbacks
 
     def loss_and_grads(m):
@@ -163,7 +164,7 @@ def test_gpt_oss_experts_fall_back_with_the_reason():
     ids = torch.randint(0, 64, (1, 4))
     with torch.no_grad():
         ref = model(input_ids=ids).logits
-    report = kernelhub.kernelize(model, config={})
+    report = kernelhub.kernelize_report(kernelhub.kernelize(model, config={}))
     experts = [e for e in report.entries if e.layer_name == "MoEExperts"]
     assert len(experts) == 2
     for e in experts:
@@ -211,7 +212,7 @@ def test_llama4_mlps_are_kernelized_and_its_experts_fall_back_with_the_reason():
     ids = torch.randint(0, 64, (2, 5))
     ref = _loss_and_grads(model, ids)
     with kernelhub.use_kernel_mapping(_triton_on_cpu_mapping()):
-        report = kernelhub.kernelize(model, mode=kernelhub.Mode.TRAINING, config={})
+        report = kernelhub.kernelize_report(kernelhub.kernelize(model, mode=kernelhub.Mode.TRAINING, config={}))
     kinds = {e.module_class: e for e in report.entries}
     assert [e.layer for e in report.entries if e.module_class == "Llama4TextMLP"] == ["SwiGLUMLPSm80"] * 2
     assert kinds["Llama4TextExperts"].layer is None
@@ -245,7 +246,7 @@ def test_transformers_mlps_with_the_shape_but_other_maths_keep_their_forward(nam
     x = torch.randn(3, 16) * 4
     with torch.no_grad():
         ref = mlp(x)
-    (entry,) = kernelhub.kernelize(mlp, config={}).entries
+    (entry,) = kernelhub.kernelize_report(kernelhub.kernelize(mlp, config={})).entries
     assert entry.layer is None and f"{name}.forward computes something other than" in entry.fallback_reason
     with torch.no_grad():
         torch.testing.assert_close(mlp(x), ref)
@@ -261,7 +262,7 @@ def test_transformers_mlp_with_input_named_hidden_state_is_kernelized():
     x = torch.randn(3, 16)
     with torch.no_grad():
         ref = mlp(x)
-        (entry,) = kernelhub.kernelize(mlp, config={}).entries
+        (entry,) = kernelhub.kernelize_report(kernelhub.kernelize(mlp, config={})).entries
         assert entry.layer == "SwiGLUMLPReference", entry.fallback_reason
         torch.testing.assert_close(mlp(hidden_state=x), ref)
 
@@ -375,7 +376,7 @@ def test_kernelize_a_model_offloaded_by_accelerate(kind):
         ref = model(input_ids=ids).logits
     accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
     with kernelhub.use_kernel_mapping(_triton_on_cpu_mapping()):
-        report = kernelhub.kernelize(model, config={})
+        report = kernelhub.kernelize_report(kernelhub.kernelize(model, config={}))
     assert len(report.kernelized) == sum(EXPECTED[kind]) and not report.fallbacks
     assert {e.device for e in report.entries} == {torch.device("cpu")}
     with torch.no_grad():
