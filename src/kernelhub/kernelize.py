@@ -25,7 +25,14 @@ from torch import nn
 
 from kernelhub.config import KernelhubConfig, load_config
 from kernelhub.device import as_torch_device, device_capability, module_device
-from kernelhub.layer import KERNEL_FUNCS, keyword_renames, layer_problem, validate_layer_has_mode
+from kernelhub.layer import (
+    KERNEL_FUNCS,
+    _validate_layer,
+    keyword_renames,
+    layer_problem,
+    layer_verdict,
+    validate_layer_has_mode,
+)
 from kernelhub.matching import match_layer
 from kernelhub.mode import MODE_PRIORITY, Mode
 from kernelhub.registry import get_kernel_mapping, mapping_in_effect, resolve_repository
@@ -165,8 +172,17 @@ def choose_layer(
     device: torch.device | None,
     mode: Mode,
     config: Any,
+    *,
+    strict_mapping: bool = False,
+    strict_load: bool = False,
 ) -> _Choice:
-    """Resolve one module on one device: registry, then config override, then layer checks."""
+    """Resolve one module on one device: registry, then config override, then layer checks.
+
+    What cannot be bound is a fallback reason, except, as Hugging Face `kernels` raises at kernelize:
+    with `strict_mapping`, a layer registered for a mode it cannot serve (ValueError); with
+    `strict_load`, a repository that fails to load (its error) or a layer that may not replace the
+    module's forward (TypeError).
+    """
     if device is None:
         return _Choice(None, None, None, None, "module has no parameters; resolved from its input")
     # the mapping before the device: a layer nothing maps keeps its forward on any device, including
@@ -186,10 +202,18 @@ def choose_layer(
         return _Choice(device, capability, None, None, resolution.reason)
     try:
         layer = _load_layer(repo)
-    except Exception as e:  # noqa: BLE001 - any load failure is a fallback reason, not a crash
+    except Exception as e:
+        if strict_load:
+            raise
         return _Choice(device, capability, repo, None, f"could not load {describe_repository(repo)}: {e}")
-    # a mapping that registers a layer for a mode it cannot serve is an error, as in `kernels`
-    validate_layer_has_mode(layer_name, layer, repo, repo_mode)
+    try:
+        validate_layer_has_mode(layer_name, layer, repo, repo_mode)
+    except ValueError as e:
+        if strict_mapping:
+            raise
+        return _Choice(device, capability, repo, None, str(e))
+    if strict_load and layer_verdict(layer, host) is None:
+        _validate_layer(check_cls=type(host), cls=layer, repo=repo)
     problem = layer_problem(layer, host, mode, repo)
     if problem is not None:
         return _Choice(device, capability, repo, None, problem)
@@ -459,7 +483,10 @@ def _kernelize_modules(model: nn.Module, mode: Mode, explicit: torch.device | No
             capability = _capability(dev)[0] if dev is not None else None
             choice = _Choice(dev, capability, None, None, match.unsupported_reason)
         else:
-            choice = choose_layer(module, match.layer_name, dev, mode, cfg)
+            # a module marked with a layer name is kernelized as Hugging Face `kernels` does it: what
+            # the mapping names must load and fit; one recognised by its class falls back instead
+            marked = getattr(module, "kernel_layer_name", None) is not None
+            choice = choose_layer(module, match.layer_name, dev, mode, cfg, strict_mapping=True, strict_load=marked)
         if (
             not use_fallback
             and match.unsupported_reason is None
@@ -495,8 +522,8 @@ def _kernelize_modules(model: nn.Module, mode: Mode, explicit: torch.device | No
 def _warn_unmapped_layers(entries: list[KernelizeEntry]) -> None:
     """As Hugging Face `kernels` does: a module marked with a layer name that no mapping has keeps
     its forward, with a warning (once per layer name)."""
-    unmapped = sorted({e.layer_name for e in entries if e.fallback_reason is not None
-                       and e.fallback_reason.startswith("no kernel mapping for layer")})
+    mapping = mapping_in_effect()
+    unmapped = sorted({e.layer_name for e in entries if e.fallback_reason is not None and e.layer_name not in mapping})
     for layer_name in unmapped:
         warnings.warn(
             f"kernelize: No kernel mapping found for layer `{layer_name}`. Check if the layer name matches one "

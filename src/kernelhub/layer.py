@@ -16,6 +16,7 @@ __all__ = [
     "LAYER_FLAGS",
     "keyword_renames",
     "layer_problem",
+    "layer_verdict",
     "replace_kernel_forward_from_hub",
     "use_kernel_forward_from_hub",
     "use_kernelized_func",
@@ -197,6 +198,16 @@ def _structure_problem(layer: Any, host_cls: type, label: str) -> str | None:
     return None
 
 
+def layer_verdict(layer: type, host: nn.Module) -> str | None:
+    """The layer's own `unsupported_reason(host)` (kernelhub's): why it cannot serve this module."""
+    check = getattr(layer, "unsupported_reason", None)
+    if callable(check):
+        reason = check(host)
+        if reason:
+            return f"layer {layer.__name__}: {reason}"
+    return None
+
+
 def layer_problem(layer: object, host: nn.Module, mode: Mode, repo: Any = None) -> str | None:
     """Why `layer` cannot replace `host.forward` in `mode`, or None if it can.
 
@@ -211,11 +222,9 @@ def layer_problem(layer: object, host: nn.Module, mode: Mode, repo: Any = None) 
         return f"layer {layer!r} is not an nn.Module class"
     if layer.__init__ is nn.Module.__init__:
         # The layer's own verdict first: it names the real difference (e.g. GPT-OSS weight layout).
-        check = getattr(layer, "unsupported_reason", None)
-        if callable(check):
-            reason = check(host)
-            if reason:
-                return f"layer {layer.__name__}: {reason}"
+        verdict = layer_verdict(layer, host)
+        if verdict is not None:
+            return verdict
     problem = _structure_problem(layer, type(host), label)
     if problem is not None:
         return problem
