@@ -106,6 +106,7 @@ def _silu_package(layer_flags: str) -> dict[str, str]:
     )
 
 
+_TORCH24 = "../torch24-cxx11-cu121-x86_64-linux"  # beside torch-universal, under build/
 _BOTH_FLAGS = "    has_backward = True\n    can_torch_compile = True\n"
 
 # repo id -> branch -> {path under build/torch-universal/: text}
@@ -121,6 +122,11 @@ REPOSITORIES: dict[str, dict[str, dict[str, str]]] = {
         for branch, n in (("main", 2), ("v1", 1), ("v2", 2), ("v10", 10))
     },
     "kernels-community/relu": {b: _package("relu", _RELU) for b in ("main", "v1")},
+    # a publisher outside the trusted ones
+    "kernels-test-untrusted/ci-test-kernel": {"v1": _package("relu", _RELU)},
+    "kernels-test-untrusted/not-a-trused-org-kernel": {"v1": _package("relu", _RELU)},
+    # built for torch 2.4 only: no variant this system runs
+    "kernels-test/only-torch-2.4": {"main": {f"{_TORCH24}/relu/{k}": v for k, v in _package("relu", _RELU).items()}},
     "kernels-test/flattened-build": {
         # the package directory only (kernel-builder's layout before flattening)
         "pre-flattening": _silu_package(_BOTH_FLAGS),
@@ -144,10 +150,11 @@ REPOSITORIES: dict[str, dict[str, dict[str, str]]] = {
 
 
 def write_repository(root: Path, variant_files: dict[str, str]) -> Path:
-    """A kernel repository at `root` with one `torch-universal` build variant; returns `root`."""
+    """A kernel repository at `root` with one `torch-universal` build variant (paths starting with
+    `../` name another variant); returns `root`."""
     variant = root / "build" / "torch-universal"
     for rel, text in variant_files.items():
-        path = variant / rel
+        path = (variant / rel).resolve() if rel.startswith("../") else variant / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(textwrap.dedent(text).lstrip())
     return root
