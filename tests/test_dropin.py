@@ -321,3 +321,14 @@ def test_register_kernel_mapping_takes_inherit_mapping_positionally():
         assert set(get_kernel_mapping()) == {"Double"}
     finally:
         registry._GLOBAL_MAPPING = before
+
+
+def test_names_torch_compile_sets_on_a_layer_class_are_not_its_members(tmp_path):
+    from kernelhub.layer import extra_members
+
+    layer = LocalLayerRepository(_kernel(tmp_path, _TRIPLE), layer_name="Triple").load()
+    layer.___needs_generation_tag_patch = False  # what dynamo sets on a class it has traced
+    assert extra_members(layer) == []
+    with use_kernel_mapping({"Double": {"cpu": LocalLayerRepository(tmp_path / "dropin_kernel", layer_name="Triple")}}):
+        model = kernelize(nn.Sequential(Double()), device="cpu")
+    assert kernelize_report(model).entries[0].layer == "Triple"

@@ -145,8 +145,13 @@ def _module_members() -> frozenset[str]:
 
 
 def extra_members(layer: type) -> list[str]:
-    """Members of a layer class beyond nn.Module's and LAYER_FLAGS (state a kernel layer must not have)."""
-    return sorted({name for name, _ in inspect.getmembers(layer)} - _module_members() - LAYER_FLAGS)
+    """Members of a layer class beyond nn.Module's and LAYER_FLAGS (state a kernel layer must not have).
+
+    Names torch.compile itself sets on classes it has traced (`___needs_generation_tag_patch`) are not
+    the layer's: a layer compiled once would otherwise be refused by the next kernelize.
+    """
+    names = {name for name, _ in inspect.getmembers(layer) if not name.startswith("___")}
+    return sorted(names - _module_members() - LAYER_FLAGS)
 
 
 def repository_label(repo: Any) -> str:

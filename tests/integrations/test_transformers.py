@@ -267,15 +267,17 @@ def test_transformers_mlp_with_input_named_hidden_state_is_kernelized():
         torch.testing.assert_close(mlp(hidden_state=x), ref)
 
 
+SPY_CALLS: list = []  # outside the layer class: a kernel layer has no members but forward and its flags
+
+
 class _SpyExperts(torch.nn.Module):
-    """An MoEExperts layer that records its calls and runs the host's eager forward."""
+    """An MoEExperts layer that records its calls (in SPY_CALLS) and runs the host's eager forward."""
 
     has_backward = True
     can_torch_compile = True
-    calls: list = []
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
-        _SpyExperts.calls.append(type(self).__name__)
+        SPY_CALLS.append(type(self).__name__)
         from kernelhub.integrations.transformers import _eager_forward
 
         return _eager_forward(self)(self, hidden_states, top_k_index, top_k_weights)
@@ -300,15 +302,15 @@ def _loaded_with_kernelhub_experts(tmp_path):
 def test_experts_implementation_follows_the_mapping_in_effect(tmp_path):
     model = _loaded_with_kernelhub_experts(tmp_path)
     ids = torch.randint(0, 64, (1, 4))
-    _SpyExperts.calls.clear()
+    SPY_CALLS.clear()
     with torch.no_grad():
         ref = model(input_ids=ids).logits
-        assert _SpyExperts.calls == []
+        assert SPY_CALLS == []
         with kernelhub.use_kernel_mapping({"MoEExperts": {"cpu": _Repo(_SpyExperts)}}):
             torch.testing.assert_close(model(input_ids=ids).logits, ref)
-        assert _SpyExperts.calls == ["Qwen3MoeExperts"] * 2
+        assert SPY_CALLS == ["Qwen3MoeExperts"] * 2
         model(input_ids=ids)  # the block has ended: its kernel is no longer used
-    assert _SpyExperts.calls == ["Qwen3MoeExperts"] * 2
+    assert SPY_CALLS == ["Qwen3MoeExperts"] * 2
 
 
 def test_experts_implementation_under_torch_compile_has_no_graph_break(tmp_path):
