@@ -175,7 +175,10 @@ def test_flattened_build(repo_revision, device):
     torch.testing.assert_close(kernel.silu_and_mul(x), silu_and_mul_torch(x))
 
 
-@pytest.mark.xfail(strict=True, reason="hub part of issue 29: LOCAL_KERNELS")
+@pytest.mark.xfail(
+    strict=True,
+    reason="hub part of issue 29: LOCAL_KERNELS; a missing repository raises KernelNotFoundError, not HfHubHTTPError",
+)
 def test_local_overrides(monkeypatch, local_kernel_path):
     kernel_path = local_kernel_path
 
