@@ -332,3 +332,18 @@ def test_names_torch_compile_sets_on_a_layer_class_are_not_its_members(tmp_path)
     with use_kernel_mapping({"Double": {"cpu": LocalLayerRepository(tmp_path / "dropin_kernel", layer_name="Triple")}}):
         model = kernelize(nn.Sequential(Double()), device="cpu")
     assert kernelize_report(model).entries[0].layer == "Triple"
+
+
+def test_replace_kernel_forward_from_hub_marks_a_third_party_class(tmp_path):
+    class ThirdParty(nn.Module):  # a class the user cannot decorate
+        def forward(self, x):
+            return x * 2
+
+    kernelhub.replace_kernel_forward_from_hub(ThirdParty, "ThirdParty")
+    assert ThirdParty.kernel_layer_name == "ThirdParty"
+    repo = LocalLayerRepository(_kernel(tmp_path, _TRIPLE), layer_name="Triple")
+    with use_kernel_mapping({"ThirdParty": {"cpu": repo}}):
+        model = kernelize(nn.Sequential(ThirdParty()), device="cpu")
+    assert model(torch.ones(1)).item() == 3.0
+    with pytest.raises(ValueError, match="replace_kernel_forward_from_hub: `layer_name` must be a non-empty str"):
+        kernelhub.replace_kernel_forward_from_hub(ThirdParty, "")
