@@ -21,6 +21,9 @@ from huggingface_hub.errors import HfHubHTTPError
 from compat_hf_kernels.hf_test_kernels import install_kernel
 from kernelhub import get_kernel, get_local_kernel, has_kernel
 
+# the flattened build layout (build/<variant>/__init__.py) is the layout part of issue 29
+_FLATTENED = pytest.mark.xfail(strict=True, reason="kernelhub's loader does not load the flattened build layout yet")
+
 
 @pytest.fixture
 def kernel():
@@ -64,8 +67,8 @@ def test_local_kernel(local_kernel, device):
     "repo_revision",
     [
         ("kernels-test/flattened-build", "pre-flattening"),
-        ("kernels-test/flattened-build", "main"),
-        ("kernels-test/flattened-build", "without-compat-module"),
+        pytest.param(("kernels-test/flattened-build", "main"), marks=_FLATTENED),
+        pytest.param(("kernels-test/flattened-build", "without-compat-module"), marks=_FLATTENED),
     ],
 )
 def test_local_kernel_path_types(repo_revision, device):
@@ -163,8 +166,8 @@ def test_get_kernel_with_backend(device):
     "repo_revision",
     [
         ("kernels-test/flattened-build", "pre-flattening"),
-        ("kernels-test/flattened-build", "main"),
-        ("kernels-test/flattened-build", "without-compat-module"),
+        pytest.param(("kernels-test/flattened-build", "main"), marks=_FLATTENED),
+        pytest.param(("kernels-test/flattened-build", "without-compat-module"), marks=_FLATTENED),
     ],
 )
 def test_flattened_build(repo_revision, device):
