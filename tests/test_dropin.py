@@ -347,3 +347,10 @@ def test_replace_kernel_forward_from_hub_marks_a_third_party_class(tmp_path):
     assert model(torch.ones(1)).item() == 3.0
     with pytest.raises(ValueError, match="replace_kernel_forward_from_hub: `layer_name` must be a non-empty str"):
         kernelhub.replace_kernel_forward_from_hub(ThirdParty, "")
+
+
+def test_a_layer_without_torch_compile_registered_for_it_is_a_value_error(tmp_path):
+    repo = LocalLayerRepository(_kernel(tmp_path, _TRIPLE), layer_name="TripleImplicitBackward")
+    with use_kernel_mapping({"Double": {"cpu": {Mode.INFERENCE | Mode.TORCH_COMPILE: repo}}}):
+        with pytest.raises(ValueError, match="does not support torch.compile"):
+            kernelize(nn.Sequential(Double()), mode=Mode.INFERENCE | Mode.TORCH_COMPILE, device="cpu")
