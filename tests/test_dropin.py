@@ -354,3 +354,16 @@ def test_a_layer_without_torch_compile_registered_for_it_is_a_value_error(tmp_pa
     with use_kernel_mapping({"Double": {"cpu": {Mode.INFERENCE | Mode.TORCH_COMPILE: repo}}}):
         with pytest.raises(ValueError, match="does not support torch.compile"):
             kernelize(nn.Sequential(Double()), mode=Mode.INFERENCE | Mode.TORCH_COMPILE, device="cpu")
+
+
+def test_the_report_goes_with_the_model():
+    import gc
+
+    from kernelhub.kernelize import _REPORTS
+
+    model = kernelize(nn.Sequential(MLP()))
+    key = id(model)
+    assert key in _REPORTS
+    del model
+    gc.collect()
+    assert key not in _REPORTS

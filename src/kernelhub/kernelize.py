@@ -378,16 +378,23 @@ def _explicit_device(device: object) -> torch.device:
     return as_torch_device(device)
 
 
-# model -> its last kernelize's report; weak, so the model keeps no reference to it (its
-# state_dict, pickle and deepcopy are unchanged) and a dropped model takes its report with it
-_REPORTS: weakref.WeakKeyDictionary[nn.Module, KernelizeReport] = weakref.WeakKeyDictionary()
+# id(model) -> (weak reference to the model, its last kernelize's report): the model holds no
+# reference to it (its state_dict, pickle and deepcopy are unchanged) and a dropped model takes its
+# report with it. By id, not a WeakKeyDictionary: a module class's own __eq__ must not matter.
+_REPORTS: dict[int, tuple[weakref.ref, KernelizeReport]] = {}
+
+
+def _keep_report(model: nn.Module, report: KernelizeReport) -> None:
+    key = id(model)
+    _REPORTS[key] = (weakref.ref(model, lambda _ref: _REPORTS.pop(key, None)), report)
 
 
 def kernelize_report(model: nn.Module) -> KernelizeReport:
     """The report of the last `kernelize` of `model`: per kernelizable module, what was bound or why not."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"kernelize_report: `model` must be a torch.nn.Module, got {type(model).__name__}")
-    report = _REPORTS.get(model)
+    kept = _REPORTS.get(id(model))
+    report = kept[1] if kept is not None and kept[0]() is model else None
     if report is None:
         raise ValueError(
             f"kernelize_report: `model` ({type(model).__name__}) has not been kernelized (call kernelize first)"
@@ -446,7 +453,7 @@ def kernelize(
     _warn_unknown_layers(cfg, entries)
     _warn_unmapped_layers(entries)
     report = KernelizeReport(entries, mode)
-    _REPORTS[model] = report
+    _keep_report(model, report)
     if verbose:
         print(report)
     return model
