@@ -245,7 +245,7 @@ def test_kernelize_binds_what_the_config_pins_per_device(hub, tmp_path, fake_gpu
     from hub_server import tiny_copy
     from torch import nn
 
-    from kernelhub import kernelize, use_kernel_forward_from_hub
+    from kernelhub import kernelize, kernelize_report, use_kernel_forward_from_hub
     from kernelhub.cli.upload import upload_kernel
 
     upload_kernel(tiny_copy(tmp_path / "v1", factor=2.0), "org/tiny", version=1)
@@ -266,7 +266,7 @@ def test_kernelize_binds_what_the_config_pins_per_device(hub, tmp_path, fake_gpu
     config = tmp_path / "kernelhub.toml"
     chosen = {}
     for device in ("cuda:0", "cuda:1", "cpu"):
-        (entry,) = kernelize(model, device=device, config=config).entries
+        (entry,) = kernelize_report(kernelize(model, device=device, config=config)).entries
         chosen[device] = (entry.layer, entry.repository)
     assert chosen == {
         "cuda:0": ("TinyScaleDouble", "hub:org/tiny@v1/TinyScaleDouble"),

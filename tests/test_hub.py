@@ -159,10 +159,11 @@ def test_untrusted_publisher_is_refused_before_any_download_when_asked(hub, tmp_
 
 def test_kernelize_decides_trust_per_use_even_for_a_layer_it_has_loaded(hub, tmp_path, monkeypatch):
     """kernelize keeps loaded layer classes; a process that has since set KERNELHUB_REQUIRE_TRUSTED
-    must not reach an untrusted kernel through that cache: the module falls back, with the reason."""
+    must not reach an untrusted kernel through that cache: kernelize refuses it (a module marked with
+    a layer name raises what loading its repository raised, as in Hugging Face `kernels`)."""
     from torch import nn
 
-    from kernelhub import kernelize, use_kernel_forward_from_hub, use_kernel_mapping
+    from kernelhub import kernelize, kernelize_report, use_kernel_forward_from_hub, use_kernel_mapping
 
     _publish(tmp_path, "someone/tiny")
 
@@ -175,11 +176,11 @@ def test_kernelize_decides_trust_per_use_even_for_a_layer_it_has_loaded(hub, tmp
     with use_kernel_mapping({"TinyScale": {"cpu": repo}}, inherit_mapping=False):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UntrustedKernelWarning)  # (imported once, with a warning)
-            (entry,) = kernelize(Scale(), device="cpu").entries
+            (entry,) = kernelize_report(kernelize(Scale(), device="cpu")).entries
         assert entry.layer == "TinyScale", entry.fallback_reason
         monkeypatch.setenv("KERNELHUB_REQUIRE_TRUSTED", "1")
-        (entry,) = kernelize(Scale(), device="cpu").entries
-    assert entry.layer is None and "KERNELHUB_REQUIRE_TRUSTED is set" in entry.fallback_reason
+        with pytest.raises(UntrustedKernelError, match="KERNELHUB_REQUIRE_TRUSTED is set"):
+            kernelize(Scale(), device="cpu")
 
 
 def test_get_kernel_trust_remote_code_must_be_a_bool(hub, tmp_path):

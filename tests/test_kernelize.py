@@ -12,6 +12,7 @@ from kernelhub import (
     LocalLayerRepository,
     Mode,
     kernelize,
+    kernelize_report,
     unkernelize,
     use_kernel_forward_from_hub,
     use_kernel_mapping,
@@ -72,7 +73,7 @@ def test_modules_on_gpus_of_different_capability_get_their_own_kernel(fake_gpus,
     fake_gpus.current = current
     a, b = on_fake_gpu(MLP(), 0), on_fake_gpu(MLP(), 1)
     model = nn.Sequential(a, b) if order == "sm80_first" else nn.Sequential(b, a)
-    report = kernelize(model)
+    report = kernelize_report(kernelize(model))
     by_module = {e.module_name: e for e in report.entries}
     first, second = ("0", "1") if order == "sm80_first" else ("1", "0")
     assert by_module[first].layer == "ToyMLPSm80" and by_module[first].capability == 80
@@ -86,18 +87,18 @@ def test_modules_on_gpus_of_different_capability_get_their_own_kernel(fake_gpus,
 
 def test_explicit_device_keeps_its_index(fake_gpus):
     model = nn.Sequential(MLP())  # parameters on the CPU
-    report = kernelize(model, device=torch.device("cuda", 1))
+    report = kernelize_report(kernelize(model, device=torch.device("cuda", 1)))
     (entry,) = report.entries
     assert entry.device == torch.device("cuda", 1)
     assert entry.capability == 90 and entry.layer == "ToyMLPSm90"
-    report = kernelize(model, device="cuda:0")
+    report = kernelize_report(kernelize(model, device="cuda:0"))
     assert report.entries[0].layer == "ToyMLPSm80"
 
 
 def test_index_specific_mapping_beats_agnostic_one_in_kernelize(fake_gpus):
     a, b = on_fake_gpu(MLP(), 0), on_fake_gpu(MLP(), 1)
     with use_kernel_mapping({"SwiGLUMLP": {Device("cuda", 1): toy("ToyMLPIndex1")}}):
-        report = kernelize(nn.Sequential(a, b))
+        report = kernelize_report(kernelize(nn.Sequential(a, b)))
     assert layers_by_module(report) == {"0": "ToyMLPSm80", "1": "ToyMLPIndex1"}
 
 
@@ -116,7 +117,7 @@ def test_cpu_model_output_equals_eager_and_unkernelize_restores():
     model = nn.Sequential(MLP(), nn.ReLU(), MLP())
     x = torch.randn(3, 8)
     ref = model(x)
-    report = kernelize(model)
+    report = kernelize_report(kernelize(model))
     assert [e.layer for e in report.entries] == ["ToyMLPCpu", "ToyMLPCpu"]
     out = model(x)
     assert [c[0] for c in CALLS] == ["ToyMLPCpu", "ToyMLPCpu"]
@@ -138,12 +139,13 @@ def test_kernelize_twice_does_not_stack_wrappers():
 
 def test_training_with_layer_without_backward_falls_back_with_reason():
     with use_kernel_mapping({"SwiGLUMLP": {"cpu": toy("ToyMLPNoBackward")}}):
-        report = kernelize(nn.Sequential(MLP()), mode=Mode.TRAINING)
+        report = kernelize_report(kernelize(nn.Sequential(MLP()), mode=Mode.TRAINING))
         (entry,) = report.entries
         assert entry.layer is None and "has_backward" in entry.fallback_reason
         with pytest.raises(ValueError, match="has_backward"):
             kernelize(nn.Sequential(MLP()), mode=Mode.TRAINING, use_fallback=False)
-        assert kernelize(nn.Sequential(MLP()), mode=Mode.INFERENCE).entries[0].layer == "ToyMLPNoBackward"
+        model = kernelize(nn.Sequential(MLP()), mode=Mode.INFERENCE)
+        assert kernelize_report(model).entries[0].layer == "ToyMLPNoBackward"
 
 
 @pytest.mark.parametrize(
@@ -152,13 +154,13 @@ def test_training_with_layer_without_backward_falls_back_with_reason():
 )
 def test_unusable_layers_fall_back_with_reason(layer, reason):
     with use_kernel_mapping({"SwiGLUMLP": {"cpu": toy(layer)}}):
-        (entry,) = kernelize(nn.Sequential(MLP())).entries
+        (entry,) = kernelize_report(kernelize(nn.Sequential(MLP()))).entries
     assert entry.layer is None and reason in entry.fallback_reason
 
 
 def test_non_silu_mlp_is_reported_not_kernelized():
     model = nn.Sequential(MLP(act=nn.GELU()))
-    (entry,) = kernelize(model).entries
+    (entry,) = kernelize_report(kernelize(model)).entries
     assert entry.layer is None and "GELU" in entry.fallback_reason
     assert "forward" not in model[0].__dict__
 
@@ -173,7 +175,7 @@ def test_kernel_layer_name_marks_custom_modules():
             super().__init__()
             self.block = MyBlock(act=nn.GELU())  # matched by name, whatever its activation
 
-    (entry,) = kernelize(Holder()).entries
+    (entry,) = kernelize_report(kernelize(Holder())).entries
     assert entry.module_name == "block" and entry.layer == "ToyMLPCpu"
 
 
@@ -191,7 +193,7 @@ def test_module_without_parameters_uses_parents_device(fake_gpus):
             self.shell = Shell()
 
     with use_kernel_mapping({"SwiGLUMLP": {"cuda": toy("ToyMLPSm90")}}):
-        (entry,) = kernelize(Parent()).entries
+        (entry,) = kernelize_report(kernelize(Parent())).entries
     assert entry.device == torch.device("cuda", 1)
 
 
@@ -218,7 +220,7 @@ def test_kernelize_rejects_bad_arguments():
 
 def test_report_renders_as_readable_table(fake_gpus):
     model = nn.Sequential(on_fake_gpu(MLP(), 0), on_fake_gpu(MLP(), 1), MLP(act=nn.GELU()))
-    text = str(kernelize(model))
+    text = str(kernelize_report(kernelize(model)))
     lines = text.splitlines()
     assert lines[0].startswith("kernelize report: mode=Mode.INFERENCE, 2 of 3 modules kernelized")
     assert lines[1].split() == ["module", "class", "layer", "device", "sm", "kernel", "from", "/", "why", "not"]
@@ -253,7 +255,7 @@ def _kernelize_one(mlp: nn.Module):
     model = nn.Sequential(mlp)
     x = torch.randn(3, 8)
     ref = model(x)
-    (entry,) = kernelize(model).entries
+    (entry,) = kernelize_report(kernelize(model)).entries
     return model, x, ref, entry
 
 
@@ -284,7 +286,7 @@ def test_experts_are_matched_only_when_their_forward_takes_the_routing():
     assert match_layer(WrappedExperts()).unsupported_reason is None
     reason = match_layer(PresortedExperts()).unsupported_reason
     assert reason is not None and "PresortedExperts.forward(hidden_states) takes no routing" in reason
-    (entry,) = kernelize(PresortedExperts(), config={}).entries
+    (entry,) = kernelize_report(kernelize(PresortedExperts(), config={})).entries
     assert entry.layer is None and entry.fallback_reason == reason
 
 
@@ -345,7 +347,7 @@ def test_pickled_kernelized_model_loads_and_resolves_again():
 
 
 def test_unsupported_module_on_a_gpu_reports_that_gpus_capability(fake_gpus):
-    (entry,) = kernelize(nn.Sequential(on_fake_gpu(MLP(act=nn.GELU()), 1))).entries
+    (entry,) = kernelize_report(kernelize(nn.Sequential(on_fake_gpu(MLP(act=nn.GELU()), 1)))).entries
     assert entry.layer is None and "GELU" in entry.fallback_reason
     assert entry.device == torch.device("cuda", 1) and entry.capability == 90
 
@@ -357,7 +359,7 @@ def test_a_config_entry_for_a_layer_nothing_knows_is_warned_about():
         kernelize(model, config={"layers": {"SwiGLUMlp": {"layer": "ToyMLPSm80"}}})
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        (entry,) = kernelize(model, config={"layers": {"SwiGLUMLP": {"layer": "ToyMLPSm80"}}}).entries
+        (entry,) = kernelize_report(kernelize(model, config={"layers": {"SwiGLUMLP": {"layer": "ToyMLPSm80"}}})).entries
     assert entry.layer == "ToyMLPSm80"
 
 
@@ -410,7 +412,7 @@ def test_an_offloaded_module_is_kernelized_inside_its_accelerate_hook():
     hooked_forward = mlp.forward
     assert mlp.gate_proj.weight.device.type == "meta"
     torch.testing.assert_close(mlp(x), ref)
-    (entry,) = kernelize(nn.Sequential(mlp)).entries
+    (entry,) = kernelize_report(kernelize(nn.Sequential(mlp))).entries
     # resolved for the hook's execution device, not the weights' "meta"; bound under the hook
     assert entry.device == torch.device("cpu") and entry.layer == "ToyMLPCpu", entry.fallback_reason
     assert mlp.forward is hooked_forward
@@ -431,7 +433,7 @@ def test_a_module_whose_offloaded_layers_are_hooked_resolves_for_their_execution
     ref = mlp(x)
     for linear in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):  # as accelerate hooks a Llama MLP
         _add_offload_hook(linear)
-    (entry,) = kernelize(nn.Sequential(mlp)).entries
+    (entry,) = kernelize_report(kernelize(nn.Sequential(mlp))).entries
     assert entry.device == torch.device("cpu") and entry.layer == "ToyMLPCpu", entry.fallback_reason
     torch.testing.assert_close(mlp(x), ref)
     assert [c[0] for c in CALLS] == ["ToyMLPCpu"]
@@ -476,7 +478,7 @@ def test_a_kernelize_that_raises_leaves_every_forward_as_it_was(fake_gpus):
 def test_a_cpu_device_with_an_index_is_the_cpu():
     """CPU tensors are on "cpu", never "cpu:0": kernelize(device="cpu:0") resolves for the CPU (a
     binding for "cpu:0" would never match its inputs and re-resolve on every call)."""
-    (entry,) = kernelize(nn.Sequential(MLP()), device="cpu:0").entries
+    (entry,) = kernelize_report(kernelize(nn.Sequential(MLP()), device="cpu:0")).entries
     assert entry.device == torch.device("cpu") and entry.layer == "ToyMLPCpu"
 
 

@@ -5,11 +5,18 @@ from kernelhub.default_mapping import default_kernel_mapping
 from kernelhub.device import (
     CUDAProperties,
     Device,
+    ROCMProperties,
     ROCmProperties,
     device_capability,
     device_guard,
     device_properties,
     module_device,
+)
+from kernelhub.func import (
+    FuncRepository,
+    LocalFuncRepository,
+    LockedFuncRepository,
+    use_kernel_func_from_hub,
 )
 from kernelhub.hub import (
     LayerRepository,
@@ -19,8 +26,8 @@ from kernelhub.hub import (
     get_local_kernel,
     has_kernel,
 )
-from kernelhub.kernelize import KernelizeEntry, KernelizeReport, kernelize, unkernelize
-from kernelhub.layer import use_kernel_forward_from_hub
+from kernelhub.kernelize import KernelizeEntry, KernelizeReport, kernelize, kernelize_report, unkernelize
+from kernelhub.layer import replace_kernel_forward_from_hub, use_kernel_forward_from_hub, use_kernelized_func
 from kernelhub.lock import get_locked_kernel
 from kernelhub.mode import Mode
 from kernelhub.registry import get_kernel_mapping, register_kernel_mapping, use_kernel_mapping
@@ -28,13 +35,17 @@ from kernelhub.registry import get_kernel_mapping, register_kernel_mapping, use_
 __all__ = [
     "CUDAProperties",
     "Device",
+    "FuncRepository",
     "KernelizeEntry",
     "KernelhubConfig",
     "KernelizeReport",
     "LayerRepository",
+    "LocalFuncRepository",
     "LocalLayerRepository",
+    "LockedFuncRepository",
     "LockedLayerRepository",
     "Mode",
+    "ROCMProperties",
     "ROCmProperties",
     "default_kernel_mapping",
     "device_capability",
@@ -46,12 +57,16 @@ __all__ = [
     "get_locked_kernel",
     "has_kernel",
     "kernelize",
+    "kernelize_report",
     "load_config",
     "module_device",
     "register_kernel_mapping",
+    "replace_kernel_forward_from_hub",
     "unkernelize",
     "use_kernel_forward_from_hub",
+    "use_kernel_func_from_hub",
     "use_kernel_mapping",
+    "use_kernelized_func",
 ]
 
 register_kernel_mapping(default_kernel_mapping())

@@ -17,6 +17,7 @@ import torch
 __all__ = [
     "CUDAProperties",
     "ROCmProperties",
+    "ROCMProperties",
     "Device",
     "DeviceProperties",
     "device_capability",
@@ -30,7 +31,7 @@ __all__ = [
 ]
 
 _GPU_TYPES = ("cuda",)
-_KNOWN_TYPES = ("cuda", "rocm", "cpu", "mps", "xpu", "npu", "meta")
+_KNOWN_TYPES = ("cuda", "rocm", "cpu", "mps", "xpu", "npu", "neuron", "tpu", "meta")
 
 
 def _check_int(owner: str, name: str, value: object) -> int:
@@ -76,6 +77,10 @@ class ROCmProperties(_CapabilityRange):
     """A range of ROCm GPU capabilities (``major * 10 + minor`` as torch reports them), inclusive."""
 
 
+# Hugging Face `kernels` spells it ROCMProperties.
+ROCMProperties = ROCmProperties
+
+
 @dataclass(frozen=True)
 class Device:
     """A registry key: device type, optional index (None = any index), optional capability range."""
@@ -85,6 +90,10 @@ class Device:
     properties: CUDAProperties | ROCmProperties | None = None
 
     def __post_init__(self) -> None:
+        # `Device("cuda", CUDAProperties(...))`, as Hugging Face `kernels` (which has no index) is called
+        if isinstance(self.index, _CapabilityRange) and self.properties is None:
+            object.__setattr__(self, "properties", self.index)
+            object.__setattr__(self, "index", None)
         if not isinstance(self.type, str) or self.type not in _KNOWN_TYPES:
             raise ValueError(f"Device: `type` must be one of {_KNOWN_TYPES}, got {self.type!r}")
         if self.index is not None:

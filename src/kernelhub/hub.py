@@ -203,17 +203,31 @@ def has_kernel(repo_id: str, *, revision: str | None = None, version: int | None
 class LocalLayerRepository:
     """A layer class from a kernel repository on disk (e.g. the bundled `kernels_repo/swiglu`)."""
 
-    def __init__(self, path: str | Path, *, layer_name: str):
+    def __init__(
+        self,
+        repo_path: str | Path | None = None,
+        *,
+        layer_name: str,
+        package_name: str | None = None,
+        path: str | Path | None = None,
+    ):
+        # `repo_path` (and the older `package_name`) as Hugging Face `kernels` names them; `path` as before
+        if (repo_path is None) == (path is None):
+            raise TypeError("LocalLayerRepository: give the repository directory once, as `repo_path` (or `path`)")
+        path = repo_path if path is None else path
         if not isinstance(path, (str, Path)) or not str(path):
-            raise TypeError(f"LocalLayerRepository: `path` must be a str or Path, got {path!r}")
+            raise TypeError(f"LocalLayerRepository: `repo_path` must be a str or Path, got {path!r}")
+        if package_name is not None and not isinstance(package_name, str):
+            raise TypeError(f"LocalLayerRepository: `package_name` must be a str, got {package_name!r}")
         self.path = Path(path)
+        self.package_name = package_name
         self.layer_name = _check_layer_name("LocalLayerRepository", layer_name)
 
     def load(self) -> type[nn.Module]:
         return _layer_from(get_local_kernel(self.path), self.layer_name, f"at {self.path}")
 
     def with_layer_name(self, name: str) -> LocalLayerRepository:
-        return LocalLayerRepository(self.path, layer_name=name)
+        return LocalLayerRepository(self.path, layer_name=name, package_name=self.package_name)
 
     def describe(self) -> str:
         return f"local:{self.path}/{self.layer_name}"

@@ -14,6 +14,7 @@ import functools
 import threading
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,12 +25,26 @@ from torch import nn
 
 from kernelhub.config import KernelhubConfig, load_config
 from kernelhub.device import as_torch_device, device_capability, module_device
-from kernelhub.layer import keyword_renames, layer_problem
+from kernelhub.layer import (
+    KERNEL_FUNCS,
+    _validate_layer,
+    keyword_renames,
+    layer_problem,
+    layer_verdict,
+    validate_layer_has_mode,
+)
 from kernelhub.matching import match_layer
 from kernelhub.mode import MODE_PRIORITY, Mode
-from kernelhub.registry import get_kernel_mapping, resolve_repository
+from kernelhub.registry import get_kernel_mapping, mapping_in_effect, resolve_repository
 
-__all__ = ["KernelizeEntry", "KernelizeReport", "kernelize", "unkernelize", "describe_repository"]
+__all__ = [
+    "KernelizeEntry",
+    "KernelizeReport",
+    "describe_repository",
+    "kernelize",
+    "kernelize_report",
+    "unkernelize",
+]
 
 
 @dataclass(frozen=True)
@@ -95,6 +110,7 @@ class KernelizeReport:
 
 
 def describe_repository(repo: Any) -> str:
+    """A repository in one short line for the report (`hub:org/name@v1/Layer`, `local:path/Layer`)."""
     describe = getattr(repo, "describe", None)
     if callable(describe):
         return str(describe())
@@ -156,27 +172,69 @@ def choose_layer(
     device: torch.device | None,
     mode: Mode,
     config: Any,
+    *,
+    strict_mapping: bool = False,
+    strict_load: bool = False,
 ) -> _Choice:
-    """Resolve one module on one device: registry, then config override, then layer checks."""
+    """Resolve one module on one device: registry, then config override, then layer checks.
+
+    What cannot be bound is a fallback reason, except, as Hugging Face `kernels` raises at kernelize:
+    with `strict_mapping`, a layer registered for a mode it cannot serve (ValueError); with
+    `strict_load`, a repository that fails to load (its error) or a layer that may not replace the
+    module's forward (TypeError).
+    """
     if device is None:
         return _Choice(None, None, None, None, "module has no parameters; resolved from its input")
-    capability = device_capability(device) if device.type == "cuda" else None
+    # the mapping before the device: a layer nothing maps keeps its forward on any device, including
+    # "cuda" asked of a torch without CUDA (whose capability cannot be read)
+    if layer_name not in mapping_in_effect() and not _config_names(config, layer_name):
+        return _Choice(device, None, None, None, f"no kernel mapping for layer {layer_name!r}")
+    capability, unreadable = _capability(device)
+    if unreadable is not None:
+        return _Choice(device, None, None, None, unreadable)
     resolution = resolve_repository(layer_name, device, capability, mode)
-    repo = resolution.repository
+    repo, repo_mode = resolution.repository, resolution.mode
     if config is not None:
         override = config.repository_for(layer_name, device, capability, repo)
-        if override is not None:
-            repo = override
+        if override is not None and override is not repo:
+            repo, repo_mode = override, None
     if repo is None:
         return _Choice(device, capability, None, None, resolution.reason)
     try:
         layer = _load_layer(repo)
-    except Exception as e:  # noqa: BLE001 - any load failure is a fallback reason, not a crash
+    except Exception as e:
+        if strict_load:
+            raise
         return _Choice(device, capability, repo, None, f"could not load {describe_repository(repo)}: {e}")
-    problem = layer_problem(layer, host, mode)
+    try:
+        validate_layer_has_mode(layer_name, layer, repo, repo_mode)
+    except ValueError as e:
+        if strict_mapping:
+            raise
+        return _Choice(device, capability, repo, None, str(e))
+    if strict_load and layer_verdict(layer, host) is None:
+        _validate_layer(check_cls=type(host), cls=layer, repo=repo)
+    problem = layer_problem(layer, host, mode, repo)
     if problem is not None:
         return _Choice(device, capability, repo, None, problem)
     return _Choice(device, capability, repo, layer, None)
+
+
+def _config_names(config: Any, layer_name: str) -> bool:
+    """Whether the kernelhub config has an entry for this layer (it can bind one with no mapping)."""
+    named = getattr(config, "layers", None)
+    return isinstance(named, dict) and layer_name in named
+
+
+def _capability(device: torch.device) -> tuple[int | None, str | None]:
+    """(capability, None) of a CUDA device, (None, why not) where this torch cannot read it (no
+    CUDA in this build, no such index): such a device binds no kernel, as in `kernels`."""
+    if device.type != "cuda":
+        return None, None
+    try:
+        return device_capability(device), None
+    except (AssertionError, RuntimeError) as e:  # what torch.cuda raises for a device it does not have
+        return None, f"the capability of {device} cannot be read here: {e}"
 
 
 def _first_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -292,11 +350,56 @@ class _KernelizedForward:
 def _check_mode(mode: Any) -> Mode:
     if not isinstance(mode, Mode):
         raise TypeError(f"kernelize: `mode` must be a Mode, got {type(mode).__name__}")
+    if mode == Mode.FALLBACK:
+        raise ValueError("kernelize: `mode` Mode.FALLBACK can only be used to register kernel mappings")
     if mode not in MODE_PRIORITY:
         raise ValueError(
-            f"kernelize: `mode` must include INFERENCE or TRAINING (optionally | TORCH_COMPILE), got {mode}"
+            "kernelize: `mode`: kernelize mode must contain Mode.INFERENCE or Mode.TRAINING "
+            f"(optionally | Mode.TORCH_COMPILE), got {mode}"
         )
     return mode
+
+
+def _explicit_device(device: object) -> torch.device:
+    """kernelize's `device` argument as a torch.device. A torch without CUDA keeps "cuda" as given:
+    resolving its index asks torch.cuda, which asserts there; such a device binds no kernel."""
+    if isinstance(device, str) and device.partition(":")[0] == "rocm":
+        device = "cuda" + device[len("rocm"):]  # ROCm builds of torch call their GPUs cuda
+    if not torch.cuda.is_available() and not isinstance(device, bool):
+        if isinstance(device, int) and device >= 0:
+            return torch.device("cuda", device)
+        if isinstance(device, (str, torch.device)):
+            try:
+                dev = torch.device(device)
+            except RuntimeError:
+                dev = None
+            if dev is not None and dev.type == "cuda":
+                return dev
+    return as_torch_device(device)
+
+
+# id(model) -> (weak reference to the model, its last kernelize's report): the model holds no
+# reference to it (its state_dict, pickle and deepcopy are unchanged) and a dropped model takes its
+# report with it. By id, not a WeakKeyDictionary: a module class's own __eq__ must not matter.
+_REPORTS: dict[int, tuple[weakref.ref, KernelizeReport]] = {}
+
+
+def _keep_report(model: nn.Module, report: KernelizeReport) -> None:
+    key = id(model)
+    _REPORTS[key] = (weakref.ref(model, lambda _ref: _REPORTS.pop(key, None)), report)
+
+
+def kernelize_report(model: nn.Module) -> KernelizeReport:
+    """The report of the last `kernelize` of `model`: per kernelizable module, what was bound or why not."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"kernelize_report: `model` must be a torch.nn.Module, got {type(model).__name__}")
+    kept = _REPORTS.get(id(model))
+    report = kept[1] if kept is not None and kept[0]() is model else None
+    if report is None:
+        raise ValueError(
+            f"kernelize_report: `model` ({type(model).__name__}) has not been kernelized (call kernelize first)"
+        )
+    return report
 
 
 def kernelize(
@@ -304,30 +407,38 @@ def kernelize(
     *,
     mode: Mode = Mode.INFERENCE,
     device: torch.device | str | int | None = None,
-    config: Any = None,
     use_fallback: bool = True,
-) -> KernelizeReport:
+    config: Any = None,
+    verbose: bool = False,
+) -> nn.Module:
     """Replace the forward of every kernelizable module with the kernel for its own device.
+
+    Called as Hugging Face `kernels`' kernelize is (`model = kernelize(model, mode=Mode.INFERENCE)`);
+    `config` and `verbose` are kernelhub's.
 
     Args:
         model: the model (any nn.Module); modified in place.
         mode: what the model will be used for; TRAINING needs layers with a backward.
         device: resolve every module for this device instead of its own (its index is kept).
-        config: kernelhub config (path, dict or KernelhubConfig); None looks for `kernelhub.toml`
-            or `[tool.kernelhub]` in `pyproject.toml` in the working directory.
         use_fallback: keep a module's own forward when no kernel fits (reason in the report);
             when False, raise instead (ValueError). Modules that only look like a layer (an MLP
             with another activation or other maths) are reported and kept either way.
+        config: kernelhub config (path, dict or KernelhubConfig); None looks for `kernelhub.toml`
+            or `[tool.kernelhub]` in `pyproject.toml` in the working directory.
+        verbose: print the report (what was bound per module, or why not).
 
     Returns:
-        A KernelizeReport: one KernelizeEntry per kernelizable module.
+        The same model. `kernelize_report(model)` gives the KernelizeReport of this call: one
+        KernelizeEntry per kernelizable module.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"kernelize: `model` must be a torch.nn.Module, got {type(model).__name__}")
     mode = _check_mode(mode)
     if not isinstance(use_fallback, bool):
         raise TypeError(f"kernelize: `use_fallback` must be True or False, got {use_fallback!r}")
-    explicit = as_torch_device(device) if device is not None else None
+    if not isinstance(verbose, bool):
+        raise TypeError(f"kernelize: `verbose` must be True or False, got {verbose!r}")
+    explicit = _explicit_device(device) if device is not None else None
     cfg = _resolve_config(config)
     entries: list[KernelizeEntry] = []
     saved: list[tuple[nn.Module, dict[str, Any]]] = []  # forwards as they were, should this call raise
@@ -340,30 +451,49 @@ def kernelize(
             module.__dict__.update(attrs)
         raise
     _warn_unknown_layers(cfg, entries)
-    return KernelizeReport(entries, mode)
+    _warn_unmapped_layers(entries)
+    report = KernelizeReport(entries, mode)
+    _keep_report(model, report)
+    if verbose:
+        print(report)
+    return model
 
 
 _FORWARD_ATTRS = ("forward", "_old_forward")
 
 
+def _with_kernel_funcs(model: nn.Module) -> Iterator[tuple[str, str, nn.Module]]:
+    """(name, parent name, module) of every module, then of the functions attached to it with
+    `use_kernelized_func` (each function once: several modules may list one function)."""
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        yield name, name.rpartition(".")[0], module
+        for fname, fn in module.__dict__.get(KERNEL_FUNCS, {}).items():
+            if isinstance(fn, nn.Module) and id(fn) not in seen:
+                seen.add(id(fn))
+                yield f"{name}.{fname}" if name else fname, name, fn
+
+
 def _kernelize_modules(model: nn.Module, mode: Mode, explicit: torch.device | None, cfg: Any, use_fallback: bool,
                        entries: list[KernelizeEntry], saved: list[tuple[nn.Module, dict[str, Any]]]) -> None:
     inherited: dict[str, torch.device | None] = {}
-    for name, module in model.named_modules():
-        parent = name.rpartition(".")[0]
+    for name, parent, module in _with_kernel_funcs(model):
         own = (_execution_device(module) or module_device(module)) if explicit is None else explicit
         dev = own if own is not None else inherited.get(parent)
-        inherited[name] = dev
+        inherited.setdefault(name, dev)
         match = match_layer(module)
         if match is None:
             continue
         saved.append((module, {a: module.__dict__[a] for a in _FORWARD_ATTRS if a in module.__dict__}))
         _unbind(module)
         if match.unsupported_reason is not None:
-            capability = device_capability(dev) if dev is not None and dev.type == "cuda" else None
+            capability = _capability(dev)[0] if dev is not None else None
             choice = _Choice(dev, capability, None, None, match.unsupported_reason)
         else:
-            choice = choose_layer(module, match.layer_name, dev, mode, cfg)
+            # a module marked with a layer name is kernelized as Hugging Face `kernels` does it: what
+            # the mapping names must load and fit; one recognised by its class falls back instead
+            marked = getattr(module, "kernel_layer_name", None) is not None
+            choice = choose_layer(module, match.layer_name, dev, mode, cfg, strict_mapping=True, strict_load=marked)
         if (
             not use_fallback
             and match.unsupported_reason is None
@@ -393,6 +523,21 @@ def _kernelize_modules(model: nn.Module, mode: Mode, explicit: torch.device | No
                 layer=choice.layer.__name__ if choice.layer is not None else None,
                 fallback_reason=choice.reason,
             )
+        )
+
+
+def _warn_unmapped_layers(entries: list[KernelizeEntry]) -> None:
+    """As Hugging Face `kernels` does: a module marked with a layer name that no mapping has keeps
+    its forward, with a warning (once per layer name)."""
+    mapping = mapping_in_effect()
+    unmapped = sorted({e.layer_name for e in entries if e.fallback_reason is not None and e.layer_name not in mapping})
+    for layer_name in unmapped:
+        warnings.warn(
+            f"kernelize: No kernel mapping found for layer `{layer_name}`. Check if the layer name matches one "
+            "of the kernels in the mapping or add the kernel you want to use to the mapping. Defaulting to "
+            "original forward implementation.",
+            UserWarning,
+            stacklevel=3,
         )
 
 
@@ -456,4 +601,4 @@ def unkernelize(model: nn.Module) -> int:
     """Restore every forward that kernelize replaced; returns how many modules were restored."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"unkernelize: `model` must be a torch.nn.Module, got {type(model).__name__}")
-    return sum(_unbind(m) for m in model.modules())
+    return sum(_unbind(m) for _, _, m in _with_kernel_funcs(model))

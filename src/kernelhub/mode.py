@@ -23,9 +23,12 @@ class Mode(Flag):
     def __or__(self, other: Mode) -> Mode:
         union = super().__or__(other)
         if Mode.INFERENCE in union and Mode.TRAINING in union:
-            raise ValueError("Mode: INFERENCE and TRAINING cannot be combined")
+            raise ValueError(
+                "Mode: Mode.INFERENCE and Mode.TRAINING are mutually exclusive "
+                "(INFERENCE and TRAINING cannot be combined)"
+            )
         if Mode.FALLBACK in union and union != Mode.FALLBACK:
-            raise ValueError("Mode: FALLBACK cannot be combined with other modes")
+            raise ValueError("Mode: Mode.FALLBACK cannot be combined with other modes")
         return union
 
 

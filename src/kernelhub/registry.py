@@ -65,17 +65,21 @@ def _current() -> KernelMapping:
 
 
 def _is_repository(value: object) -> bool:
-    return callable(getattr(value, "load", None)) and isinstance(getattr(value, "layer_name", None), str)
+    # function repositories (FuncRepository, ...) name a function instead of a layer
+    name = getattr(value, "layer_name", None)
+    if name is None:
+        name = getattr(value, "func_name", None)
+    return callable(getattr(value, "load", None)) and isinstance(name, str)
 
 
 def _parse_device_key(layer: str, key: object) -> Device:
     if isinstance(key, Device):
         return key
     if isinstance(key, str):
-        # "rocm" and "npu" are mapping keys as in Hugging Face `kernels`, though torch.device
-        # (without torch_npu) knows neither: "type" or "type:index" is parsed here.
+        # "rocm", "npu", "neuron" and "tpu" are mapping keys as in Hugging Face `kernels`, though
+        # torch.device (without their plugins) knows none of them: "type" or "type:index" is parsed here.
         kind, _, index = key.partition(":")
-        if kind in ("rocm", "npu") and (not index or index.isdigit()):
+        if kind in ("rocm", "npu", "neuron", "tpu") and (not index or index.isdigit()):
             return Device(kind, int(index) if index else None)
         try:
             dev = torch.device(key)
@@ -141,7 +145,7 @@ def _merge(base: KernelMapping, update: KernelMapping) -> KernelMapping:
     return merged
 
 
-def register_kernel_mapping(mapping: Mapping[str, Any], *, inherit_mapping: bool = True) -> None:
+def register_kernel_mapping(mapping: Mapping[str, Any], inherit_mapping: bool = True) -> None:
     """Add `mapping` to the global mapping, merging per (layer, device, mode).
 
     Inside a `use_kernel_mapping` block the block's mapping is updated too.

@@ -163,7 +163,7 @@ def test_kernelize_model_split_over_two_gpus_binds_each_module_to_its_device():
 
     model = _small_moe_model()
     _split(model)
-    report = kernelhub.kernelize(model)
+    report = kernelhub.kernelize_report(kernelhub.kernelize(model))
     for e in report.entries:
         assert e.fallback_reason is None, e
         layer_idx = int(e.module_name.split(".")[2])

@@ -73,7 +73,8 @@ def report_model(model: torch.nn.Module, devices: list[torch.device], *, mode, c
         if hasattr(kz, "plan"):
             report = kz.plan(model, mode=mode, device=device, config=config)
         else:
-            report = kz.kernelize(model, mode=mode, device=device, config=config)
+            kz.kernelize(model, mode=mode, device=device, config=config)
+            report = kz.kernelize_report(model)
             kz.unkernelize(model)
         out.append((device, report))
     return out
