@@ -11,6 +11,18 @@ from kernelhub.device import (
     device_properties,
     module_device,
 )
+from kernelhub.errors import (
+    AllocationSymmetryError,
+    ConfigError,
+    KernelHubError,
+    KernelLockError,
+    KernelNotFoundError,
+    KernelVariantNotFoundError,
+    KernelVersionNotFoundError,
+    SymmetricHeapFullError,
+    UntrustedKernelError,
+    UntrustedKernelWarning,
+)
 from kernelhub.hub import (
     LayerRepository,
     LocalLayerRepository,
@@ -26,8 +38,15 @@ from kernelhub.mode import Mode
 from kernelhub.registry import get_kernel_mapping, register_kernel_mapping, use_kernel_mapping
 
 __all__ = [
+    "AllocationSymmetryError",
     "CUDAProperties",
+    "ConfigError",
     "Device",
+    "KernelHubError",
+    "KernelLockError",
+    "KernelNotFoundError",
+    "KernelVariantNotFoundError",
+    "KernelVersionNotFoundError",
     "KernelizeEntry",
     "KernelhubConfig",
     "KernelizeReport",
@@ -36,6 +55,9 @@ __all__ = [
     "LockedLayerRepository",
     "Mode",
     "ROCmProperties",
+    "SymmetricHeapFullError",
+    "UntrustedKernelError",
+    "UntrustedKernelWarning",
     "default_kernel_mapping",
     "device_capability",
     "device_guard",

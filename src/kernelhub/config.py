@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from kernelhub.errors import ConfigError  # re-exported: its earlier import path
 from kernelhub.hub import LayerRepository, LocalLayerRepository, LockedLayerRepository
 
 try:
@@ -36,10 +37,6 @@ __all__ = ["ConfigError", "KernelhubConfig", "LayerConfig", "PinConfig", "load_c
 _CAPABILITY_RE = re.compile(r"^(\d+)\.(\d)$")
 _DEVICE_RE = re.compile(r"^(cuda|xpu|npu|mps):(\d+)$")  # (CPU tensors have no index: "cpu:0" never matches)
 _REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
-
-
-class ConfigError(ValueError):
-    """An invalid kernelhub config; the message names the key and what is allowed."""
 
 
 class _Strict(BaseModel):

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from kernelhub.device import as_torch_device, device_guard
 from kernelhub.distributed._backing import CpuSharedBacking, CudaSymmetricBacking
+from kernelhub.errors import AllocationSymmetryError, SymmetricHeapFullError  # re-exported: their earlier path
 
 __all__ = [
     "Allocation",
@@ -33,14 +34,6 @@ CHECK_ENV = "KERNELHUB_CHECK_ALLOC_SYMMETRY"
 _RULE = (
     "every rank must allocate the same sizes, dtypes and shapes in the same order (see docs/distributed.md)"
 )
-
-
-class AllocationSymmetryError(RuntimeError):
-    """Ranks allocated different things from a SymmetricHeap: peer views would be wrong."""
-
-
-class SymmetricHeapFullError(MemoryError):
-    """An allocation does not fit in the heap."""
 
 
 @dataclass(frozen=True)
