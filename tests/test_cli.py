@@ -18,7 +18,7 @@ from huggingface_hub import HfApi
 from kernelhub.cli import build_parser, main
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-SUBCOMMANDS = ["check", "upload", "download", "lock", "variants", "report"]
+SUBCOMMANDS = ["check", "build", "upload", "download", "lock", "variants", "report"]
 
 
 def test_help_lists_and_explains_every_subcommand(capsys):
