@@ -306,3 +306,17 @@ def test_a_build_loads_with_hugging_face_kernels(tmp_path):
     loaded = kernels.get_loaded_kernels()[-1].metadata
     meta = json.loads((repo / "build" / "torch-universal" / "metadata.json").read_text())
     assert (loaded.id, str(loaded.name), loaded.version) == (meta["id"], "tiny", 1)
+
+
+def test_upload_with_a_client_that_cannot_upload_to_kernel_repositories_is_refused_first(hub, tmp_path, capsys,
+                                                                                        monkeypatch):
+    """huggingface_hub 1.10-2.2 (transformers 5.17's) load `kernel` repositories but cannot upload to one."""
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "__version__", "1.33.0")
+    before = len(hub.store.requests)
+    assert main(["upload", str(TINY), "--repo-id", "org/tiny"]) == 1
+    err = capsys.readouterr().err
+    assert "huggingface_hub 1.33.0 cannot upload to a `kernel` repository (2.3 and later can)" in err
+    assert len(hub.store.requests) == before and not hub.store.repos
+    assert main(["upload", str(TINY), "--repo-id", "org/tiny", "--repo-type", "model"]) == 0

@@ -72,10 +72,27 @@ def upload_kernel(
         return _publish(stage, manifest, repo_id, version or manifest.version, private, repo_type)
 
 
+_KERNEL_UPLOADS = "2.3"  # the first huggingface_hub whose upload API accepts repo_type="kernel"
+
+
+def _check_client(repo_type: str) -> None:
+    """Refuse before any request where this huggingface_hub cannot upload to `repo_type` (1.10 to 2.2
+    download from `kernel` repositories but reject uploads to them, after creating the repository)."""
+    import huggingface_hub
+    from packaging.version import Version
+
+    if repo_type == "kernel" and Version(huggingface_hub.__version__) < Version(_KERNEL_UPLOADS):
+        raise ValueError(
+            f"upload_kernel: huggingface_hub {huggingface_hub.__version__} cannot upload to a `kernel` repository "
+            f"({_KERNEL_UPLOADS} and later can): upgrade it, or publish a `model` repository (`--repo-type model`)"
+        )
+
+
 def _publish(
     stage: str, manifest: KernelManifest, repo_id: str, version: int, private: bool, repo_type: str | None
 ) -> tuple[str, str, str]:
     repo_type = repo_type or default_repo_type()
+    _check_client(repo_type)
     hub = api()
     branch = f"v{version}"
     hub.create_repo(repo_id, repo_type=repo_type, private=private, exist_ok=True)
