@@ -320,3 +320,16 @@ def test_upload_with_a_client_that_cannot_upload_to_kernel_repositories_is_refus
     assert "huggingface_hub 1.33.0 cannot upload to a `kernel` repository (2.3 and later can)" in err
     assert len(hub.store.requests) == before and not hub.store.repos
     assert main(["upload", str(TINY), "--repo-id", "org/tiny", "--repo-type", "model"]) == 0
+
+
+KERNELS_REPO = Path(__file__).resolve().parents[1] / "kernels_repo"
+
+
+@pytest.mark.parametrize("kernel", sorted(p.name for p in KERNELS_REPO.iterdir()) if KERNELS_REPO.is_dir() else [])
+def test_bundled_kernel_repositories_build_and_their_build_passes_check(kernel, tmp_path, capsys):
+    repo = tmp_path / kernel
+    shutil.copytree(KERNELS_REPO / kernel, repo, ignore=shutil.ignore_patterns("__pycache__", "build"))
+    assert main(["build", str(repo)]) == 0, capsys.readouterr().err
+    assert main(["check", str(repo)]) == 0, capsys.readouterr().err
+    meta = json.loads((repo / "build" / "torch-universal" / "metadata.json").read_text())
+    assert (meta["name"], meta["version"], meta["license"]) == (kernel, 1, "Apache-2.0")
