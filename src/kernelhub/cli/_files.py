@@ -39,11 +39,9 @@ def skipped(name: str) -> bool:
     return name.startswith(".") or name == "__pycache__" or name.endswith((".pyc", ".pyo"))
 
 
-def _refuse(path: Path, e: OSError) -> ValueError:
-    # O_NOFOLLOW on a link fails with ELOOP (ENOTDIR where O_DIRECTORY met a link to a file)
-    if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
-        return ValueError(link_problem(path))
-    raise e
+def _is_link(path: Path, e: OSError) -> bool:
+    """Whether an open with O_NOFOLLOW failed because `path` is a link (ELOOP on Linux, EMLINK on BSDs)."""
+    return e.errno in (errno.ELOOP, errno.EMLINK, errno.ENOTDIR) and path.is_symlink()
 
 
 def _open(base: Path, rel: str, *, directory: bool = False) -> int:
@@ -56,7 +54,9 @@ def _open(base: Path, rel: str, *, directory: bool = False) -> int:
             try:
                 nxt = os.open(part, _FILE_FLAGS if last and not directory else _DIR_FLAGS, dir_fd=fd)
             except OSError as e:
-                raise _refuse(base.joinpath(*parts[: i + 1]), e) from e
+                if _is_link(base.joinpath(*parts[: i + 1]), e):
+                    raise ValueError(link_problem(base.joinpath(*parts[: i + 1]))) from None
+                raise
             os.close(fd)
             fd = nxt
         mode = os.fstat(fd).st_mode
@@ -74,9 +74,10 @@ def read_file(base: Path, rel: str, *, limit: int | None = None) -> bytes:
     `limit` bytes (a manifest is small: a huge one is refused before parsing)."""
     fd = _open(base, rel)
     with os.fdopen(fd, "rb") as f:
-        if limit is not None and os.fstat(f.fileno()).st_size > limit:
-            raise ValueError(f"{base / rel}: larger than {limit} bytes")
-        return f.read()
+        data = f.read() if limit is None else f.read(limit + 1)  # (a file growing meanwhile stops here too)
+    if limit is not None and len(data) > limit:
+        raise ValueError(f"{base / rel}: larger than {limit} bytes")
+    return data
 
 
 def scan_tree(base: Path, rel: str) -> tuple[list[str], list[str]]:
@@ -98,8 +99,10 @@ def scan_tree(base: Path, rel: str) -> tuple[list[str], list[str]]:
             elif entry.is_dir(follow_symlinks=False):
                 try:
                     sub = os.open(entry.name, _DIR_FLAGS, dir_fd=fd)
-                except OSError as e:
-                    problems.append(str(_refuse(base / path, e)))
+                except OSError as e:  # replaced by a link since the listing
+                    if not _is_link(base / path, e):
+                        raise
+                    problems.append(link_problem(base / path))
                     continue
                 try:
                     walk(sub, path)
@@ -141,9 +144,9 @@ def repository_link_problems(repo: Path) -> list[str]:
     return problems
 
 
-def copy_files(base: Path, files: list[str], dest: Path, *, strip: str = "") -> None:
-    """Copy `base/<f>` to `dest/<f without the prefix strip>` for each f, refusing links (see `_open`)."""
+def copy_files(base: Path, files: list[str], dest: Path) -> None:
+    """Copy `base/<f>` to `dest/<f>` for each relative path f, refusing links (see `_open`)."""
     for rel in files:
-        target = dest / rel[len(strip):].lstrip("/") if strip else dest / rel
+        target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_bytes(read_file(base, rel))

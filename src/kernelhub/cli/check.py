@@ -159,7 +159,7 @@ def _check_metadata(meta: Path, base: Path, manifest: KernelManifest) -> list[st
     data, problems = _json_object(meta, base, str(meta.relative_to(base)))
     if data is None:
         return problems
-    if "version" in data and data["version"] != manifest.version:
+    if "version" in data and (type(data["version"]) is not int or data["version"] != manifest.version):
         problems.append(f"{meta}: `version` {data['version']!r} differs from kernel.toml's {manifest.version}")
     if "name" in data and data["name"] != manifest.name:
         problems.append(f"{meta}: `name` {data['name']!r} differs from kernel.toml's {manifest.name!r}")
