@@ -18,7 +18,7 @@ from huggingface_hub import HfApi
 from kernelhub.cli import build_parser, main
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-SUBCOMMANDS = ["check", "upload", "download", "lock", "variants", "report"]
+SUBCOMMANDS = ["check", "build", "upload", "download", "lock", "variants", "report"]
 
 
 def test_help_lists_and_explains_every_subcommand(capsys):
@@ -239,7 +239,8 @@ def test_report_prints_what_each_module_gets_per_device(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(config))
     pins = tmp_path / "kernelhub.toml"
     pins.write_text(f'[layers.SwiGLUMLP]\npath = "{TINY}"\nlayer = "TinyScale"\n')
-    argv = ["report", "--config", str(tmp_path / "config.json"), "--device", "cpu", "--kernelhub-config", str(pins)]
+    argv = ["report", "--model-config", str(tmp_path / "config.json"), "--device", "cpu",
+            "--kernelhub-config", str(pins)]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "== cpu ==" in out
@@ -306,3 +307,62 @@ def test_bad_arguments_are_one_line_errors_naming_them(hub, tmp_path, capsys, ar
     assert main(argv) != 0
     err = capsys.readouterr().err
     assert re.search(message, err), err
+
+
+# --- option spellings: --kernelhub-config is the kernelhub config and --model-config a transformers config
+# in every subcommand; --config, which meant either, still works with a deprecation note ------------------
+
+
+@pytest.mark.parametrize(("argv", "dest"), [(["download"], "kernelhub_config"), (["lock"], "kernelhub_config"),
+                                            (["report", "--model-type", "llama"], "kernelhub_config")])
+def test_kernelhub_config_is_spelled_one_way_everywhere(argv, dest):
+    assert getattr(build_parser().parse_args([*argv, "--kernelhub-config", "k.toml"]), dest) == "k.toml"
+
+
+def test_the_earlier_config_spelling_keeps_its_meaning_with_a_note(capsys):
+    parser = build_parser()
+    assert parser.parse_args(["download", "--config", "k.toml"]).kernelhub_config == "k.toml"
+    assert "`--config` is deprecated" in capsys.readouterr().err
+    assert parser.parse_args(["lock", "--config", "k.toml"]).kernelhub_config == "k.toml"
+    assert "use `--kernelhub-config`" in capsys.readouterr().err
+    args = parser.parse_args(["report", "--config", "config.json"])  # report's meant the transformers config
+    assert (args.model_config, args.kernelhub_config) == ("config.json", None)
+    assert "use `--model-config`" in capsys.readouterr().err
+    assert parser.parse_args(["report", "--model-config", "config.json"]).model_config == "config.json"
+    assert capsys.readouterr().err == ""  # the current spelling: no note
+    with pytest.raises(SystemExit):
+        parser.parse_args(["report", "--config", "a.json", "--model-config", "b.json"])
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_download_and_lock_read_the_kernelhub_config_given(hub, tmp_path, monkeypatch, capsys):
+    assert main(["upload", str(TINY), "--repo-id", "org/tiny"]) == 0
+    config = tmp_path / "project" / "kernelhub.toml"
+    config.parent.mkdir()
+    config.write_text('[layers.S]\nrepo = "org/tiny"\nversion = 1\n')
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # no config here: only the option names it
+    capsys.readouterr()
+    for spelling in ("--kernelhub-config", "--config"):
+        assert main(["download", spelling, str(config)]) == 0
+        captured = capsys.readouterr()
+        assert captured.out.startswith("org/tiny v1 ")
+        assert ("deprecated" in captured.err) == (spelling == "--config")
+        assert main(["lock", spelling, str(config)]) == 0
+        assert (config.parent / "kernels.lock").is_file()  # written next to the config
+        (config.parent / "kernels.lock").unlink()
+        capsys.readouterr()
+
+
+def test_report_model_config_that_is_not_json_names_the_option(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    (tmp_path / "deep.json").write_text("[" * 200_000 + "]" * 200_000)
+    (tmp_path / "latin1.json").write_bytes(b'{"model_type": "caf\xe9"}')
+    assert main(["report", "--model-config", str(tmp_path / "deep.json"), "--device", "cpu"]) == 1
+    assert "`--model-config` " in (err := capsys.readouterr().err) and "not valid JSON: nested too deeply" in err
+    assert main(["report", "--config", str(tmp_path / "latin1.json"), "--device", "cpu"]) == 1
+    assert "`--config` " in (err := capsys.readouterr().err) and "not valid UTF-8 JSON" in err
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text("[" * 200_000 + "]" * 200_000)
+    assert main(["report", "--checkpoint", str(tmp_path / "ckpt"), "--device", "cpu"]) == 1
+    assert "`--checkpoint` " in (err := capsys.readouterr().err) and "nested too deeply" in err

@@ -12,6 +12,18 @@ from kernelhub.device import (
     device_properties,
     module_device,
 )
+from kernelhub.errors import (
+    AllocationSymmetryError,
+    ConfigError,
+    KernelHubError,
+    KernelLockError,
+    KernelNotFoundError,
+    KernelVariantNotFoundError,
+    KernelVersionNotFoundError,
+    SymmetricHeapFullError,
+    UntrustedKernelError,
+    UntrustedKernelWarning,
+)
 from kernelhub.func import (
     FuncRepository,
     LocalFuncRepository,
@@ -33,9 +45,16 @@ from kernelhub.mode import Mode
 from kernelhub.registry import get_kernel_mapping, register_kernel_mapping, use_kernel_mapping
 
 __all__ = [
+    "AllocationSymmetryError",
     "CUDAProperties",
+    "ConfigError",
     "Device",
     "FuncRepository",
+    "KernelHubError",
+    "KernelLockError",
+    "KernelNotFoundError",
+    "KernelVariantNotFoundError",
+    "KernelVersionNotFoundError",
     "KernelizeEntry",
     "KernelhubConfig",
     "KernelizeReport",
@@ -47,6 +66,9 @@ __all__ = [
     "Mode",
     "ROCMProperties",
     "ROCmProperties",
+    "SymmetricHeapFullError",
+    "UntrustedKernelError",
+    "UntrustedKernelWarning",
     "default_kernel_mapping",
     "device_capability",
     "device_guard",

@@ -17,6 +17,12 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from kernelhub.errors import (  # re-exported: their earlier import path
+    KernelHubError,
+    KernelNotFoundError,
+    KernelVariantNotFoundError,
+    KernelVersionNotFoundError,
+)
 from kernelhub.variants import SystemInfo, rank_variants
 
 logger = logging.getLogger("kernelhub.hub")
@@ -40,22 +46,6 @@ __all__ = [
 _COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 _VERSION_BRANCH_RE = re.compile(r"^v([1-9]\d*)$")  # v1, v2, ...: not "v01", which is no "vN" of a version N
 _warned_newer: set[tuple] = set()  # (hub, repo, version, newest): warn once each
-
-
-class KernelHubError(Exception):
-    """Base of kernelhub's Hub errors."""
-
-
-class KernelNotFoundError(KernelHubError, LookupError):
-    """The repository or revision does not exist (or is not reachable and not cached)."""
-
-
-class KernelVersionNotFoundError(KernelNotFoundError):
-    """The repository has no branch `vN` for the requested version."""
-
-
-class KernelVariantNotFoundError(KernelNotFoundError):
-    """The revision has no build variant this system can run."""
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from pydantic import (
 )
 
 from kernelhub._fetch import check_repo_id
+from kernelhub.errors import ConfigError  # re-exported: its earlier import path
 from kernelhub.hub import LayerRepository, LocalLayerRepository, LockedLayerRepository
 
 try:
@@ -62,10 +63,6 @@ def _revision_problem(v: str) -> str | None:
     if any(not part or part.startswith(".") or part.endswith(".lock") for part in parts) or v.endswith("."):
         return "must be a branch, tag or commit: no empty, '.'-leading or '.lock' path parts, no trailing '.'"
     return None
-
-
-class ConfigError(ValueError):
-    """An invalid kernelhub config; the message names the key and what is allowed."""
 
 
 class _Strict(BaseModel):

@@ -28,6 +28,7 @@ from kernelhub._fetch import (
     resolve_kernel,
 )
 from kernelhub._loader import load_kernel_from_dir
+from kernelhub.errors import UntrustedKernelError, UntrustedKernelWarning  # re-exported: their earlier path
 from kernelhub.variants import rank_variants
 
 __all__ = [
@@ -50,15 +51,6 @@ __all__ = [
 DEFAULT_TRUSTED_PUBLISHERS = ("kernels-community",)
 _kernel_cache: dict[tuple, ModuleType] = {}
 _cache_lock = threading.Lock()
-
-
-class UntrustedKernelError(KernelHubError, PermissionError):
-    """Hub code from a publisher that is not trusted, refused: `trust_remote_code=False` was given or
-    `KERNELHUB_REQUIRE_TRUSTED=1` is set (without either, such code is imported with a warning)."""
-
-
-class UntrustedKernelWarning(UserWarning):
-    """Hub code from a publisher that is not trusted is being imported (once per repository)."""
 
 
 _warned_untrusted: set[str] = set()

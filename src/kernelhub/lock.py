@@ -21,13 +21,13 @@ from pathlib import Path
 from types import ModuleType
 
 from kernelhub._fetch import (
-    KernelHubError,
     ResolvedKernel,
     choose_variant,
     default_repo_type,
     fetch_variant,
     list_variants,
 )
+from kernelhub.errors import KernelLockError  # re-exported: its earlier import path
 from kernelhub.variants import rank_variants
 
 __all__ = [
@@ -44,10 +44,6 @@ __all__ = [
 
 DEFAULT_LOCKFILE = "kernels.lock"
 LOCKFILE_VERSION = 1
-
-
-class KernelLockError(KernelHubError, ValueError):
-    """The lock file is missing, malformed, has no entry for a kernel, or a file's hash differs."""
 
 
 def _lock_path(lockfile: str | Path | None) -> Path:

@@ -1,4 +1,4 @@
-"""`kernelhub` command line: publish, fetch, lock and inspect kernels.
+"""`kernelhub` command line: build, publish, fetch, lock and inspect kernels.
 
 One module per subcommand; each exposes `add_parser(subparsers)` and `run(args) -> int`.
 """
@@ -8,18 +8,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kernelhub.cli import check, download, lock, report, upload, variants
+from kernelhub.cli import build, check, download, lock, report, upload, variants
 
 __all__ = ["build_parser", "main"]
 
-_COMMANDS = (check, upload, download, lock, variants, report)
+_COMMANDS = (check, build, upload, download, lock, variants, report)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kernelhub",
-        description="Publish kernel repositories to the Hugging Face Hub, download and lock them, and report "
-        "which kernel each module of a model gets on each GPU.",
+        description="Build kernel repositories and publish them to the Hugging Face Hub, download and lock them, "
+        "and report which kernel each module of a model gets on each GPU.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in _COMMANDS:

@@ -1,4 +1,5 @@
-"""`kernelhub lock`: write `kernels.lock` for the Hub kernels named in the kernelhub config.
+"""`kernelhub lock`: write `kernels.lock` for the Hub kernels named in the kernelhub config
+(`--kernelhub-config`, default searched in the current directory; `--config` is its deprecated spelling).
 
 Each entry records the repository, the version/revision asked for, the commit it resolved to, and the
 sha256 of every file of the locked build variant(s) (default: the one this system loads; add others
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kernelhub.cli._common import add_subcommand
+from kernelhub.cli._common import add_kernelhub_config_arguments, add_subcommand
 from kernelhub.config import load_config
 from kernelhub.lock import DEFAULT_LOCKFILE, lock_kernel, write_lockfile
 
@@ -19,9 +20,7 @@ __all__ = ["add_parser", "run"]
 
 def add_parser(sub) -> None:
     p = add_subcommand(sub, "lock", "resolve the config's Hub kernels to commits and write kernels.lock", __doc__)
-    p.add_argument(
-        "--config", help="kernelhub.toml or pyproject.toml (default: search the current directory)"
-    )
+    add_kernelhub_config_arguments(p, "kernelhub.toml or pyproject.toml (default: search the current directory)")
     p.add_argument(
         "--output",
         "-o",
@@ -33,7 +32,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    config = load_config(args.config)
+    config = load_config(args.kernelhub_config)
     if config is None:
         raise FileNotFoundError(
             "no kernelhub config found (kernelhub.toml, or pyproject.toml with [tool.kernelhub])"
@@ -47,11 +46,8 @@ def run(args) -> int:
         entries.append(entry)
         ref = f"v{version}" if version else (revision or "default")
         print(f"locked {repo_id} {ref} -> {entry['commit']} ({', '.join(entry['variants'])})")
-    base = (
-        Path(args.config).parent
-        if args.config and not Path(args.config).is_dir()
-        else Path(args.config or ".")
-    )
+    given = args.kernelhub_config
+    base = Path(given).parent if given and not Path(given).is_dir() else Path(given or ".")
     output = Path(args.output) if args.output else base / (config.lockfile or DEFAULT_LOCKFILE)
     print(f"wrote {write_lockfile(entries, output)}")
     return 0

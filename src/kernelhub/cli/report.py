@@ -1,8 +1,9 @@
 """`kernelhub report`: which kernel each module of a model would get on each visible GPU.
 
 The model is built on the meta device (no weights, no memory) from a transformers config:
-`--config path/to/config.json`, `--model-type llama` (transformers' defaults for that type), or
-`--checkpoint DIR` (a local checkpoint directory; only its config.json is read). For each device
+`--model-config path/to/config.json` (`--config` is its deprecated spelling), `--model-type llama`
+(transformers' defaults for that type), or `--checkpoint DIR` (a local checkpoint directory; only
+its config.json is read). For each device
 (`--device cuda:1`, repeatable; default every visible GPU, else cpu) it runs kernelize's resolution
 for that device and prints the report: per module the device, capability, chosen repository and
 layer, or why it falls back. `--capability 9.0` (repeatable) reports for a CUDA GPU of that
@@ -21,27 +22,41 @@ from pathlib import Path
 
 import torch
 
-from kernelhub.cli._common import add_subcommand
+from kernelhub.cli._common import add_deprecated_spelling, add_subcommand
 from kernelhub.device import as_torch_device
 
 __all__ = ["add_parser", "build_meta_model", "report_model", "run"]
 
 
+def _read_json(path: str, option: str):
+    try:
+        return json.loads(Path(path).read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"report: `{option}` {path}: not valid UTF-8 JSON: {e}") from None
+    except (RecursionError, MemoryError):  # the decoder recurses per nesting level
+        raise ValueError(f"report: `{option}` {path}: not valid JSON: nested too deeply") from None
+
+
 def _transformers_config(args):
     from transformers import AutoConfig
 
-    if args.config:
-        data = json.loads(Path(args.config).read_text())
+    if args.model_config:
+        option = getattr(args, "model_config_option", "--model-config")  # the spelling the user typed
+        data = _read_json(args.model_config, option)
         if not isinstance(data, dict):
-            raise ValueError(f"report: `--config` {args.config} must hold a JSON object (a transformers "
+            raise ValueError(f"report: `{option}` {args.model_config} must hold a JSON object (a transformers "
                              f"config), got {type(data).__name__}")
         model_type = data.pop("model_type", None)
         if model_type is None:
-            raise ValueError(f"report: `--config` {args.config} has no `model_type`")
+            raise ValueError(f"report: `{option}` {args.model_config} has no `model_type`")
         return AutoConfig.for_model(model_type, **data)
     if args.model_type:
         return AutoConfig.for_model(args.model_type)
-    return AutoConfig.from_pretrained(args.checkpoint, local_files_only=True)
+    try:
+        return AutoConfig.from_pretrained(args.checkpoint, local_files_only=True)
+    except (RecursionError, MemoryError):  # its config.json, nested too deeply for the decoder
+        raise ValueError(f"report: `--checkpoint` {args.checkpoint}: config.json is not valid JSON: nested too "
+                         "deeply") from None
 
 
 def build_meta_model(config) -> torch.nn.Module:
@@ -119,7 +134,8 @@ def _assumed_gpu(capability: int) -> Iterator[torch.device]:
 def add_parser(sub) -> None:
     p = add_subcommand(sub, "report", "show which kernel each module of a model gets on each GPU", __doc__)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--config", help="transformers config.json")
+    src.add_argument("--model-config", help="transformers config.json")
+    add_deprecated_spelling(src, "--config", "--model-config", "model_config")
     src.add_argument("--model-type", help="a transformers model type, e.g. llama, qwen3_moe, mixtral")
     src.add_argument("--checkpoint", help="local checkpoint directory (its config.json)")
     where = p.add_mutually_exclusive_group()

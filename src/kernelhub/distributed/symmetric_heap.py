@@ -28,6 +28,7 @@ from kernelhub.distributed._agree import (
     raise_if_any_failed,
 )
 from kernelhub.distributed._backing import CpuSharedBacking, CudaSymmetricBacking
+from kernelhub.errors import AllocationSymmetryError, SymmetricHeapFullError  # re-exported: their earlier path
 
 __all__ = [
     "Allocation",
@@ -41,14 +42,6 @@ CHECK_ENV = "KERNELHUB_CHECK_ALLOC_SYMMETRY"
 _RULE = (
     "every rank must allocate the same sizes, dtypes and shapes in the same order (see docs/distributed.md)"
 )
-
-
-class AllocationSymmetryError(RuntimeError):
-    """Ranks allocated different things from a SymmetricHeap: peer views would be wrong."""
-
-
-class SymmetricHeapFullError(MemoryError):
-    """An allocation does not fit in the heap."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,62 @@
+"""kernelhub's public exceptions and warnings, in one module that imports nothing else of kernelhub.
+
+Catch them from here (`from kernelhub.errors import KernelHubError`) without importing the parts
+that raise them; the modules that raise them re-export them under their earlier import paths.
+Each also derives from the builtin a caller would catch without knowing kernelhub
+(`LookupError`, `ValueError`, `PermissionError`, ...).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AllocationSymmetryError",
+    "ConfigError",
+    "KernelHubError",
+    "KernelLockError",
+    "KernelNotFoundError",
+    "KernelVariantNotFoundError",
+    "KernelVersionNotFoundError",
+    "SymmetricHeapFullError",
+    "UntrustedKernelError",
+    "UntrustedKernelWarning",
+]
+
+
+class KernelHubError(Exception):
+    """Base of kernelhub's Hub errors."""
+
+
+class KernelNotFoundError(KernelHubError, LookupError):
+    """The repository or revision does not exist (or is not reachable and not cached)."""
+
+
+class KernelVersionNotFoundError(KernelNotFoundError):
+    """The repository has no branch `vN` for the requested version."""
+
+
+class KernelVariantNotFoundError(KernelNotFoundError):
+    """The revision has no build variant this system can run."""
+
+
+class KernelLockError(KernelHubError, ValueError):
+    """The lock file is missing, malformed, has no entry for a kernel, or a file's hash differs."""
+
+
+class UntrustedKernelError(KernelHubError, PermissionError):
+    """Hub code from a publisher that is not trusted was refused (see docs/publishing.md, "Trust")."""
+
+
+class UntrustedKernelWarning(UserWarning):
+    """Hub code from a publisher that is not trusted is being imported (once per repository)."""
+
+
+class ConfigError(ValueError):
+    """An invalid kernelhub config; the message names the key and what is allowed."""
+
+
+class AllocationSymmetryError(RuntimeError):
+    """Ranks allocated different things from a SymmetricHeap: peer views would be wrong."""
+
+
+class SymmetricHeapFullError(MemoryError):
+    """An allocation does not fit in the heap."""
