@@ -21,7 +21,7 @@ __all__ = ["auto_variant", "declared_layers", "kernel_toml"]
 
 def kernel_toml() -> Path:
     """kernel.toml of this package: beside it (built layout), else at the repository root (source)."""
-    here = Path(__file__).resolve()
+    here = Path(__file__).absolute()  # not resolved: a Hub snapshot links each file to a blob elsewhere
     for path in (here.parent / "kernel.toml", here.parents[2] / "kernel.toml"):
         if path.is_file():
             return path
