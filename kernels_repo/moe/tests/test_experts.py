@@ -228,12 +228,12 @@ def test_paired_row_blocks_match_the_float64_loop(variant, one_program_alignment
     gradient against the float64 loop; both tile heights must have run. Both alignment paths (the
     one-program kernel of small batches and the mapping kernels) give the expert starts it reads."""
     cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
-    k80 = importlib.import_module(moe.__name__ + "._experts_sm80")
+    kern = importlib.import_module(moe.__name__ + "._experts_kernels")
     if not one_program_alignment:
         monkeypatch.setattr(importlib.import_module(moe.__name__ + "._experts_routing"), "SMALL_PAIRS", 0)
     heights = []
-    real = k80._gemm_tile
-    monkeypatch.setattr(k80, "_gemm_tile", lambda *a: heights.append(int(a[-3])) or real(*a))
+    real = kern._gemm_tile
+    monkeypatch.setattr(kern, "_gemm_tile", lambda *a: heights.append(int(a[-3])) or real(*a))
     cfg = copy.deepcopy(cfgs.INTERPRETER_CONFIG)
     assert cfg["block_m"] == 16
     cfg["pair_m"] = True
@@ -262,13 +262,13 @@ def test_persistent_and_tma_a_gemms_match_one_program_per_tile(monkeypatch, one_
     counts the kernel reads; under pair_m both tile heights must run."""
     cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
     ex = importlib.import_module(moe.__name__ + ".experts")
-    k80 = importlib.import_module(moe.__name__ + "._experts_sm80")
+    kern = importlib.import_module(moe.__name__ + "._experts_kernels")
     if not one_program_alignment:
         monkeypatch.setattr(importlib.import_module(moe.__name__ + "._experts_routing"), "SMALL_PAIRS", 0)
     descriptors = _count_row_descriptors(monkeypatch)
     grids, heights = [], []
-    real, real_tile = ex._gemm_launch, k80._gemm_tile
-    monkeypatch.setattr(k80, "_gemm_tile", lambda *a: heights.append(int(a[-3])) or real_tile(*a))
+    real, real_tile = ex._gemm_launch, kern._gemm_tile
+    monkeypatch.setattr(kern, "_gemm_tile", lambda *a: heights.append(int(a[-3])) or real_tile(*a))
 
     class Recording:  # the GEMM launcher, noting (grid, PERSISTENT) of each launch
         kernel = real.kernel
@@ -526,10 +526,10 @@ def test_flattened_weight_gradients_match_one_program_per_tile(monkeypatch, coun
     Experts of 0 to 64 rows (0 to 4 steps of 16 rows), a dropped pair: every path gives the
     one-program-per-tile bits, and the flattened one ran exactly where expected."""
     cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
-    k80 = importlib.import_module(moe.__name__ + "._experts_sm80")
+    kern = importlib.import_module(moe.__name__ + "._experts_kernels")
     flat_calls = []
-    real = k80._wgrad_flat_tiles
-    monkeypatch.setattr(k80, "_wgrad_flat_tiles", lambda *a: flat_calls.append(int(a[10])) or real(*a))
+    real = kern._wgrad_flat_tiles
+    monkeypatch.setattr(kern, "_wgrad_flat_tiles", lambda *a: flat_calls.append(int(a[10])) or real(*a))
     idx = _routing_with_block_counts(counts, K=2, drop=1)
     T, K, E, H, I = idx.shape[0], 2, len(counts), 24, 20
     x, gu, dn, _, w = make_inputs(T, H, I, E, K, seed=63)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._experts_sm80 import _to
+from ._experts_kernels import _to
 
 
 @triton.jit

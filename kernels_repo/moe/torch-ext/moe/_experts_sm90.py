@@ -1,6 +1,6 @@
 """sm90 (Hopper) specifics of `fused_experts`: expert weights through TMA tensor descriptors.
 
-The kernels are those of `_experts_sm80.py` with `B_TMA=True`: the weight tile of each K step is
+The kernels are those of `_experts_kernels.py` with `B_TMA=True`: the weight tile of each K step is
 one TMA copy described by a host-side `TensorDescriptor` over the 3-D weight [E, N, K] (or [E, K, N]),
 so no `triton.set_allocator` scratch is needed (only in-kernel `tl.make_tensor_descriptor` needs one:
 `set_allocator` stores it in a ContextVar in triton 3.6 and 3.7, so a kernel library setting it would

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from ._experts_sm80 import _to
+from ._experts_kernels import _to
 
 # The interpreter (CPU tests) casts fp32 -> bf16 by truncation, the GPU to nearest even: under the
 # interpreter `_to` rounds on the bits first (a constexpr: the GPU code is unchanged).

@@ -27,7 +27,7 @@ from . import _experts_sm90 as sm90
 from ._experts_configs import INTERPRETER_CONFIG, check_bucket, pick_config, picked_config
 from ._experts_decode import _decode_down_kernel, _decode_gate_up_kernel
 from ._experts_routing import ExpertRows, align_rows
-from ._experts_sm80 import (
+from ._experts_kernels import (
     _combine_kernel,
     _gather_rows_kernel,
     _grouped_gemm_kernel,
