@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 import torch
-from tune_moe import DEV, SHAPES, ex, rt  # same directory
+from tune_moe import DEV, SHAPES, launch, rt  # same directory
 
 _TS = {"TMA": True, "TMA_STORE": True}
 _BASE = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, **_TS}
@@ -57,7 +57,7 @@ def check(name: str, T: int) -> None:
     for label, c in CONFIGS.items():
         out = torch.full((E, H, I), float("nan"), device=DEV, dtype=torch.bfloat16)
         try:
-            ex._wgrad(a, b, out, r, c, gather_a=False, gather_b=False, topk=K, use_tma=True)
+            launch.wgrad(a, b, out, r, c, gather_a=False, gather_b=False, topk=K, use_tma=True)
             torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001 - report and go on to the next config
             print(f"{label}: ERROR {type(exc).__name__}: {str(exc)[:300]}", flush=True)

@@ -41,7 +41,8 @@ sys.path.insert(0, str(ROOT / "src"))
 from kernelhub._loader import load_kernel_from_dir  # noqa: E402
 
 moe = load_kernel_from_dir(ROOT / "kernels_repo" / "moe")
-ex = sys.modules[moe.__name__ + ".experts"]
+launch = sys.modules[moe.__name__ + "._experts_launch"]
+pipeline = sys.modules[moe.__name__ + "._experts_pipeline"]
 rt = sys.modules[moe.__name__ + "._experts_routing"]
 cfgs = sys.modules[moe.__name__ + "._experts_configs"]
 DEV = torch.device("cuda")
@@ -123,9 +124,9 @@ def tune_decode(bucket, x, gu, dn, idx, w, T, full):
     E, two_i, H = gu.shape
     h = torch.empty(T * idx.shape[1], two_i // 2, device=DEV, dtype=x.dtype)
     out = torch.empty(T, H, device=DEV, dtype=x.dtype)
-    _, c_gu = best_of(f"decode_gate_up T={T}", lambda c: ex._decode_gate_up(x, gu, idx, h, c),
+    _, c_gu = best_of(f"decode_gate_up T={T}", lambda c: launch.decode_gate_up(x, gu, idx, h, c),
                        decode_space("gate_up", full))
-    _, c_dn = best_of(f"decode_down T={T}", lambda c: ex._decode_down(h, dn, idx, w, out, c),
+    _, c_dn = best_of(f"decode_down T={T}", lambda c: launch.decode_down(h, dn, idx, w, out, c),
                        decode_space("down", full))
     if c_gu is None or c_dn is None:
         return bucket
@@ -182,23 +183,23 @@ def tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, tma, full, training, 
     dx_rows = torch.empty(P, H, device=DEV, dtype=x.dtype)
 
     def gate_up(c):
-        ex._gemm(x, gu, h, r, c, n=I, k=H, epilogue=1, gather_a=True, b_ncontig=False, topk=K, use_tma=tma,
+        launch.gemm(x, gu, h, r, c, n=I, k=H, epilogue=1, gather_a=True, b_ncontig=False, topk=K, use_tma=tma,
                  aux=aux, save_aux=training, pair=pair)
 
     def down(c):
-        ex._gemm(h, dn, y, r, c, n=H, k=I, epilogue=0, gather_a=False, b_ncontig=False, topk=K, use_tma=tma,
+        launch.gemm(h, dn, y, r, c, n=H, k=I, epilogue=0, gather_a=False, b_ncontig=False, topk=K, use_tma=tma,
                  pair=pair)
         if training:  # the backward's dL/dx GEMM runs with the down tile: tune them together
-            ex._gemm(dgu, gu, dx_rows, r, c, n=H, k=2 * I, epilogue=0, gather_a=False, b_ncontig=True, topk=K,
+            launch.gemm(dgu, gu, dx_rows, r, c, n=H, k=2 * I, epilogue=0, gather_a=False, b_ncontig=True, topk=K,
                      use_tma=tma, pair=pair)
 
     def dgrad(c):
-        ex._gemm(dy, dn, dgu, r, c, n=I, k=H, epilogue=2, gather_a=True, b_ncontig=True, topk=K, use_tma=tma,
+        launch.gemm(dy, dn, dgu, r, c, n=I, k=H, epilogue=2, gather_a=True, b_ncontig=True, topk=K, use_tma=tma,
                  aux=aux, scale=wf, dscale=dws, h=hw, pair=pair)
 
     def wgrad(c):  # both weight gradients, as _backward runs them
-        ex._wgrad_token_operand(dy, hw, dwd, r, c, src_is_a=True, topk=K, use_tma=tma)
-        ex._wgrad_token_operand(x, dgu, dwgu, r, c, src_is_a=False, topk=K, use_tma=tma)
+        launch.wgrad_token_operand(dy, hw, dwd, r, c, src_is_a=True, topk=K, use_tma=tma)
+        launch.wgrad_token_operand(x, dgu, dwgu, r, c, src_is_a=False, topk=K, use_tma=tma)
 
     stages = {"gate_up": gate_up, "down": down}
     if training:
