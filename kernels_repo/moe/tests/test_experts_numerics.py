@@ -220,3 +220,26 @@ def test_zero_hidden_size_launches_no_empty_grid(variant):
     assert x.grad.shape == x.shape and torch.equal(w.grad, torch.zeros_like(w))
 
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad", [False, True])
+def test_zero_hidden_size_with_tma_aligned_weights_gives_an_empty_result_on_every_variant(grad, dtype):
+    """H = 0 with weights whose strides TMA accepts (views of larger weights): sm90 returns the empty
+    result of sm80 and the reference instead of failing in a TensorDescriptor of a zero-size dim."""
+    x = torch.randn(3, 16, dtype=dtype)[:, :0]
+    gu = torch.randn(4, 8, 16, dtype=dtype)[:, :, :0]
+    dn = torch.randn(4, 16, 4, dtype=dtype)[:, :0]
+    idx, w = torch.tensor([[0, 1], [2, 3], [1, -1]]), torch.rand(3, 2, dtype=dtype)
+    results = {}
+    for variant in ("reference", "sm80", "sm90"):
+        leaves = [t.detach().clone().requires_grad_(grad) for t in (x, gu, dn, w)]
+        out = moe.fused_experts(leaves[0], leaves[1], leaves[2], idx, leaves[3], variant=variant)
+        if grad:
+            out.sum().backward()
+        results[variant] = (out, [t.grad for t in leaves])
+    for variant, (out, grads) in results.items():
+        assert out.shape == (3, 0) and out.dtype == dtype, variant
+        if grad:
+            assert [g.shape for g in grads] == [t.shape for t in (x, gu, dn, w)], variant
+            assert torch.equal(grads[3], torch.zeros_like(w)), variant

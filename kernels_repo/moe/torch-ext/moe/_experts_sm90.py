@@ -21,9 +21,10 @@ except ImportError:  # pragma: no cover - older triton: sm90 runs the pointer pa
 
 
 def tma_ok(weight: torch.Tensor) -> bool:
-    """TMA constraints: last dim contiguous, base and other strides 16-byte aligned and nonzero (an
-    expanded view, stride 0, is no tensor map: the pointer path reads it)."""
-    if TensorDescriptor is None or weight.dim() < 2 or weight.stride(-1) != 1:
+    """TMA constraints: no empty dim, last dim contiguous, base and other strides 16-byte aligned and
+    nonzero (an expanded view, stride 0, or a zero-size dim, e.g. H = 0, is no tensor map: the
+    pointer path reads it, looping over nothing)."""
+    if TensorDescriptor is None or weight.dim() < 2 or weight.stride(-1) != 1 or weight.numel() == 0:
         return False
     size = weight.element_size()
     if weight.data_ptr() % 16:
