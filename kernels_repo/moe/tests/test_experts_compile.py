@@ -175,3 +175,13 @@ def test_torch_func_transforms_are_refused_by_the_triton_variants(variant):
     for b in range(2):
         torch.testing.assert_close(batched[b], module.forward(hidden[b], k_idx, k_w), rtol=1e-4, atol=1e-5)
 
+
+
+def test_torch_compile_refuses_a_bad_pinned_config_on_every_variant():
+    """As the eager path: the reference, which never reads the config, still checks it."""
+    x, gu, dn, idx, w = make_inputs(3, 32, 16, 4, 2)
+    bad = {**cfgs.INTERPRETER_CONFIG, "block_m": 3}
+    compiled = torch.compile(lambda *a: moe.fused_experts(*a, variant="reference", config=bad), backend="aot_eager")
+    for grad in (False, True):
+        with pytest.raises(ValueError, match=r"fused_experts: `config`\['block_m'\] must be a power of two >= 16"):
+            compiled(x.clone().requires_grad_(grad), gu, dn, idx, w)

@@ -204,3 +204,16 @@ def test_config_directory_override_is_read(tmp_path, monkeypatch):
         cfgs.clear_config_cache()
 
 
+
+
+@pytest.mark.parametrize("variant", [None, "reference", *TRITON_VARIANTS])
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_bad_pinned_config_is_refused_by_every_variant(variant, grad):
+    """The CPU default (the reference) checks a pinned config as sm80/sm90 do, though it does not use
+    it: the same call must not pass on the CPU and fail on the GPU."""
+    x, gu, dn, idx, w = make_inputs(3, 32, 16, 4, 2)
+    x.requires_grad_(grad)
+    with pytest.raises(ValueError, match=r"fused_experts: `config`\['block_m'\] must be a power of two >= 16"):
+        moe.fused_experts(x, gu, dn, idx, w, variant=variant, config={**cfgs.INTERPRETER_CONFIG, "block_m": 3})
+    with pytest.raises(TypeError, match=r"fused_experts: `config` must be a dict"):
+        moe.fused_experts(x, gu, dn, idx, w, variant=variant, config=[("block_m", 16)])

@@ -37,6 +37,7 @@ def run(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant: str | None,
         if out is not None:
             return out
     checks.validate_inputs(x, gate_up_proj, down_proj, topk_idx, topk_weights, check_indices)
+    checks.check_config(config)  # on every variant, the reference too
     dev = x.device
     variant = checks.checked_variant(x, default_variant(dev) if variant is None else variant)
     if variant == "reference":

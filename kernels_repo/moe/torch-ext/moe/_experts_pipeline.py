@@ -20,9 +20,9 @@ from kernelhub.device import device_capability, device_properties
 
 from . import _experts_launch as launch
 from . import _experts_sm90 as sm90
-from ._experts_configs import INTERPRETER_CONFIG, check_bucket, pick_config, picked_config
+from ._experts_configs import INTERPRETER_CONFIG, pick_config, picked_config
 from ._experts_routing import ExpertRows, align_rows
-from ._experts_validate import FN, INTERPRET
+from ._experts_validate import INTERPRET, check_config
 
 
 def bucket(variant: str, E: int, H: int, inter: int, pairs: int, config: dict | None,
@@ -30,7 +30,7 @@ def bucket(variant: str, E: int, H: int, inter: int, pairs: int, config: dict | 
     """The tile bucket: a pinned `config` as given; else from configs/, with num_stages trimmed to
     the shared memory of *this* device index (device_properties is cached per index)."""
     if config is not None:
-        check_bucket(config, f"{FN}: `config`")
+        check_config(config)
         return config
     if device is not None and device.type == "cuda":
         return picked_config(90 if variant == "sm90" else 80, E, H, inter, pairs, device.index, element_size,

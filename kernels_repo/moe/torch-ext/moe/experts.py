@@ -16,7 +16,7 @@ from kernelhub.device import device_capability
 
 from . import _experts_eager as eager
 from ._experts_custom_ops import compiled_fused_experts
-from ._experts_validate import FN, VARIANTS, checked_variant, needs_grad, validate_inputs
+from ._experts_validate import FN, VARIANTS, check_config, checked_variant, needs_grad, validate_inputs
 
 __all__ = ["fused_experts", "select_variant", "VARIANTS"]
 
@@ -79,6 +79,7 @@ def fused_experts(
     # below runs (its default variant is then the reference, which the transforms trace)
     if torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active():
         validate_inputs(x, gate_up_proj, down_proj, topk_idx, topk_weights, False)
+        check_config(config)  # on every variant, as the eager path does
         variant = checked_variant(x, _traced_variant(x.device) if variant is None else variant)
         return compiled_fused_experts(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, config)
     if check_indices is None:  # no sync on a CUDA inference call (DESIGN.md: capturable, no host sync)
