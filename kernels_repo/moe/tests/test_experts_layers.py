@@ -196,3 +196,58 @@ def test_whole_model_with_kernelhub_experts_implementation_matches_eager(monkeyp
         torch.testing.assert_close(pf.grad, pe.grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
+
+
+LAYERS = ["MoEExperts", "MoEExpertsSm80", "MoEExpertsSm90", "MoEExpertsReference"]
+
+
+def _layer_forwards(module):
+    """(the name its errors start with, forward) of every layer class bound to `module` (they share
+    MoEExperts.forward's checks), and of the transformers implementation."""
+    forwards = [("MoEExperts.forward", lambda h, i, w, name=name: getattr(moe.layers, name).forward(module, h, i, w))
+                for name in LAYERS]
+    return [*forwards, ("experts_forward", lambda h, i, w: moe.experts_forward(module, h, i, w))]
+
+
+def test_layers_refuse_routing_with_another_row_count_naming_the_argument():
+    module = build_experts("qwen3_moe")
+    hidden = torch.randn(2, 3, 32)
+    idx, w = torch.zeros(2, 3, 2, dtype=torch.long), torch.rand(2, 3, 2)
+    for name, forward in _layer_forwards(module):
+        rows = rf"{name}: `top_k_index` must have one row per token of `hidden_states` \(6\)"
+        with pytest.raises(ValueError, match=rows):
+            forward(hidden, idx[:, :2], w)
+        with pytest.raises(ValueError, match=rf"{name}: `top_k_weights` must have the shape of `top_k_index`"):
+            forward(hidden, idx, w[:1])
+        with pytest.raises(ValueError, match=rf"{name}: `top_k_index` must be \[\.\.\., K\]"):
+            forward(hidden, torch.tensor(0), w)
+
+
+def test_layers_refuse_a_0d_hidden_state_naming_the_argument():
+    module = build_experts("qwen3_moe")
+    for name, forward in _layer_forwards(module):
+        with pytest.raises(ValueError, match=rf"{name}: `hidden_states` must be \[\.\.\., H\], got a 0-d tensor"):
+            forward(torch.tensor(1.0), torch.zeros(1, 2, dtype=torch.long), torch.rand(1, 2))
+
+
+def test_layers_refuse_integer_hidden_states_instead_of_casting_them():
+    module = build_experts("qwen3_moe")
+    hidden = torch.randint(0, 5, (3, 32))
+    idx, w = torch.zeros(3, 2, dtype=torch.long), torch.rand(3, 2)
+    for name, forward in _layer_forwards(module):
+        with pytest.raises(TypeError, match=rf"{name}: `hidden_states` must be floating point, got torch.int64"):
+            forward(hidden, idx, w)
+        with pytest.raises(TypeError, match=rf"{name}: `top_k_index` must be a torch.Tensor, got list"):
+            forward(hidden.float(), idx.tolist(), w)
+
+
+def test_layers_refuse_hidden_states_the_module_cannot_take_naming_the_argument():
+    module = build_experts("qwen3_moe")
+    idx, w = torch.zeros(3, 2, dtype=torch.long), torch.rand(3, 2)
+    for name, forward in _layer_forwards(module):
+        with pytest.raises(ValueError, match=rf"{name}: `hidden_states` must be \[\.\.\., H=32\]"):
+            forward(torch.randn(3, 16), idx, w)
+        with pytest.raises(TypeError, match=rf"{name}: `top_k_index` must be int32 or int64, got torch.float32"):
+            forward(torch.randn(3, 32), idx.float(), w)
+        with pytest.raises(ValueError, match=rf"{name}: `top_k_index` must be on cpu like `hidden_states`, got meta"):
+            forward(torch.randn(3, 32), idx.to("meta"), w)
