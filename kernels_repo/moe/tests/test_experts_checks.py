@@ -113,3 +113,23 @@ def test_variant_follows_the_capability_of_each_device_index(fake_gpus):
     assert moe.select_variant(torch.device("cuda", 1)) == "sm90"
     assert moe.select_variant(torch.device("cpu")) == "reference"
 
+
+
+def test_the_reference_refuses_bad_inputs_naming_the_argument():
+    """The public reference checks its inputs as `fused_experts` does (shapes, dtypes), instead of an
+    IndexError, a silently short routing or integer inputs computed in fp32 and cast back."""
+    x, gu, dn, idx, w = make_inputs(3, 32, 16, 4, 2)
+    fn = "fused_experts_reference"
+    with pytest.raises(ValueError, match=rf"{fn}: `x` must be \[T, H\], got shape \(\)"):
+        moe.fused_experts_reference(torch.tensor(1.0), gu, dn, idx, w)
+    with pytest.raises(ValueError, match=rf"{fn}: `topk_idx` must be \[T=3, K>=1\], got shape \(2, 2\)"):
+        moe.fused_experts_reference(x, gu, dn, idx[:2], w[:2])
+    with pytest.raises(TypeError, match=rf"{fn}: `x` must be float16/bfloat16/float32/float64, got torch.int64"):
+        moe.fused_experts_reference(x.long(), gu.long(), dn.long(), idx, w)
+    with pytest.raises(ValueError, match=rf"{fn}: `topk_weights` must have the shape of `topk_idx`"):
+        moe.fused_experts_reference(x, gu, dn, idx, w[:, :1])
+    # ids outside [-1, E) stay dropped, as documented (no host-synchronising id check)
+    far = idx.clone()
+    far[0, 0] = 4
+    torch.testing.assert_close(moe.fused_experts_reference(x, gu, dn, far, w),
+                               moe.fused_experts_reference(x, gu, dn, torch.where(far == 4, -1, far), w))

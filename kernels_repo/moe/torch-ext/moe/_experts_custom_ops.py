@@ -21,7 +21,7 @@ from kernelhub.device import device_guard
 from . import _experts_eager as eager
 from . import _experts_pipeline as pipeline
 from ._experts_routing import ExpertRows, max_rows
-from .reference_experts import fused_experts_reference
+from .reference_experts import reference_unchecked
 
 _NS = "kernelhub_" + __name__.replace(".", "_")
 
@@ -60,7 +60,7 @@ def fused_experts_train_op(
     meta) and its backward recomputes through autograd."""
     if variant == "reference" or x.shape[0] == 0:
         with torch.no_grad():
-            out = fused_experts_reference(x, gate_up_proj, down_proj, topk_idx, topk_weights)
+            out = reference_unchecked(x, gate_up_proj, down_proj, topk_idx, topk_weights)
         return out, x.new_empty(0, 0), torch.empty(0, dtype=torch.int32, device=x.device)
     cfg = _bucket(x, gate_up_proj, topk_idx, variant, config)
     with torch.no_grad(), device_guard(x):
@@ -119,7 +119,7 @@ def _reference_grads(dout, x, gate_up_proj, down_proj, topk_idx, topk_weights, n
         full = list(tensors)
         for i, a in zip(wanted, args, strict=True):
             full[i] = a
-        return fused_experts_reference(full[0], full[1], full[2], topk_idx, full[3])
+        return reference_unchecked(full[0], full[1], full[2], topk_idx, full[3])
 
     if not wanted:
         return (None,) * 4

@@ -17,7 +17,7 @@ from . import _experts_autograd as autograd
 from . import _experts_pipeline as pipeline
 from . import _experts_replay as replay
 from . import _experts_validate as checks
-from .reference_experts import fused_experts_reference
+from .reference_experts import reference_unchecked
 
 
 def run(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant: str | None, config: dict | None,
@@ -41,7 +41,7 @@ def run(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant: str | None,
     dev = x.device
     variant = checks.checked_variant(x, default_variant(dev) if variant is None else variant)
     if variant == "reference":
-        return fused_experts_reference(x, gate_up_proj, down_proj, topk_idx, topk_weights)
+        return reference_unchecked(x, gate_up_proj, down_proj, topk_idx, topk_weights)
     if any(checks.inner_offset_too_large(t) for t in (x, gate_up_proj, down_proj)):
         # offsets within a row of x / an expert's weights are 32-bit in the kernels: a view whose
         # inner strides reach past 2**31 elements (e.g. a transposed x of > 2**31) runs on copies,
