@@ -185,3 +185,11 @@ def test_torch_compile_refuses_a_bad_pinned_config_on_every_variant():
     for grad in (False, True):
         with pytest.raises(ValueError, match=r"fused_experts: `config`\['block_m'\] must be a power of two >= 16"):
             compiled(x.clone().requires_grad_(grad), gu, dn, idx, w)
+
+
+def test_torch_compile_checks_check_indices_as_the_eager_path():
+    x, gu, dn, idx, w = make_inputs(3, 32, 16, 4, 2)
+    compiled = torch.compile(lambda *a: moe.fused_experts(*a, variant="reference", check_indices="yes"),
+                             backend="aot_eager")
+    with pytest.raises(TypeError, match="fused_experts: `check_indices` must be True, False or None, got 'yes'"):
+        compiled(x, gu, dn, idx, w)

@@ -75,6 +75,8 @@ def fused_experts(
         TypeError: a non-tensor argument or unsupported dtype.
         ValueError: shapes, devices, index range or variant are wrong.
     """
+    if check_indices is not None and type(check_indices) is not bool:  # (checked on both paths)
+        raise TypeError(f"{FN}: `check_indices` must be True, False or None, got {check_indices!r}")
     # one opaque custom op per call (no graph breaks); under a torch.func transform the eager path
     # below runs (its default variant is then the reference, which the transforms trace)
     if torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active():
@@ -85,8 +87,6 @@ def fused_experts(
     if check_indices is None:  # no sync on a CUDA inference call (DESIGN.md: capturable, no host sync)
         check_indices = not (isinstance(x, torch.Tensor) and x.is_cuda) or needs_grad(
             x, gate_up_proj, down_proj, topk_weights)
-    elif type(check_indices) is not bool:
-        raise TypeError(f"{FN}: `check_indices` must be True, False or None, got {check_indices!r}")
     if variant is None and torch._C._are_functorch_transforms_active():
         variant = "reference"  # (vmap, grad, ...: batched tensors have no addresses for the kernels)
     return eager.run(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, config, check_indices,
