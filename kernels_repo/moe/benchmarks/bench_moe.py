@@ -15,9 +15,8 @@ Usage (repo root): PYTHONPATH=src python kernels_repo/moe/benchmarks/bench_moe.p
        SKEW=s: skewed routing, as a trained router's hot experts: expert logits get a bias of
          -s * log(1 + rank) over a random ranking of the experts (0, the default: uniform); rows
          then carry skew=s and the "--" line the hottest expert's load over the mean
-  Liger-Kernel autotunes its MoE kernels on first use of a shape: at Mixtral sizes that outlasted
-  the 2-4 minutes two device calls had left for it (2026-12-03), so a full run there wants IMPLS
-  without liger, or a longer slot.
+  Liger-Kernel autotunes its MoE kernels on first use of a shape: at Mixtral sizes that takes
+  minutes, so a short run wants IMPLS without liger.
 """
 
 from __future__ import annotations

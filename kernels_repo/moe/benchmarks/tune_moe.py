@@ -68,23 +68,22 @@ def gemm_space(full: bool, rows_per_expert: float):
             continue
         yield {"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "num_warps": nw, "num_stages": ns}
     if rows_per_expert > 32:
-        # 8 warps capped at 128 registers: two CTAs per SM (the H200's best dgrad tile at block_m=128)
+        # 8 warps capped at 128 registers: two CTAs per SM (sm90's best dgrad tile at block_m=128)
         for cap in ([128, 168] if full else [128]):
             yield {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3, "maxnreg": cap}
 
 
 def stage_space(stage: str, full: bool, rows_per_expert: float, tma: bool) -> list[dict]:
     """gemm_space, plus for the down tile on sm90 (tma) the same wide tiles reading h (and dL/dx's
-    d[gate|up]) by TMA from persistent programs (stage keys "A_TMA", "PERSISTENT"): 6-21% off down
-    and dL/dx at block_m=128 on an H200 (docs/performance.md, tenth session; gate_up and dgrad
-    lost with them)."""
+    d[gate|up]) by TMA from persistent programs (stage keys "A_TMA", "PERSISTENT"), which won for
+    down and dL/dx at block_m=128 and lost for gate_up and dgrad (docs/performance.md)."""
     space = list(gemm_space(full, rows_per_expert))
     if stage == "down" and tma and rows_per_expert > 32:
         space += [{**c, "A_TMA": True, "PERSISTENT": 1} for c in space if c["BLOCK_N"] >= 128 and "maxnreg" not in c]
     return space
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the short list the H200 sweeps kept
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the short list the sm90 sweeps kept
 # (sweep_backward.py): 128x128x64 for short K loops (<= 256 rows per expert), 256x128x64 for long
 # (3 stages: with a TMA_STORE tile 4 do not fit in shared memory).
 WGRAD_TILES = [(128, 128, 64, 8, 3), (256, 128, 64, 8, 3), (256, 128, 64, 8, 4), (128, 128, 32, 8, 4),

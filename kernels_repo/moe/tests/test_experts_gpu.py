@@ -287,8 +287,7 @@ def test_gpu_wgrad_tma_matches_the_pointer_path(shape, T, monkeypatch):
         for name, want, got in zip(NAMES, base, got_all, strict=True):
             if name == "topk_weights":
                 # fp32 atomics over the dgrad's column blocks per (token, slot) in a varying order;
-                # with dots that cancel, runs differ: 1.8e-5 relative seen at Qwen3 T=4096 (6 blocks),
-                # 1.04e-4 at Mixtral T=2048 (112 blocks; H200, 2026-12-04)
+                # with dots that cancel, runs differ (up to ~1e-4 relative with ~100 column blocks)
                 assert_close_rel(got, want, 5e-4, name)
             else:
                 assert torch.equal(want, got), name
