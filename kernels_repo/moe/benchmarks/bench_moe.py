@@ -168,7 +168,7 @@ def stage_breakdown(base, x, idx, w, dy, sname, T, variant) -> None:
     r = rt.align_rows(idx, E, cfg["block_m"])
     P = r.num_rows
     tma = pipeline.use_tma(variant, cfg, gu, dn)
-    pair = bool(cfg.get("pair_m", False))  # as _forward / _backward run the GEMMs
+    pair = bool(cfg.get("pair_m", False))  # as the pipeline's forward / backward run the GEMMs
     rows = bool(cfg["gate_up"].get("ROWS", False))
     h = torch.empty(P, inter, device=DEV, dtype=x.dtype)
     aux = torch.empty(P, two_i, device=DEV, dtype=x.dtype)
@@ -182,7 +182,7 @@ def stage_breakdown(base, x, idx, w, dy, sname, T, variant) -> None:
     dwgu = torch.empty_like(gu)
     stages = {
         "align": lambda: rt.align_rows(idx, E, cfg["block_m"]),
-        # (gate_up "ROWS": timed with its row copy of x, as _forward runs it)
+        # (gate_up "ROWS": timed with its row copy of x, as the pipeline's forward runs it)
         "gate_up": lambda: launch.gemm(launch.gather_rows(x, r, K) if rows else x, gu, h, r, cfg["gate_up"], n=inter,
                                     k=H, epilogue=1, gather_a=not rows, b_ncontig=False, topk=K, use_tma=tma,
                                     aux=aux, save_aux=True, pair=pair),
@@ -195,7 +195,7 @@ def stage_breakdown(base, x, idx, w, dy, sname, T, variant) -> None:
         "dx": lambda: launch.gemm(dgu, gu, y, r, cfg["down"], n=H, k=two_i, epilogue=0, gather_a=False,
                                b_ncontig=True, topk=K, use_tma=tma, pair=pair),
     }
-    wc = cfg["wgrad"]  # as _backward runs them (ROWS copies included when the bucket sets it)
+    wc = cfg["wgrad"]  # as the pipeline's backward runs them (ROWS copies included when the bucket sets it)
     stages["wgrad_down"] = lambda: launch.wgrad_token_operand(dy, hw, dwd, r, wc, src_is_a=True, topk=K, use_tma=tma)
     stages["wgrad_gate_up"] = lambda: launch.wgrad_token_operand(x, dgu, dwgu, r, wc, src_is_a=False, topk=K,
                                                               use_tma=tma)

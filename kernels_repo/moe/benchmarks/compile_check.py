@@ -1,7 +1,7 @@
 """Compile every fused_experts kernel for sm90 and sm80 without a GPU (Triton AOT to cubin).
 
 Catches GPU-only compile errors (layouts, TMA, shared memory) on a machine with no GPU: it builds
-each kernel with the constexprs `experts.py` uses for every bucket of `configs/sm*.json` and runs
+each kernel with the constexprs `_experts_launch.py` passes for every bucket of `configs/sm*.json` and runs
 the whole pipeline up to ptxas. Usage (repo root, TRITON_INTERPRET unset):
     PYTHONPATH=src python kernels_repo/moe/benchmarks/compile_check.py
     PAIR=1 ...: also the block_m=128 buckets' GEMM tiles as block_m=64 with "pair_m" (128-row tiles)
@@ -89,7 +89,7 @@ def compile_one(fn, signature, constexprs, cap, num_warps, num_stages, label):
 
 def gemm(cap, cfg, bm, epilogue, tma, ncontig, dtype="bf16", pair=False):
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    # as experts._gemm: A by TMA only where it is not gathered (epilogue 0; gate_up under "ROWS")
+    # as _experts_launch.gemm: A by TMA only where it is not gathered (epilogue 0; gate_up under "ROWS")
     gather = epilogue == 2 or (epilogue == 1 and not cfg.get("ROWS", False))
     a_tma = bool(tma and cfg.get("A_TMA", False) and not gather)
     sig = {
@@ -150,7 +150,7 @@ def wgrad(cap, cfg, gather_a, tma=False, rows=False):
             const[name] = None
     const["C_TMA"] = tma and bool(cfg.get("TMA_STORE", False))
     const["PERSISTENT"] = bool(cfg.get("PERSISTENT", 0))
-    # as experts.py: the flattened loop only with persistent programs and both operands by TMA
+    # as _experts_launch.wgrad: the flattened loop only with persistent programs and both operands by TMA
     flat = const["PERSISTENT"] and const["A_TMA"] and const["B_TMA"]
     const["FLAT_STEPS"] = int(cfg.get("FLAT_STEPS", 0)) if flat else 0
     const["BLOCK_E"] = 256 if const["FLAT_STEPS"] else 1

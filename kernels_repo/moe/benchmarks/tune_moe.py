@@ -196,7 +196,7 @@ def tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, tma, full, training, 
         launch.gemm(dy, dn, dgu, r, c, n=I, k=H, epilogue=2, gather_a=True, b_ncontig=True, topk=K, use_tma=tma,
                  aux=aux, scale=wf, dscale=dws, h=hw, pair=pair)
 
-    def wgrad(c):  # both weight gradients, as _backward runs them
+    def wgrad(c):  # both weight gradients, as _experts_pipeline.backward runs them
         launch.wgrad_token_operand(dy, hw, dwd, r, c, src_is_a=True, topk=K, use_tma=tma)
         launch.wgrad_token_operand(x, dgu, dwgu, r, c, src_is_a=False, topk=K, use_tma=tma)
 
@@ -231,7 +231,7 @@ def tune_point(E, H, I, K, T, variant, full, training):
     # (block_m, pair_m): 64-row padding with paired 128-row tiles too, from 64 rows per expert up
     choices = [(bm, False) for bm in block_ms] + ([(64, True)] if rpe > 32 and 64 in block_ms else [])
     best_total, best_bucket = math.inf, None
-    # Decode: also try pointer loads on sm90 (no host descriptors; see experts._use_tma).
+    # Decode: also try pointer loads on sm90 (no host descriptors; see _experts_pipeline.use_tma).
     tmas = [True, False] if tma and rpe <= 4 else [tma]
     for (bm, pair), use_tma in itertools.product(choices, tmas):
         bucket, total = tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, use_tma, full, training, rpe, pair)

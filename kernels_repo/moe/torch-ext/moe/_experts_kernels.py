@@ -10,7 +10,7 @@ Backward reuses 1-3 with other operands plus `_grouped_wgrad_kernel` (dW[e] = A_
 These kernels serve both capabilities: the sm80 path loads weights with pointer arithmetic and
 lets Triton software-pipeline the K loop (num_stages); the sm90 path sets B_TMA and passes a host
 TensorDescriptor, so weight tiles arrive by TMA (see `_experts_sm90.py`). Kernels only here:
-allocation, guards and launches live in `experts.py`.
+allocation, guards and launches live in `_experts_pipeline.py` and `_experts_launch.py`.
 """
 
 from __future__ import annotations
