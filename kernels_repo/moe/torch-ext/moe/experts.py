@@ -61,6 +61,7 @@ def fused_experts(
         variant: "sm90", "sm80" or "reference"; default: by the capability of x's device (under a
             torch.func transform the reference; a Triton variant raises there).
         config: tile config (a bucket of `configs/sm*.json`); default: the bucket for this shape.
+            Checked on every variant, also the reference, which does not use it.
         check_indices: raise on ids outside [-1, E). On a GPU that check is one host sync, so the
             default (None) makes it only where no sync is promised away: on the CPU and on the
             training path, not on a CUDA inference call (no gradient), which stays free of host
@@ -73,7 +74,7 @@ def fused_experts(
 
     Raises:
         TypeError: a non-tensor argument or unsupported dtype.
-        ValueError: shapes, devices, index range or variant are wrong.
+        ValueError: shapes, devices, index range, variant or config are wrong.
     """
     if check_indices is not None and type(check_indices) is not bool:  # (checked on both paths)
         raise TypeError(f"{FN}: `check_indices` must be True, False or None, got {check_indices!r}")
