@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels_repo" / "moe" / "benchmarks"))
-from tune_moe import DEV, SHAPES, ex, rt  # noqa: E402  (kernels_repo/moe/benchmarks/)
+from tune_moe import DEV, SHAPES, launch, rt  # noqa: E402  (kernels_repo/moe/benchmarks/)
 
 _TS = {"TMA": True, "TMA_STORE": True}
 _BASE = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, **_TS}
@@ -61,7 +61,7 @@ def check(name: str, T: int) -> None:
     for label, c in CONFIGS.items():
         out = torch.full((E, H, I), float("nan"), device=DEV, dtype=torch.bfloat16)
         try:
-            ex._wgrad(a, b, out, r, c, gather_a=False, gather_b=False, topk=K, use_tma=True)
+            launch.wgrad(a, b, out, r, c, gather_a=False, gather_b=False, topk=K, use_tma=True)
             torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001 - report and go on to the next config
             print(f"{label}: ERROR {type(exc).__name__}: {str(exc)[:300]}", flush=True)

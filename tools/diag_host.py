@@ -186,10 +186,10 @@ def launcher_report(moe) -> None:
     """Did the cached launches take their fast path? (exact-key hits need `fast` and no hooks)."""
     from kernelhub import triton_launch as tlaunch
 
-    ex = sys.modules[moe.__name__ + ".experts"]
+    launch = sys.modules[moe.__name__ + "._experts_launch"]
     rt = sys.modules[moe.__name__ + ".routing"]
-    print(f"## launcher: hooks_registered={tlaunch._hooks_registered()} gemm fast={ex._gemm_launch.fast} "
-          f"exact={len(ex._gemm_launch.exact)} by_spec={len(ex._gemm_launch.by_spec)} "
+    print(f"## launcher: hooks_registered={tlaunch._hooks_registered()} gemm fast={launch.gemm_launch.fast} "
+          f"exact={len(launch.gemm_launch.exact)} by_spec={len(launch.gemm_launch.by_spec)} "
           f"map_scatter exact={len(rt._launch['_map_scatter_kernel'].exact)}", flush=True)
     x, gu, dn, idx, w = moe_inputs(512)
     lau = rt._launch["_map_scan_kernel"]

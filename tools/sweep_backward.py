@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels_repo" / "moe" / "benchmarks"))
-from tune_moe import DEV, SHAPES, ex, rt, sweep_points, timed  # noqa: E402  (kernels_repo/moe/benchmarks/)
+from tune_moe import DEV, SHAPES, launch, pipeline, rt, sweep_points, timed  # noqa: E402  (kernels_repo/moe/benchmarks/)
 
 
 def _tile(bn: int, bk: int, warps: int, stages: int) -> dict:
@@ -101,7 +101,7 @@ def sweep_forward(name: str, T: int, variant: str, x, gu, dn, idx) -> None:
     PAIR=1 adds rows padded to 64 with the 128-row tiles run as paired blocks (bucket key "pair_m")."""
     E, two_i, H = gu.shape
     I, K = two_i // 2, idx.shape[1]
-    cur = ex._config(variant, E, H, I, T * K, None, DEV, 2)
+    cur = pipeline.bucket(variant, E, H, I, T * K, None, DEV, 2)
     runs = [(int(b), False) for b in os.environ.get("FWD_BLOCK_MS", "64,128").split(",")]
     if os.environ.get("PAIR") == "1":
         runs.append((64, True))
@@ -109,16 +109,16 @@ def sweep_forward(name: str, T: int, variant: str, x, gu, dn, idx) -> None:
         r = rt.align_rows(idx, E, bm)
         h = torch.empty(r.num_rows, I, device=DEV, dtype=x.dtype)
         y = torch.empty(r.num_rows, H, device=DEV, dtype=x.dtype)
-        tma = ex._use_tma(variant, cur, gu, dn)
+        tma = pipeline.use_tma(variant, cur, gu, dn)
         tiles = FWD[2 * bm if pair else bm]
         for stage in ("gate_up", "down"):
             cands = tiles[stage] + ([cur[stage]] if bm == cur["block_m"] and cur[stage] not in tiles[stage]
                                     else [])
             for c in cands:
                 if stage == "gate_up":
-                    run = partial(ex._gemm, x, gu, h, r, c, n=I, k=H, epilogue=1, gather_a=True)
+                    run = partial(launch.gemm, x, gu, h, r, c, n=I, k=H, epilogue=1, gather_a=True)
                 else:
-                    run = partial(ex._gemm, h, dn, y, r, c, n=H, k=I, epilogue=0, gather_a=False)
+                    run = partial(launch.gemm, h, dn, y, r, c, n=H, k=I, epilogue=0, gather_a=False)
                 ms = timed(partial(run, b_ncontig=False, topk=K, use_tma=tma, pair=pair))
                 mark = " (current)" if bm == cur["block_m"] and c == cur[stage] and not pair else ""
                 label = f"block_m={bm}{' pair' if pair else ''}"
@@ -128,7 +128,7 @@ def sweep_forward(name: str, T: int, variant: str, x, gu, dn, idx) -> None:
 def sweep_point(name: str, T: int, variant: str) -> None:
     s = SHAPES[name]
     E, H, I, K = s["E"], s["H"], s["I"], s["K"]
-    cfg = ex._config(variant, E, H, I, T * K, None, DEV, 2)
+    cfg = pipeline.bucket(variant, E, H, I, T * K, None, DEV, 2)
     bm = cfg["block_m"]
     x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
     gu = torch.randn(E, 2 * I, H, device=DEV, dtype=torch.bfloat16) * 0.02
@@ -137,7 +137,7 @@ def sweep_point(name: str, T: int, variant: str) -> None:
     dy = torch.randn_like(x)
     r = rt.align_rows(idx, E, bm)
     P = r.num_rows
-    tma = ex._use_tma(variant, cfg, gu, dn)
+    tma = pipeline.use_tma(variant, cfg, gu, dn)
     aux = torch.randn(P, 2 * I, device=DEV, dtype=x.dtype)
     dgu = torch.randn(P, 2 * I, device=DEV, dtype=x.dtype)
     hw = torch.randn(P, I, device=DEV, dtype=x.dtype)  # TMA boxes read padding rows too
@@ -147,7 +147,7 @@ def sweep_point(name: str, T: int, variant: str) -> None:
     print(f"== {name} T={T} block_m={bm} current dgrad={cfg['dgrad']} wgrad={cfg['wgrad']}", flush=True)
 
     def dgrad(c):
-        ex._gemm(dy, dn, dgu, r, c, n=I, k=H, epilogue=2, gather_a=True, b_ncontig=True, topk=K,
+        launch.gemm(dy, dn, dgu, r, c, n=I, k=H, epilogue=2, gather_a=True, b_ncontig=True, topk=K,
                  use_tma=tma, aux=aux, scale=wf, dscale=dws, h=hw)
 
     parts = os.environ.get("PARTS", "dgrad,wgrad").split(",")
@@ -160,7 +160,7 @@ def sweep_point(name: str, T: int, variant: str) -> None:
             down = label == "down"
 
             def run(routing, out=out, args=args, down=down):
-                ex._wgrad(*args, out, routing, c, gather_a=down, gather_b=not down, topk=K, use_tma=tma)
+                launch.wgrad(*args, out, routing, c, gather_a=down, gather_b=not down, topk=K, use_tma=tma)
 
             fill = timed(lambda out=out: out.zero_())
             store, full = timed(lambda run=run: run(empty)), timed(lambda run=run: run(r))
@@ -169,24 +169,24 @@ def sweep_point(name: str, T: int, variant: str) -> None:
                   f"wgrad_ms={full:.3f} {c}", flush=True)
     rows_h = torch.randn(P, H, device=DEV, dtype=x.dtype) if os.environ.get("NOGATHER") else None
     if rows_h is not None:
-        ms = timed(lambda: ex._gather_rows(x, r, K))
+        ms = timed(lambda: launch.gather_rows(x, r, K))
         print(f"gather_rows {name} T={T} ms={ms:.3f} (one row-ordered copy, the ROWS key)", flush=True)
     if "dgrad" in parts:  # the same GEMM with a plain store: what the SwiGLU-backward epilogue costs
         c, plain = cfg["dgrad"], torch.empty(P, I, device=DEV, dtype=x.dtype)
-        ms = timed(lambda: ex._gemm(dy, dn, plain, r, c, n=I, k=H, epilogue=0, gather_a=True, b_ncontig=True,
+        ms = timed(lambda: launch.gemm(dy, dn, plain, r, c, n=I, k=H, epilogue=0, gather_a=True, b_ncontig=True,
                                     topk=K, use_tma=tma))
         print(f"dgrad_plain {name} T={T} {c} ms={ms:.3f}", flush=True)
     dx_rows = torch.empty(P, H, device=DEV, dtype=x.dtype) if "dx" in parts else None
     for c in FWD[bm]["down"] if "dx" in parts else ():  # dL/dx rows: d[gate|up] @ W_gate_up ("down" tiles)
-        ms = timed(lambda c=c: ex._gemm(dgu, gu, dx_rows, r, c, n=H, k=2 * I, epilogue=0, gather_a=False,
+        ms = timed(lambda c=c: launch.gemm(dgu, gu, dx_rows, r, c, n=H, k=2 * I, epilogue=0, gather_a=False,
                                         b_ncontig=True, topk=K, use_tma=tma))
         print(f"dx {name} T={T} {c} ms={ms:.3f}{' (current)' if c == cfg['down'] else ''}", flush=True)
     for c in DGRAD + DGRAD_REGS if "dgrad" in parts else ():
         print(f"dgrad {name} T={T} {c} ms={timed(lambda c=c: dgrad(c)):.3f}", flush=True)
 
     def time_rows(c):  # both operands already in row order (no gather): what the "ROWS" key runs
-        ms1 = timed(lambda: ex._wgrad(rows_h, hw, dwd, r, c, gather_a=False, gather_b=False, topk=K, use_tma=tma))
-        ms2 = timed(lambda: ex._wgrad(dgu, rows_h, dwgu, r, c, gather_a=False, gather_b=False, topk=K, use_tma=tma))
+        ms1 = timed(lambda: launch.wgrad(rows_h, hw, dwd, r, c, gather_a=False, gather_b=False, topk=K, use_tma=tma))
+        ms2 = timed(lambda: launch.wgrad(dgu, rows_h, dwgu, r, c, gather_a=False, gather_b=False, topk=K, use_tma=tma))
         print(f"rows  {name} T={T} {c} down_ms={ms1:.3f} gate_up_ms={ms2:.3f} sum={ms1 + ms2:.3f}", flush=True)
 
     wgrads = WGRAD
@@ -195,8 +195,10 @@ def sweep_point(name: str, T: int, variant: str) -> None:
         wgrads = [own] + WGRAD_FLAT
     for c in wgrads if "wgrad" in parts else ():
         if os.environ.get("NOGATHER") != "only":
-            ms1 = timed(lambda c=c: ex._wgrad(dy, hw, dwd, r, c, gather_a=True, gather_b=False, topk=K, use_tma=tma))
-            ms2 = timed(lambda c=c: ex._wgrad(dgu, x, dwgu, r, c, gather_a=False, gather_b=True, topk=K, use_tma=tma))
+            ms1 = timed(lambda c=c: launch.wgrad(dy, hw, dwd, r, c, gather_a=True, gather_b=False, topk=K,
+                                                 use_tma=tma))
+            ms2 = timed(lambda c=c: launch.wgrad(dgu, x, dwgu, r, c, gather_a=False, gather_b=True, topk=K,
+                                                 use_tma=tma))
             print(f"wgrad {name} T={T} {c} down_ms={ms1:.3f} gate_up_ms={ms2:.3f} sum={ms1 + ms2:.3f}", flush=True)
         if rows_h is not None:
             time_rows(c)

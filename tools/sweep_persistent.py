@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels_repo" / "moe" / "benchmarks"))
-from tune_moe import DEV, SHAPES, ex, rt, sweep_points, timed  # noqa: E402  (kernels_repo/moe/benchmarks/)
+from tune_moe import DEV, SHAPES, cfgs, launch, pipeline, rt, sweep_points, timed  # noqa: E402  (kernels_repo/moe/benchmarks/)
 
 # Candidates: extra keys for the stages they name. Measured in s10 call 2 (sequentially, first version
 # of this script): the gathering persistent gate_up 17-52% slower than one program per tile (255
@@ -59,7 +59,7 @@ def _buckets(cfg: dict) -> list[tuple[str, dict]]:
             b = copy.deepcopy(start)
             for stage, extra in CANDIDATES[label].items():
                 b[stage].update(extra)
-            ex.check_bucket(b, label)
+            cfgs.check_bucket(b, label)
             runs.append((label + suffix, b))
     return runs
 
@@ -78,17 +78,17 @@ def _stage_runs(b: dict, x, gu, dn, idx, wf, dy, K: int, tma: bool) -> dict:
     dws = torch.zeros(wf.shape[0], device=DEV, dtype=torch.float32)
     common = dict(topk=K, use_tma=tma, pair=bool(b.get("pair_m", False)))
     return {
-        "gate_up": lambda: ex._gemm(ex._gather_rows(x, r, K) if b["gate_up"].get("ROWS") else x, gu, h, r,
+        "gate_up": lambda: launch.gemm(launch.gather_rows(x, r, K) if b["gate_up"].get("ROWS") else x, gu, h, r,
                                     b["gate_up"], n=I, k=H, epilogue=1, gather_a=not b["gate_up"].get("ROWS"),
                                     b_ncontig=False, **common),
-        "gate_up_train": lambda: ex._gemm(ex._gather_rows(x, r, K) if b["gate_up"].get("ROWS") else x, gu, h, r,
+        "gate_up_train": lambda: launch.gemm(launch.gather_rows(x, r, K) if b["gate_up"].get("ROWS") else x, gu, h, r,
                                           b["gate_up"], n=I, k=H, epilogue=1, gather_a=not b["gate_up"].get("ROWS"),
                                           b_ncontig=False, aux=aux, save_aux=True, **common),
-        "down": lambda: ex._gemm(h, dn, y, r, b["down"], n=H, k=I, epilogue=0, gather_a=False, b_ncontig=False,
+        "down": lambda: launch.gemm(h, dn, y, r, b["down"], n=H, k=I, epilogue=0, gather_a=False, b_ncontig=False,
                                  **common),
-        "dgrad": lambda: ex._gemm(dy, dn, dgu, r, b["dgrad"], n=I, k=H, epilogue=2, gather_a=True, b_ncontig=True,
+        "dgrad": lambda: launch.gemm(dy, dn, dgu, r, b["dgrad"], n=I, k=H, epilogue=2, gather_a=True, b_ncontig=True,
                                   aux=aux, scale=wf, dscale=dws, h=hw, **common),
-        "dx": lambda: ex._gemm(dgu, gu, y, r, b["down"], n=H, k=2 * I, epilogue=0, gather_a=False, b_ncontig=True,
+        "dx": lambda: launch.gemm(dgu, gu, y, r, b["down"], n=H, k=2 * I, epilogue=0, gather_a=False, b_ncontig=True,
                                **common),
     }
 
@@ -96,14 +96,14 @@ def _stage_runs(b: dict, x, gu, dn, idx, wf, dy, K: int, tma: bool) -> dict:
 def sweep_point(name: str, T: int, variant: str) -> None:
     s = SHAPES[name]
     E, H, I, K = s["E"], s["H"], s["I"], s["K"]
-    cfg = ex._config(variant, E, H, I, T * K, None, DEV, 2)
+    cfg = pipeline.bucket(variant, E, H, I, T * K, None, DEV, 2)
     x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
     gu = torch.randn(E, 2 * I, H, device=DEV, dtype=torch.bfloat16) * 0.02
     dn = torch.randn(E, H, I, device=DEV, dtype=torch.bfloat16) * 0.02
     w, idx = torch.topk(torch.softmax(torch.randn(T, E, device=DEV), -1), K, dim=-1)
     dy = torch.randn_like(x)
     wf = w.reshape(-1).contiguous()
-    tma = ex._use_tma(variant, cfg, gu, dn)
+    tma = pipeline.use_tma(variant, cfg, gu, dn)
     stages = os.environ.get("STAGES", "down,dx").split(",")
     rounds = int(os.environ.get("ROUNDS", 3))
     print(f"== {name} T={T} shipped block_m={cfg['block_m']} pair_m={cfg.get('pair_m', False)}", flush=True)

@@ -159,16 +159,17 @@ def impls_for(base, T, E, H, I, K, idx, w, wanted):
 
 def stage_breakdown(base, x, idx, w, dy, sname, T, variant) -> None:
     """Per-stage times of kernelhub with the bucket it picks: where a retune would pay."""
-    ex = sys.modules[moe.__name__ + ".experts"]
+    launch = sys.modules[moe.__name__ + "._experts_launch"]
+    pipeline = sys.modules[moe.__name__ + "._experts_pipeline"]
     rt = sys.modules[moe.__name__ + "._experts_routing"]
     gu, dn = base.gate_up_proj.detach(), base.down_proj.detach()
     E, two_i, H = gu.shape
     inter, K = two_i // 2, idx.shape[1]
-    cfg = ex._config(variant, E, H, inter, idx.numel(), None, DEV, x.element_size())
+    cfg = pipeline.bucket(variant, E, H, inter, idx.numel(), None, DEV, x.element_size())
     r = rt.align_rows(idx, E, cfg["block_m"])
     P = r.num_rows
-    tma = ex._use_tma(variant, cfg, gu, dn)
-    pair = bool(cfg.get("pair_m", False))  # as _forward / _backward run the GEMMs
+    tma = pipeline.use_tma(variant, cfg, gu, dn)
+    pair = bool(cfg.get("pair_m", False))  # as the pipeline's forward / backward run the GEMMs
     rows = bool(cfg["gate_up"].get("ROWS", False))
     h = torch.empty(P, inter, device=DEV, dtype=x.dtype)
     aux = torch.empty(P, two_i, device=DEV, dtype=x.dtype)
@@ -182,22 +183,22 @@ def stage_breakdown(base, x, idx, w, dy, sname, T, variant) -> None:
     dwgu = torch.empty_like(gu)
     stages = {
         "align": lambda: rt.align_rows(idx, E, cfg["block_m"]),
-        # (gate_up "ROWS": timed with its row copy of x, as _forward runs it)
-        "gate_up": lambda: ex._gemm(ex._gather_rows(x, r, K) if rows else x, gu, h, r, cfg["gate_up"], n=inter,
+        # (gate_up "ROWS": timed with its row copy of x, as the pipeline's forward runs it)
+        "gate_up": lambda: launch.gemm(launch.gather_rows(x, r, K) if rows else x, gu, h, r, cfg["gate_up"], n=inter,
                                     k=H, epilogue=1, gather_a=not rows, b_ncontig=False, topk=K, use_tma=tma,
                                     aux=aux, save_aux=True, pair=pair),
-        "down": lambda: ex._gemm(h, dn, y, r, cfg["down"], n=H, k=inter, epilogue=0, gather_a=False,
+        "down": lambda: launch.gemm(h, dn, y, r, cfg["down"], n=H, k=inter, epilogue=0, gather_a=False,
                                  b_ncontig=False, topk=K, use_tma=tma, pair=pair),
-        "combine": lambda: ex._combine(y, r.token_topk_to_pos, w, out),
-        "dgrad": lambda: ex._gemm(dy, dn, dgu, r, cfg["dgrad"], n=inter, k=H, epilogue=2, gather_a=True,
+        "combine": lambda: launch.combine(y, r.token_topk_to_pos, w, out),
+        "dgrad": lambda: launch.gemm(dy, dn, dgu, r, cfg["dgrad"], n=inter, k=H, epilogue=2, gather_a=True,
                                   b_ncontig=True, topk=K, use_tma=tma, aux=aux, scale=wf, dscale=dws, h=hw,
                                   pair=pair),
-        "dx": lambda: ex._gemm(dgu, gu, y, r, cfg["down"], n=H, k=two_i, epilogue=0, gather_a=False,
+        "dx": lambda: launch.gemm(dgu, gu, y, r, cfg["down"], n=H, k=two_i, epilogue=0, gather_a=False,
                                b_ncontig=True, topk=K, use_tma=tma, pair=pair),
     }
-    wc = cfg["wgrad"]  # as _backward runs them (ROWS copies included when the bucket sets it)
-    stages["wgrad_down"] = lambda: ex._wgrad_token_operand(dy, hw, dwd, r, wc, src_is_a=True, topk=K, use_tma=tma)
-    stages["wgrad_gate_up"] = lambda: ex._wgrad_token_operand(x, dgu, dwgu, r, wc, src_is_a=False, topk=K,
+    wc = cfg["wgrad"]  # as the pipeline's backward runs them (ROWS copies included when the bucket sets it)
+    stages["wgrad_down"] = lambda: launch.wgrad_token_operand(dy, hw, dwd, r, wc, src_is_a=True, topk=K, use_tma=tma)
+    stages["wgrad_gate_up"] = lambda: launch.wgrad_token_operand(x, dgu, dwgu, r, wc, src_is_a=False, topk=K,
                                                               use_tma=tma)
     times = {k: bench(v) for k, v in stages.items()}
     emit(kind="moe_stages", shape=sname, T=T, P=P, block_m=cfg["block_m"], pair_m=pair, tma=tma,

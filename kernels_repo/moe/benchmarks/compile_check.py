@@ -1,7 +1,7 @@
 """Compile every fused_experts kernel for sm90 and sm80 without a GPU (Triton AOT to cubin).
 
 Catches GPU-only compile errors (layouts, TMA, shared memory) on a machine with no GPU: it builds
-each kernel with the constexprs `experts.py` uses for every bucket of `configs/sm*.json` and runs
+each kernel with the constexprs `_experts_launch.py` passes for every bucket of `configs/sm*.json` and runs
 the whole pipeline up to ptxas. Usage (repo root, TRITON_INTERPRET unset):
     PYTHONPATH=src python kernels_repo/moe/benchmarks/compile_check.py
     PAIR=1 ...: also the block_m=128 buckets' GEMM tiles as block_m=64 with "pair_m" (128-row tiles)
@@ -27,7 +27,7 @@ os.environ.pop("TRITON_INTERPRET", None)
 from kernelhub._loader import load_kernel_from_dir  # noqa: E402
 
 moe = load_kernel_from_dir(ROOT / "kernels_repo" / "moe")
-k80 = sys.modules[moe.__name__ + "._experts_sm80"]
+kern = sys.modules[moe.__name__ + "._experts_kernels"]
 rt = sys.modules[moe.__name__ + "._experts_routing"]
 cfgs = sys.modules[moe.__name__ + "._experts_configs"]
 dec = sys.modules[moe.__name__ + "._experts_decode"]
@@ -89,7 +89,7 @@ def compile_one(fn, signature, constexprs, cap, num_warps, num_stages, label):
 
 def gemm(cap, cfg, bm, epilogue, tma, ncontig, dtype="bf16", pair=False):
     bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
-    # as experts._gemm: A by TMA only where it is not gathered (epilogue 0; gate_up under "ROWS")
+    # as _experts_launch.gemm: A by TMA only where it is not gathered (epilogue 0; gate_up under "ROWS")
     gather = epilogue == 2 or (epilogue == 1 and not cfg.get("ROWS", False))
     a_tma = bool(tma and cfg.get("A_TMA", False) and not gather)
     sig = {
@@ -123,12 +123,12 @@ def gemm(cap, cfg, bm, epilogue, tma, ncontig, dtype="bf16", pair=False):
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"],
     )
     # ASTSource wants every argument in the signature; constexprs are marked "constexpr".
-    order = k80._grouped_gemm_kernel.arg_names
+    order = kern._grouped_gemm_kernel.arg_names
     full = {n: sig.get(n, "constexpr") for n in order}
     rows = (" rows" if epilogue == 1 and not gather else "") + (" halves" if cfg.get("EPI_HALVES") else "")
     label = (f"gemm epi={epilogue} tma={tma} ncontig={ncontig} bm={bm}{' pair' if pair else ''}{rows}"
              f"{' a_tma' if a_tma else ''}{' persistent' if persistent else ''} {cfg} {dtype}")
-    return compile_one(k80._grouped_gemm_kernel, full, const, cap, cfg["num_warps"], cfg["num_stages"], label)
+    return compile_one(kern._grouped_gemm_kernel, full, const, cap, cfg["num_warps"], cfg["num_stages"], label)
 
 
 def wgrad(cap, cfg, gather_a, tma=False, rows=False):
@@ -150,7 +150,7 @@ def wgrad(cap, cfg, gather_a, tma=False, rows=False):
             const[name] = None
     const["C_TMA"] = tma and bool(cfg.get("TMA_STORE", False))
     const["PERSISTENT"] = bool(cfg.get("PERSISTENT", 0))
-    # as experts.py: the flattened loop only with persistent programs and both operands by TMA
+    # as _experts_launch.wgrad: the flattened loop only with persistent programs and both operands by TMA
     flat = const["PERSISTENT"] and const["A_TMA"] and const["B_TMA"]
     const["FLAT_STEPS"] = int(cfg.get("FLAT_STEPS", 0)) if flat else 0
     const["BLOCK_E"] = 256 if const["FLAT_STEPS"] else 1
@@ -158,8 +158,8 @@ def wgrad(cap, cfg, gather_a, tma=False, rows=False):
         sig["c_desc"] = f"tensordesc<bf16[1, {bm}, {bn}]>"
     else:
         const["c_desc"] = None
-    full = {n: sig.get(n, "constexpr") for n in k80._grouped_wgrad_kernel.arg_names}
-    return compile_one(k80._grouped_wgrad_kernel, full, const, cap, cfg["num_warps"], cfg["num_stages"],
+    full = {n: sig.get(n, "constexpr") for n in kern._grouped_wgrad_kernel.arg_names}
+    return compile_one(kern._grouped_wgrad_kernel, full, const, cap, cfg["num_warps"], cfg["num_stages"],
                        f"wgrad gather_a={ga} gather_b={gb} tma={tma} {cfg}")
 
 
@@ -184,17 +184,17 @@ def others(cap) -> int:
     fails = 0
     sig = {"y_ptr": "*bf16", "pos_ptr": "*i32", "w_ptr": "*bf16", "out_ptr": "*bf16", "H": I32,
            "stride_ym": I32, "stride_wt": I32, "stride_wk": I32, "stride_om": I32}
-    full = {n: sig.get(n, "constexpr") for n in k80._combine_kernel.arg_names}
-    fails += compile_one(k80._combine_kernel, full, dict(TOPK=8, HAS_W=True, RNE=False, BLOCK_H=1024), cap, 4,
+    full = {n: sig.get(n, "constexpr") for n in kern._combine_kernel.arg_names}
+    fails += compile_one(kern._combine_kernel, full, dict(TOPK=8, HAS_W=True, RNE=False, BLOCK_H=1024), cap, 4,
                          3, "combine") is None
     sig = {"src_ptr": "*bf16", "rows_ptr": "*i32", "row_expert_ptr": "*i32", "out_ptr": "*bf16", "P": I32,
            "H": I32, "stride_s": I32, "stride_o": I32}
-    full = {n: sig.get(n, "constexpr") for n in k80._gather_rows_kernel.arg_names}
-    fails += compile_one(k80._gather_rows_kernel, full, dict(stride_sh=1, TOPK=8, ALIGN=128, BLOCK_R=16,
+    full = {n: sig.get(n, "constexpr") for n in kern._gather_rows_kernel.arg_names}
+    fails += compile_one(kern._gather_rows_kernel, full, dict(stride_sh=1, TOPK=8, ALIGN=128, BLOCK_R=16,
                                                              BLOCK_H=512), cap, 4, 3, "gather_rows") is None
     sig = {"start_ptr": "*i32", "count_ptr": "*i32", "tiles_ptr": "*i32", "E": I32, "P": I32}
-    full = {n: sig.get(n, "constexpr") for n in k80._pair_tiles_kernel.arg_names}
-    fails += compile_one(k80._pair_tiles_kernel, full, dict(BLOCK_M=64, BLOCK_E=128), cap, 4, 3,
+    full = {n: sig.get(n, "constexpr") for n in kern._pair_tiles_kernel.arg_names}
+    fails += compile_one(kern._pair_tiles_kernel, full, dict(BLOCK_M=64, BLOCK_E=128), cap, 4, 3,
                          "pair_tiles") is None
     sig = {"idx_ptr": "*i64", "rows_ptr": "*i32", "row_expert_ptr": "*i32", "start_ptr": "*i32",
            "count_ptr": "*i32", "pos_ptr": "*i32", "n": I32, "E": I32, "P": I32}

@@ -41,7 +41,8 @@ sys.path.insert(0, str(ROOT / "src"))
 from kernelhub._loader import load_kernel_from_dir  # noqa: E402
 
 moe = load_kernel_from_dir(ROOT / "kernels_repo" / "moe")
-ex = sys.modules[moe.__name__ + ".experts"]
+launch = sys.modules[moe.__name__ + "._experts_launch"]
+pipeline = sys.modules[moe.__name__ + "._experts_pipeline"]
 rt = sys.modules[moe.__name__ + "._experts_routing"]
 cfgs = sys.modules[moe.__name__ + "._experts_configs"]
 DEV = torch.device("cuda")
@@ -67,22 +68,22 @@ def gemm_space(full: bool, rows_per_expert: float):
             continue
         yield {"BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": gm, "num_warps": nw, "num_stages": ns}
     if rows_per_expert > 32:
-        # 8 warps capped at 128 registers: two CTAs per SM (the H200's best dgrad tile at block_m=128)
+        # 8 warps capped at 128 registers: two CTAs per SM (sm90's best dgrad tile at block_m=128)
         for cap in ([128, 168] if full else [128]):
             yield {"BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3, "maxnreg": cap}
 
 
 def stage_space(stage: str, full: bool, rows_per_expert: float, tma: bool) -> list[dict]:
     """gemm_space, plus for the down tile on sm90 (tma) the same wide tiles reading h (and dL/dx's
-    d[gate|up]) by TMA from persistent programs (stage keys "A_TMA", "PERSISTENT"): 6-21% off down
-    and dL/dx at block_m=128 on an H200 (gate_up and dgrad lost with them)."""
+    d[gate|up]) by TMA from persistent programs (stage keys "A_TMA", "PERSISTENT"), which won for
+    down and dL/dx at block_m=128 and lost for gate_up and dgrad (docs/performance.md)."""
     space = list(gemm_space(full, rows_per_expert))
     if stage == "down" and tma and rows_per_expert > 32:
         space += [{**c, "A_TMA": True, "PERSISTENT": 1} for c in space if c["BLOCK_N"] >= 128 and "maxnreg" not in c]
     return space
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the short list the H200 sweeps kept
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): the short list the sm90 sweeps kept
 # (sweep_backward.py): 128x128x64 for short K loops (<= 256 rows per expert), 256x128x64 for long
 # (3 stages: with a TMA_STORE tile 4 do not fit in shared memory).
 WGRAD_TILES = [(128, 128, 64, 8, 3), (256, 128, 64, 8, 3), (256, 128, 64, 8, 4), (128, 128, 32, 8, 4),
@@ -122,9 +123,9 @@ def tune_decode(bucket, x, gu, dn, idx, w, T, full):
     E, two_i, H = gu.shape
     h = torch.empty(T * idx.shape[1], two_i // 2, device=DEV, dtype=x.dtype)
     out = torch.empty(T, H, device=DEV, dtype=x.dtype)
-    _, c_gu = best_of(f"decode_gate_up T={T}", lambda c: ex._decode_gate_up(x, gu, idx, h, c),
+    _, c_gu = best_of(f"decode_gate_up T={T}", lambda c: launch.decode_gate_up(x, gu, idx, h, c),
                        decode_space("gate_up", full))
-    _, c_dn = best_of(f"decode_down T={T}", lambda c: ex._decode_down(h, dn, idx, w, out, c),
+    _, c_dn = best_of(f"decode_down T={T}", lambda c: launch.decode_down(h, dn, idx, w, out, c),
                        decode_space("down", full))
     if c_gu is None or c_dn is None:
         return bucket
@@ -181,23 +182,23 @@ def tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, tma, full, training, 
     dx_rows = torch.empty(P, H, device=DEV, dtype=x.dtype)
 
     def gate_up(c):
-        ex._gemm(x, gu, h, r, c, n=I, k=H, epilogue=1, gather_a=True, b_ncontig=False, topk=K, use_tma=tma,
+        launch.gemm(x, gu, h, r, c, n=I, k=H, epilogue=1, gather_a=True, b_ncontig=False, topk=K, use_tma=tma,
                  aux=aux, save_aux=training, pair=pair)
 
     def down(c):
-        ex._gemm(h, dn, y, r, c, n=H, k=I, epilogue=0, gather_a=False, b_ncontig=False, topk=K, use_tma=tma,
+        launch.gemm(h, dn, y, r, c, n=H, k=I, epilogue=0, gather_a=False, b_ncontig=False, topk=K, use_tma=tma,
                  pair=pair)
         if training:  # the backward's dL/dx GEMM runs with the down tile: tune them together
-            ex._gemm(dgu, gu, dx_rows, r, c, n=H, k=2 * I, epilogue=0, gather_a=False, b_ncontig=True, topk=K,
+            launch.gemm(dgu, gu, dx_rows, r, c, n=H, k=2 * I, epilogue=0, gather_a=False, b_ncontig=True, topk=K,
                      use_tma=tma, pair=pair)
 
     def dgrad(c):
-        ex._gemm(dy, dn, dgu, r, c, n=I, k=H, epilogue=2, gather_a=True, b_ncontig=True, topk=K, use_tma=tma,
+        launch.gemm(dy, dn, dgu, r, c, n=I, k=H, epilogue=2, gather_a=True, b_ncontig=True, topk=K, use_tma=tma,
                  aux=aux, scale=wf, dscale=dws, h=hw, pair=pair)
 
-    def wgrad(c):  # both weight gradients, as _backward runs them
-        ex._wgrad_token_operand(dy, hw, dwd, r, c, src_is_a=True, topk=K, use_tma=tma)
-        ex._wgrad_token_operand(x, dgu, dwgu, r, c, src_is_a=False, topk=K, use_tma=tma)
+    def wgrad(c):  # both weight gradients, as _experts_pipeline.backward runs them
+        launch.wgrad_token_operand(dy, hw, dwd, r, c, src_is_a=True, topk=K, use_tma=tma)
+        launch.wgrad_token_operand(x, dgu, dwgu, r, c, src_is_a=False, topk=K, use_tma=tma)
 
     stages = {"gate_up": gate_up, "down": down}
     if training:
@@ -230,7 +231,7 @@ def tune_point(E, H, I, K, T, variant, full, training):
     # (block_m, pair_m): 64-row padding with paired 128-row tiles too, from 64 rows per expert up
     choices = [(bm, False) for bm in block_ms] + ([(64, True)] if rpe > 32 and 64 in block_ms else [])
     best_total, best_bucket = math.inf, None
-    # Decode: also try pointer loads on sm90 (no host descriptors; see experts._use_tma).
+    # Decode: also try pointer loads on sm90 (no host descriptors; see _experts_pipeline.use_tma).
     tmas = [True, False] if tma and rpe <= 4 else [tma]
     for (bm, pair), use_tma in itertools.product(choices, tmas):
         bucket, total = tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, use_tma, full, training, rpe, pair)

@@ -28,7 +28,7 @@ def test_every_gemm_candidate_is_a_valid_stage(tune, full, rows_per_expert):
         for stage in ("gate_up", "down", "dgrad"):
             tune.cfgs.check_bucket({"block_m": 64, "gate_up": space[0], "down": space[0], "dgrad": space[0],
                                     "wgrad": wgrad, stage: c}, f"candidate {c}")
-    # the register-capped tile the H200 keeps for dgrad at block_m=128 is searched from 64 rows up
+    # the register-capped tile shipped for sm90's dgrad at block_m=128 is searched from 64 rows up
     assert any(c.get("maxnreg") == 128 for c in space) == (rows_per_expert > 32)
 
 

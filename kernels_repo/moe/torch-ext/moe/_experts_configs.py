@@ -37,7 +37,7 @@ _WGRAD_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 # "maxnreg" (any stage): ptx .maxnreg, a register cap per thread so that more CTAs share an SM.
 _GEMM_OPTIONAL = {"maxnreg": int}
 # gate_up / down / dgrad only (sm90): "A_TMA" a non-gathered A by TMA (down, dL/dx), "PERSISTENT"
-# programs per SM looping over the tiles in one flattened loop (experts._gemm); gate_up only: "ROWS"
+# programs per SM looping over the tiles in one flattened loop (_experts_launch.gemm); gate_up only: "ROWS"
 # (the forward reads a row-ordered copy of x instead of gathering it, so A_TMA applies there too) and
 # "EPI_HALVES" (the training epilogue, which also saves [g | u], in two column halves).
 _GEMM_ONLY = {"A_TMA": bool, "PERSISTENT": int, "ROWS": bool, "EPI_HALVES": bool}

@@ -18,16 +18,17 @@ import torch
 
 from kernelhub.device import device_guard
 
-from . import experts as _ex
+from . import _experts_eager as eager
+from . import _experts_pipeline as pipeline
 from ._experts_routing import ExpertRows, max_rows
-from .reference_experts import fused_experts_reference
+from .reference_experts import reference_unchecked
 
 _NS = "kernelhub_" + __name__.replace(".", "_")
 
 
 def _bucket(x, gate_up_proj, topk_idx, variant: str, config: str) -> dict:
     E, two_i, H = gate_up_proj.shape
-    return _ex._config(variant, E, H, two_i // 2, topk_idx.numel(), json.loads(config) if config else None,
+    return pipeline.bucket(variant, E, H, two_i // 2, topk_idx.numel(), json.loads(config) if config else None,
                        x.device, x.element_size())
 
 
@@ -39,9 +40,10 @@ def _meta_sizes(P: int, E: int, pairs: int) -> list[int]:
 @torch.library.custom_op(f"{_NS}::fused_experts", mutates_args=())
 def fused_experts_op(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_idx: torch.Tensor,
                      topk_weights: torch.Tensor, variant: str, config: str) -> torch.Tensor:
+    # the eager path (variant resolved while tracing), so a compiled graph replays recorded launches too
     with torch.no_grad():
-        return _ex.fused_experts(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant=variant,
-                                 config=json.loads(config) if config else None, check_indices=False)
+        return eager.run(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant,
+                         json.loads(config) if config else None, False)
 
 
 @fused_experts_op.register_fake
@@ -58,12 +60,12 @@ def fused_experts_train_op(
     meta) and its backward recomputes through autograd."""
     if variant == "reference" or x.shape[0] == 0:
         with torch.no_grad():
-            out = fused_experts_reference(x, gate_up_proj, down_proj, topk_idx, topk_weights)
+            out = reference_unchecked(x, gate_up_proj, down_proj, topk_idx, topk_weights)
         return out, x.new_empty(0, 0), torch.empty(0, dtype=torch.int32, device=x.device)
     cfg = _bucket(x, gate_up_proj, topk_idx, variant, config)
     with torch.no_grad(), device_guard(x):
-        out, routing, _, aux = _ex._forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg,
-                                            save=True)
+        out, routing, _, aux = pipeline.forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant,
+                                                cfg, save=True)
     meta = torch.cat([routing.rows, routing.row_expert, routing.expert_start, routing.expert_count,
                       routing.token_topk_to_pos.reshape(-1)])
     return out, aux, meta
@@ -95,8 +97,8 @@ def fused_experts_backward_op(
         rows, row_expert, start, count, pos = meta.split(_meta_sizes(P, E, topk_idx.numel()))
         routing = ExpertRows(rows, row_expert, start, count, pos.view(topk_idx.shape), P, cfg["block_m"])
         with torch.no_grad(), device_guard(x):
-            grads = _ex._backward(dout.contiguous(), x, gate_up_proj, down_proj, topk_weights, routing, aux,
-                                  variant, cfg, tuple(needs))
+            grads = pipeline.backward(dout.contiguous(), x, gate_up_proj, down_proj, topk_weights, routing,
+                                      aux, variant, cfg, tuple(needs))
     return tuple(g if g is not None else t.new_empty(0)
                  for g, t in zip(grads, (x, gate_up_proj, down_proj, topk_weights), strict=True))
 
@@ -117,7 +119,7 @@ def _reference_grads(dout, x, gate_up_proj, down_proj, topk_idx, topk_weights, n
         full = list(tensors)
         for i, a in zip(wanted, args, strict=True):
             full[i] = a
-        return fused_experts_reference(full[0], full[1], full[2], topk_idx, full[3])
+        return reference_unchecked(full[0], full[1], full[2], topk_idx, full[3])
 
     if not wanted:
         return (None,) * 4

@@ -2,7 +2,7 @@
 
 Why: at decode (T of 1 to a few) the grouped-GEMM pipeline is four launches - align rows, gate/up,
 down, combine - over MMA tiles at least 16 rows tall of which one row is real, and ~200 tiles of
-[16, 32] do not keep an H200's 132 SMs streaming weights. Here each (token, k) pair reads its
+[16, 32] do not keep a Hopper's 132 SMs streaming weights. Here each (token, k) pair reads its
 expert's weight rows directly, as a matrix-vector product on the CUDA cores with many small
 programs resident at once, and the down projection sums the K experts of a token in the same
 program, so there is no row alignment and no combine:
@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._experts_sm80 import _to
+from ._experts_kernels import _to
 
 
 @triton.jit

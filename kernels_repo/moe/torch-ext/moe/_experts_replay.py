@@ -1,10 +1,10 @@
 """Replayed launches of the inference path of `fused_experts`.
 
-Why: an eager decode step is host-bound. Its GPU work is ~30 us, while the Python that checks the
-arguments, picks the bucket, aligns the rows, builds four launches' arguments and allocates five
-buffers costs ~100-170 us on an H200's host (at T=512 it still shows: 0.419 -> 0.375 ms per
-Qwen3-30B-A3B forward). Every argument of those launches except the tensor addresses depends only on the
-call's shapes, strides, dtypes, devices and bucket. So the second call of a key runs the ordinary
+Why: an eager decode step is host-bound. Its GPU work is a few tens of us, while the Python that
+checks the arguments, picks the bucket, aligns the rows, builds four launches' arguments and
+allocates five buffers costs several times that (docs/performance.md). Every argument of those
+launches except the tensor addresses depends only on the call's shapes, strides, dtypes, devices
+and bucket. So the second call of a key runs the ordinary
 path (every check included) under `CachedLaunch.recording()` (the first only marks the key as
 seen: a prefill whose length never repeats pays nothing for recording), and its launches are kept
 as a `_Replay`: the compiled handle, grid, ints and constexprs of each launch, plus where each

@@ -123,8 +123,8 @@ def align_rows(topk_idx: torch.Tensor, num_experts: int, block_m: int) -> Expert
         return _align_small(topk_idx.contiguous(), num_experts, block_m)
     # Larger batches: the three mapping kernels of `get_fused_mapping` with the static bound P (no
     # host sync). They drop ids outside [0, E) as this function must, and count real rows per
-    # expert on the way, so nothing else is launched. (They replaced ~15 torch ops that took
-    # 0.5-1.1 ms on an H200 at T=512..16384 against ~37 us of GPU time for the kernels.)
+    # expert on the way, so nothing else is launched (~15 torch ops would cost far more host and
+    # GPU time than the kernels; docs/performance.md).
     m = _mapping(topk_idx, num_experts, max_rows(n, num_experts, block_m), block_m)
     return ExpertRows(
         rows=m.pos_to_token_topk,

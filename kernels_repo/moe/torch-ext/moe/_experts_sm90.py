@@ -1,6 +1,6 @@
 """sm90 (Hopper) specifics of `fused_experts`: expert weights through TMA tensor descriptors.
 
-The kernels are those of `_experts_sm80.py` with `B_TMA=True`: the weight tile of each K step is
+The kernels are those of `_experts_kernels.py` with `B_TMA=True`: the weight tile of each K step is
 one TMA copy described by a host-side `TensorDescriptor` over the 3-D weight [E, N, K] (or [E, K, N]),
 so no `triton.set_allocator` scratch is needed (only in-kernel `tl.make_tensor_descriptor` needs one:
 `set_allocator` stores it in a ContextVar in triton 3.6 and 3.7, so a kernel library setting it would
@@ -21,9 +21,10 @@ except ImportError:  # pragma: no cover - older triton: sm90 runs the pointer pa
 
 
 def tma_ok(weight: torch.Tensor) -> bool:
-    """TMA constraints: last dim contiguous, base and other strides 16-byte aligned and nonzero (an
-    expanded view, stride 0, is no tensor map: the pointer path reads it)."""
-    if TensorDescriptor is None or weight.dim() < 2 or weight.stride(-1) != 1:
+    """TMA constraints: no empty dim, last dim contiguous, base and other strides 16-byte aligned and
+    nonzero (an expanded view, stride 0, or a zero-size dim, e.g. H = 0, is no tensor map: the
+    pointer path reads it, looping over nothing)."""
+    if TensorDescriptor is None or weight.dim() < 2 or weight.stride(-1) != 1 or weight.numel() == 0:
         return False
     size = weight.element_size()
     if weight.data_ptr() % 16:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from ._experts_sm80 import _to
+from ._experts_kernels import _to
 
 # The interpreter (CPU tests) casts fp32 -> bf16 by truncation, the GPU to nearest even: under the
 # interpreter `_to` rounds on the bits first (a constexpr: the GPU code is unchanged).
@@ -46,8 +46,7 @@ class RoutingConfig:
 # Both keep 16-byte vectors per thread for bf16 (1024 columns over 4 warps; 7168 = 7 x 1024).
 # sm90 (132 SMs, HBM3): larger mapping sub-chunks (fewer serial steps per program) and wider
 # reduce blocks; sm80 (108 SMs): half-size sub-chunks and reduce blocks. sm90 expand: 2048
-# columns over 8 warps, the best of benchmarks/bench_moe_routing.py's sweep on an H200 in two
-# runs (0.8555 / 0.8557 of copy at T=16384, K=8, H=7168 against 0.845-0.846 for 1024 / 4).
+# columns over 8 warps, the best of benchmarks/bench_moe_routing.py's sweep (docs/performance.md).
 SM90 = RoutingConfig(
     name="sm90", map_sub=128, map_programs_per_sm=2, map_warps=4,
     copy_block_h=2048, copy_warps=8, reduce_block_h=1024, reduce_warps=4,

@@ -97,24 +97,57 @@ def _support(module: nn.Module) -> str | None:
     return reason
 
 
-def _run(module: nn.Module, hidden_states, top_k_index, top_k_weights, variant: str | None,
+def _check_inputs(fn: str, module: nn.Module, hidden_states, top_k_index, top_k_weights) -> tuple[int, int]:
+    """(T, K) of a layer call; errors name the layer's arguments, not those of `fused_experts`."""
+    named = (("hidden_states", hidden_states), ("top_k_index", top_k_index), ("top_k_weights", top_k_weights))
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: `{name}` must be a torch.Tensor, got {type(t).__name__}")
+    if hidden_states.dim() == 0:
+        raise ValueError(f"{fn}: `hidden_states` must be [..., H], got a 0-d tensor")
+    if not hidden_states.is_floating_point():  # a cast would round and return integers
+        raise TypeError(f"{fn}: `hidden_states` must be floating point, got {hidden_states.dtype}")
+    H = module.gate_up_proj.shape[-1]
+    if hidden_states.shape[-1] != H:
+        raise ValueError(f"{fn}: `hidden_states` must be [..., H={H}] (the module's hidden size), "
+                         f"got shape {tuple(hidden_states.shape)}")
+    for name, t in named[1:]:
+        if t.device != hidden_states.device:
+            raise ValueError(f"{fn}: `{name}` must be on {hidden_states.device} like `hidden_states`, got {t.device}")
+    if top_k_index.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{fn}: `top_k_index` must be int32 or int64, got {top_k_index.dtype}")
+    if not top_k_weights.is_floating_point():
+        raise TypeError(f"{fn}: `top_k_weights` must be floating point, got {top_k_weights.dtype}")
+    if top_k_index.dim() == 0:
+        raise ValueError(f"{fn}: `top_k_index` must be [..., K], got a 0-d tensor")
+    T, K = math.prod(hidden_states.shape[:-1]), top_k_index.shape[-1]
+    if math.prod(top_k_index.shape[:-1]) != T:
+        raise ValueError(f"{fn}: `top_k_index` must have one row per token of `hidden_states` ({T}), "
+                         f"got shape {tuple(top_k_index.shape)}")
+    if top_k_weights.dim() == 0 or top_k_weights.shape[-1] != K or math.prod(top_k_weights.shape[:-1]) != T:
+        raise ValueError(f"{fn}: `top_k_weights` must have the shape of `top_k_index` ({T} rows of K={K}), "
+                         f"got shape {tuple(top_k_weights.shape)}")
+    return T, K
+
+
+def _run(fn: str, module: nn.Module, hidden_states, top_k_index, top_k_weights, variant: str | None,
          checked: bool = False):
     if not checked:
         reason = _support(module)
         if reason is not None:
-            raise ValueError(f"MoEExperts.forward: {reason}")
+            raise ValueError(f"{fn}: {reason}")
+    T, K = _check_inputs(fn, module, hidden_states, top_k_index, top_k_weights)
     # transformers skips ids == E (and EP sentinels >= E): fused_experts (every variant) drops ids
     # outside [0, E) itself, sync-free, so they pass through unmapped.
     # [..., H] -> [T, H] (a view when it can); sizes spelled out, as -1 is ambiguous for an empty batch
-    T = math.prod(hidden_states.shape[:-1])
     x = hidden_states.reshape(T, hidden_states.shape[-1])
     gu = module.gate_up_proj
     if x.dtype != gu.dtype:  # autocast / fp32 activations with bf16 weights
         x = x.to(gu.dtype)
     if torch._C._are_functorch_transforms_active():  # (vmap, grad, ...: the kernels cannot run there)
         variant = "reference"
-    out = fused_experts(x, gu, module.down_proj, top_k_index.reshape(T, top_k_index.shape[-1]),
-                        top_k_weights.reshape(T, top_k_weights.shape[-1]), variant=variant, check_indices=False)
+    out = fused_experts(x, gu, module.down_proj, top_k_index.reshape(T, K), top_k_weights.reshape(T, K),
+                        variant=variant, check_indices=False)
     if out.dtype != hidden_states.dtype:
         out = out.to(hidden_states.dtype)
     return out.view(hidden_states.shape)
@@ -135,7 +168,7 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
         if eager is None:
             raise ValueError(f"experts_forward: {reason}; no eager forward to fall back to")
         return eager(self, hidden_states, top_k_index, top_k_weights)
-    return _run(self, hidden_states, top_k_index, top_k_weights, None, checked=True)
+    return _run("experts_forward", self, hidden_states, top_k_index, top_k_weights, None, checked=True)
 
 
 class MoEExperts(nn.Module):
@@ -148,7 +181,7 @@ class MoEExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        return _run(self, hidden_states, top_k_index, top_k_weights, None)
+        return _run("MoEExperts.forward", self, hidden_states, top_k_index, top_k_weights, None)
 
 
 class MoEExpertsSm90(MoEExperts):
@@ -156,7 +189,7 @@ class MoEExpertsSm90(MoEExperts):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        return _run(self, hidden_states, top_k_index, top_k_weights, "sm90")
+        return _run("MoEExperts.forward", self, hidden_states, top_k_index, top_k_weights, "sm90")
 
 
 class MoEExpertsSm80(MoEExperts):
@@ -164,7 +197,7 @@ class MoEExpertsSm80(MoEExperts):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        return _run(self, hidden_states, top_k_index, top_k_weights, "sm80")
+        return _run("MoEExperts.forward", self, hidden_states, top_k_index, top_k_weights, "sm80")
 
 
 class MoEExpertsReference(MoEExperts):
@@ -172,7 +205,7 @@ class MoEExpertsReference(MoEExperts):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        return _run(self, hidden_states, top_k_index, top_k_weights, "reference")
+        return _run("MoEExperts.forward", self, hidden_states, top_k_index, top_k_weights, "reference")
 
 
 def _declare_attributes() -> None:

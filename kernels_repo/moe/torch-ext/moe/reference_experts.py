@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ._experts_validate import validate_inputs
+
 
 def fused_experts_reference(
     x: torch.Tensor,
@@ -20,7 +22,21 @@ def fused_experts_reference(
     topk_idx: torch.Tensor,
     topk_weights: torch.Tensor,
 ) -> torch.Tensor:
-    """out[t] = sum_k w[t,k] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])), e = idx[t,k]."""
+    """out[t] = sum_k w[t,k] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])), e = idx[t,k].
+
+    Takes what `fused_experts` takes (checked the same way, but for the ids' range: ids outside
+    [0, E) contribute nothing), float64 `x` included.
+
+    Raises:
+        TypeError: a non-tensor argument or an unsupported dtype.
+        ValueError: shapes or devices are wrong.
+    """
+    validate_inputs(x, gate_up_proj, down_proj, topk_idx, topk_weights, False, fn="fused_experts_reference")
+    return reference_unchecked(x, gate_up_proj, down_proj, topk_idx, topk_weights)
+
+
+def reference_unchecked(x, gate_up_proj, down_proj, topk_idx, topk_weights) -> torch.Tensor:
+    """`fused_experts_reference` on inputs already checked (by `fused_experts`)."""
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     E = gate_up_proj.shape[0]
     inter = gate_up_proj.shape[1] // 2

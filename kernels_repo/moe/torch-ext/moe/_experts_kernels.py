@@ -10,7 +10,7 @@ Backward reuses 1-3 with other operands plus `_grouped_wgrad_kernel` (dW[e] = A_
 These kernels serve both capabilities: the sm80 path loads weights with pointer arithmetic and
 lets Triton software-pipeline the K loop (num_stages); the sm90 path sets B_TMA and passes a host
 TensorDescriptor, so weight tiles arrive by TMA (see `_experts_sm90.py`). Kernels only here:
-allocation, guards and launches live in `experts.py`.
+allocation, guards and launches live in `_experts_pipeline.py` and `_experts_launch.py`.
 """
 
 from __future__ import annotations
@@ -256,8 +256,7 @@ def _gemm_tile(
         # acc = dY[tok] @ Wd[e] = dL/dh before the routing weight; aux holds [g | u] of the forward.
         # scale = topk_weights and dscale = its fp32 gradient, both flat [T*K], indexed by rows[p].
         # Two column halves: the whole tile at once kept ~4 fp32 tiles live (ptxas, sm90, 128x128,
-        # 8 warps: 255 registers and 4.7 KB of spills; in halves 183 and none) and ran 27-39% slower
-        # (H200, sweep_backward.py, 2026-12-03: Mixtral T=16384 dgrad 12.2 -> 9.0 ms).
+        # 8 warps: 255 registers and spills; in halves 183 and none) and ran slower (docs/performance.md).
         w = tl.load(scale_ptr + flat, mask=row_valid, other=0.0).to(tl.float32)
         acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1)))
         _swiglu_bwd_epilogue(acc0, n0 + tl.arange(0, BLOCK_N // 2), w, flat, row_valid, offs_m, m_mask, N,
@@ -326,8 +325,8 @@ def _grouped_wgrad_kernel(
     C_TMA (sm90): the tile is written by one TMA store through a 3-D descriptor over dW [E, M, N].
     PERSISTENT: a grid smaller than the tile count, each program looping over tiles, so that with
     C_TMA a tile's store could drain while the program loads the next tile (short K loops are
-    store-bound: writing DeepSeek-V3's dW_gate_up alone takes 4.3 of its 9.9 ms, H200). Timed on
-    an H200 the plain loop was slower at every point (docs/performance.md); buckets set it with FLAT_STEPS.
+    store-bound). Alone the plain loop was slower at every point timed (docs/performance.md);
+    buckets set it with FLAT_STEPS.
     FLAT_STEPS (PERSISTENT, both operands by TMA): while no expert has more than FLAT_STEPS K steps
     and E times the largest expert's step count is at most 1.5x the sum of all experts' step
     counts (so that skewed routing, or experts with no rows, cannot make the zero steps cost more
@@ -335,9 +334,8 @@ def _grouped_wgrad_kernel(
     its own rows load boxes at row P, outside the buffers: zeros), so the K-loop bounds do not
     depend on the tile and Triton flattens tile loop and K loop into one software-pipelined loop:
     the next tile's loads are in flight during this tile's MMAs and store. Why: at <= 256 rows per
-    expert the K loop is 2-5 steps and the kernel is latency-bound (ncu, H200, DeepSeek-V3 T=4096:
-    37-39% of SM, 46-52% of L2 and 38-39% of DRAM throughput, two CTAs per SM). Otherwise: the
-    plain persistent loop.
+    expert the K loop is 2-5 steps and the kernel is latency-bound, well under the SM, L2 and DRAM
+    limits (docs/performance.md). Otherwise: the plain persistent loop.
     """
     # Every branch test below is on constexprs, except the one on the device-side step counts: a
     # runtime `if` is traced on both sides, so it may only sit where both operands are descriptors.
@@ -393,7 +391,7 @@ def _wgrad_tile_coords(tile, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     # int64: e * stride_ce passes 2**31 for DeepSeek-V3's dW_gate_up ([256, 4096, 7168]); in int32
-    # it wrapped and wrote out of bounds (illegal address on the H200, 2026-12-02).
+    # it wraps and writes out of bounds.
     e = (tile // (num_m * num_n)).to(tl.int64)
     rest = tile % (num_m * num_n)
     per_group = GROUP_M * num_n
