@@ -367,3 +367,19 @@ def test_the_report_goes_with_the_model():
     del model
     gc.collect()
     assert key not in _REPORTS
+
+
+def test_members_added_to_nn_module_later_are_not_a_layers_own(monkeypatch):
+    """transformers adds `smart_apply` to nn.Module itself when it loads a model; a layer checked
+    before that must not then count it as state of its own."""
+    from kernelhub.layer import extra_members
+
+    class Layer(torch.nn.Module):
+        has_backward = True
+
+        def forward(self, x):
+            return x
+
+    assert extra_members(Layer) == []
+    monkeypatch.setattr(torch.nn.Module, "added_by_a_library", lambda self: None, raising=False)
+    assert extra_members(Layer) == []

@@ -140,9 +140,10 @@ def keyword_renames(layer: type, host: nn.Module) -> dict[str, str]:
             if h.name != m.name and h.kind is not inspect.Parameter.POSITIONAL_ONLY}
 
 
-@functools.cache
-def _module_members() -> frozenset[str]:
-    return frozenset(name for name, _ in inspect.getmembers(nn.Module))
+def _module_members() -> set[str]:
+    # read on every check, not cached: libraries add members to nn.Module itself after import
+    # (transformers' `smart_apply`), and those are no layer's own state
+    return set(dir(nn.Module))
 
 
 def extra_members(layer: type) -> list[str]:

@@ -93,7 +93,7 @@ def test_kernelized_logits_equal_eager(kind):
         ref = model(input_ids=ids).logits
     with kernelhub.use_kernel_mapping(_triton_on_cpu_mapping()):
         report = kernelhub.kernelize_report(kernelhub.kernelize(model, config={}))
-    assert len(report.kernelized) == sum(EXPECTED[kind]) and not report.fallbacks
+    assert len(report.kernelized) == sum(EXPECTED[kind]) and not report.fallbacks, str(report)
     assert all(e.layer.endswith("Sm80") for e in report.entries)
     with torch.no_grad():
         out = model(input_ids=ids).logits
@@ -137,7 +137,7 @@ def test_compiled_kernelized_model_matches_the_uncompiled_one(kind):
     with kernelhub.use_kernel_mapping(_triton_on_cpu_mapping()):
         model = kernelhub.kernelize(model, mode=kernelhub.Mode.TRAINING | kernelhub.Mode.TORCH_COMPILE, config={})
         report = kernelhub.kernelize_report(model)
-    assert len(report.kernelized) == sum(EXPECTED[kind]) and not report.fallbacks
+    assert len(report.kernelized) == sum(EXPECTED[kind]) and not report.fallbacks, str(report)
 
     def loss_and_grads(m):
         model.zero_grad()
@@ -379,7 +379,7 @@ def test_kernelize_a_model_offloaded_by_accelerate(kind):
     accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
     with kernelhub.use_kernel_mapping(_triton_on_cpu_mapping()):
         report = kernelhub.kernelize_report(kernelhub.kernelize(model, config={}))
-    assert len(report.kernelized) == sum(EXPECTED[kind]) and not report.fallbacks
+    assert len(report.kernelized) == sum(EXPECTED[kind]) and not report.fallbacks, str(report)
     assert {e.device for e in report.entries} == {torch.device("cpu")}
     with torch.no_grad():
         out = model(input_ids=ids).logits
