@@ -422,3 +422,31 @@ def test_repo_ids_the_hub_refuses_are_value_errors_before_any_request(hub, repo_
     with pytest.raises(ValueError, match="`repo_id` .* is not a valid Hub id"):
         LayerRepository(repo_id, layer_name="TinyScale")
 
+
+
+# -- hardening (issue 30) ------------------------------------------------------------------------
+@pytest.mark.parametrize("value", ["on", "ON", " Yes ", "TRUE", "1"])
+def test_require_trusted_understands_every_spelling_of_on(hub, tmp_path, monkeypatch, value):
+    """`KERNELHUB_REQUIRE_TRUSTED=ON` was not understood, so untrusted code was imported."""
+    _publish(tmp_path, "someone/tiny")
+    monkeypatch.setenv("KERNELHUB_REQUIRE_TRUSTED", value)
+    with pytest.raises(UntrustedKernelError, match="KERNELHUB_REQUIRE_TRUSTED is set"):
+        get_kernel("someone/tiny", version=1)
+
+
+@pytest.mark.parametrize("var", ["KERNELHUB_REQUIRE_TRUSTED", "HF_HUB_OFFLINE"])
+def test_an_unknown_boolean_value_is_an_error_naming_the_variable_never_off(hub, tmp_path, monkeypatch, var):
+    _publish(tmp_path, "someone/tiny")
+    monkeypatch.setenv(var, "enabled")
+    with pytest.raises(ValueError, match=rf"{var}='enabled' is not a boolean"):
+        get_kernel("someone/tiny", version=1)
+
+
+def test_env_flag_parses_every_boolean_the_same_way(monkeypatch):
+    from kernelhub._env import env_flag
+
+    for raw, want in [("1", True), ("On", True), ("yes", True), ("0", False), ("OFF", False), ("No", False), ("", True)]:
+        monkeypatch.setenv("KERNELHUB_X", raw)
+        assert env_flag("KERNELHUB_X", default=True) is want, raw
+    monkeypatch.delenv("KERNELHUB_X")
+    assert env_flag("KERNELHUB_X") is False

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from kernelhub._env import env_flag
 from kernelhub.variants import SystemInfo, rank_variants
 
 logger = logging.getLogger("kernelhub.hub")
@@ -89,10 +90,7 @@ def cache_dir() -> Path:
 def offline() -> bool:
     from huggingface_hub import constants
 
-    env = os.environ.get("HF_HUB_OFFLINE")
-    if env is not None:
-        return env.strip().upper() in ("1", "ON", "YES", "TRUE")
-    return bool(constants.HF_HUB_OFFLINE)
+    return env_flag("HF_HUB_OFFLINE", default=bool(constants.HF_HUB_OFFLINE))
 
 
 def default_repo_type() -> str:

@@ -14,6 +14,7 @@ from types import ModuleType
 
 from torch import nn
 
+from kernelhub._env import env_flag
 from kernelhub._fetch import (
     KernelHubError,
     KernelNotFoundError,
@@ -113,7 +114,7 @@ def _check_trust(repo_id: str, trust_remote_code: bool | None) -> str | None:
         "KERNELHUB_TRUSTED_PUBLISHERS (or `trusted_publishers` in the kernelhub config), or load it "
         "through a lock file."
     )
-    strict = os.environ.get("KERNELHUB_REQUIRE_TRUSTED", "").strip().lower() in ("1", "true", "yes")
+    strict = env_flag("KERNELHUB_REQUIRE_TRUSTED")
     if trust_remote_code is False or strict:
         why = "trust_remote_code=False" if trust_remote_code is False else "KERNELHUB_REQUIRE_TRUSTED is set"
         raise UntrustedKernelError(

@@ -11,13 +11,13 @@ checks it: cheaply at every `barrier()`/`close()`, and per allocation with
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from kernelhub._env import env_flag
 from kernelhub.device import as_torch_device, device_guard
 from kernelhub.distributed._backing import CpuSharedBacking, CudaSymmetricBacking
 
@@ -63,10 +63,6 @@ class Allocation:
 
 def _align_up(value: int, alignment: int) -> int:
     return (value + alignment - 1) // alignment * alignment
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 class SymmetricHeap:
@@ -129,7 +125,7 @@ class SymmetricHeap:
         self._device = self._resolve_device(device)
         self._capacity = nbytes
         self._alignment = alignment
-        self._check = _env_flag(CHECK_ENV) if check_symmetry is None else bool(check_symmetry)
+        self._check = env_flag(CHECK_ENV) if check_symmetry is None else bool(check_symmetry)
         self._allocations: list[Allocation] = []
         self._top = 0
         self._closed = False
