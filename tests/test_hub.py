@@ -445,8 +445,46 @@ def test_an_unknown_boolean_value_is_an_error_naming_the_variable_never_off(hub,
 def test_env_flag_parses_every_boolean_the_same_way(monkeypatch):
     from kernelhub._env import env_flag
 
-    for raw, want in [("1", True), ("On", True), ("yes", True), ("0", False), ("OFF", False), ("No", False), ("", True)]:
+    cases = [("1", True), ("On", True), ("yes", True), ("0", False), ("OFF", False), ("No", False), ("", True)]
+    for raw, want in cases:
         monkeypatch.setenv("KERNELHUB_X", raw)
         assert env_flag("KERNELHUB_X", default=True) is want, raw
     monkeypatch.delenv("KERNELHUB_X")
     assert env_flag("KERNELHUB_X") is False
+
+
+@pytest.mark.parametrize(
+    "revision", ["../../../../SOMEWHERE", "v1/../../x", "/etc/passwd", "a\\b", ".hidden", "x.lock"]
+)
+def test_a_revision_that_could_leave_the_cache_is_refused_before_any_io(hub, tmp_path, monkeypatch, revision):
+    """`refs/<revision>` was joined unchecked: online a server that resolved it made kernelhub write
+    outside the cache; offline the same join read any file as a ref."""
+    _publish(tmp_path, "org/tiny")
+    before = len(hub.store.requests)
+    for call in (lambda: get_kernel("org/tiny", revision=revision, trust_remote_code=True),
+                 lambda: has_kernel("org/tiny", revision=revision),
+                 lambda: LayerRepository("org/tiny", layer_name="TinyScale", revision=revision)):
+        with pytest.raises(ValueError, match="`revision` .* is not a valid git revision"):
+            call()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="`revision` .* is not a valid git revision"):
+        get_kernel("org/tiny", revision=revision, trust_remote_code=True)
+    assert len(hub.store.requests) == before
+
+
+def test_offline_a_traversing_revision_does_not_read_a_file_outside_the_cache(hub, tmp_path, monkeypatch):
+    """A file outside the cache that looks like a ref (40 hex digits) must not become the commit."""
+    cache = tmp_path / "cache"
+    cache.mkdir(exist_ok=True)
+    (tmp_path / "FAKE").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="not a valid git revision"):
+        hubmod.resolve_kernel("org/tiny", revision="../../../FAKE")
+
+
+def test_branch_names_with_slashes_stay_valid_revisions(hub, tmp_path):
+    from huggingface_hub import HfApi
+
+    commit = _publish(tmp_path, "org/tiny")
+    HfApi(endpoint=hub.url).create_branch("org/tiny", branch="release/2", repo_type="kernel", revision=commit)
+    assert _scale_of(get_kernel("org/tiny", revision="release/2", trust_remote_code=True)) == 2.0

@@ -29,6 +29,8 @@ __all__ = [
     "KernelVersionNotFoundError",
     "ResolvedKernel",
     "cache_dir",
+    "check_repo_id",
+    "check_revision",
     "choose_variant",
     "default_repo_type",
     "endpoint",
@@ -214,7 +216,7 @@ def _resolve_cached(
     else:
         cached = _versions(p.name for p in refs_dir.iterdir()) if refs_dir.is_dir() else []
         ref = f"v{cached[-1]}" if cached else "main"
-    ref_file = refs_dir / ref
+    ref_file = inside(refs_dir, refs_dir / ref, f"kernel {repo_id!r}: the cached ref of {ref!r}")
     if not ref_file.is_file():
         raise KernelNotFoundError(
             f"offline (HF_HUB_OFFLINE=1) and kernel {repo_id!r} at {ref!r} is not in the cache "
@@ -237,6 +239,40 @@ def _variants_online(repo_id: str, repo_type: str, commit: str) -> list[str]:
 
 
 _REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_BAD_REF_CHARS = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]")
+
+
+def check_revision(func: str, revision: object) -> str:
+    """A branch, tag or commit as git allows one to be named (`git check-ref-format`), checked
+    before any I/O: the revision names a file under the cache's `refs/`, so "../x" must never reach a
+    path join, online or offline."""
+    if not isinstance(revision, str) or not revision:
+        raise TypeError(f"{func}: `revision` must be a non-empty str, got {revision!r}")
+    parts = revision.split("/")
+    problem = None
+    if _BAD_REF_CHARS.search(revision):
+        problem = "a control character, space or one of ~^:?*[\\"
+    elif ".." in revision or "@{" in revision or revision == "@":
+        problem = "'..', '@{' or is '@'"
+    elif any(not p or p.startswith(".") or p.endswith(".lock") for p in parts) or revision.endswith("."):
+        problem = "an empty path component, one starting with '.' or ending with '.lock' or '.'"
+    elif len(revision) > 255:
+        problem = "more than 255 characters"
+    if problem is not None:
+        raise ValueError(f"{func}: `revision` {revision!r} is not a valid git revision (it contains {problem})")
+    return revision
+
+
+def inside(root: Path, path: Path, what: str) -> Path:
+    """`path`, after resolving links and '..', if it lies under `root`; else KernelHubError.
+
+    Every cache path built from something a caller or the Hub sent (a ref, a commit, a variant or
+    file name) goes through here before it is read or written."""
+    real_root = Path(os.path.realpath(root))
+    real = Path(os.path.realpath(path))
+    if real != real_root and real_root not in real.parents:
+        raise KernelHubError(f"{what} {path} resolves to {real}, outside {real_root}; refusing it")
+    return path
 
 
 def check_repo_id(func: str, repo_id: object) -> str:
@@ -257,6 +293,8 @@ def list_variants(
 ) -> tuple[str, str, list[str]]:
     """(ref, commit, variant names) of a kernel revision, from the Hub or (offline) the cache."""
     check_repo_id("list_variants", repo_id)
+    if revision is not None:
+        check_revision("list_variants", revision)
     if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 1):
         raise ValueError(f"list_variants: `version` must be an int >= 1 (branch vN), got {version!r}")
     repo_type = repo_type or default_repo_type()
@@ -326,7 +364,8 @@ def fetch_variant(repo_id: str, repo_type: str, ref: str, commit: str, variant: 
         if (
             ref != commit
         ):  # remember the branch/tag -> commit mapping for offline use, as huggingface_hub does
-            ref_file = storage / "refs" / ref
+            ref_file = inside(storage / "refs", storage / "refs" / check_revision("fetch_variant", ref),
+                              f"kernel {repo_id!r}: the cached ref of {ref!r}")
             ref_file.parent.mkdir(parents=True, exist_ok=True)
             if not ref_file.is_file() or ref_file.read_text() != commit:
                 tmp = ref_file.with_name(f".{ref_file.name}.{os.getpid()}")

@@ -22,6 +22,7 @@ from kernelhub._fetch import (
     KernelVersionNotFoundError,
     ResolvedKernel,
     check_repo_id,
+    check_revision,
     default_repo_type,
     endpoint,
     list_variants,
@@ -79,10 +80,10 @@ def _check_repo_id(func: str, repo_id: object) -> str:
 
 
 def _check_ref(func: str, revision: object, version: object) -> None:
-    if revision is not None and not isinstance(revision, str):
-        raise TypeError(f"{func}: `revision` must be a non-empty str, got {revision!r}")
     if revision == "":
         raise ValueError(f"{func}: `revision` must be a non-empty str, got ''")
+    if revision is not None:
+        check_revision(func, revision)
     if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
         raise TypeError(f"{func}: `version` must be an int >= 1, got {version!r}")
     if version is not None and version < 1:
