@@ -62,6 +62,11 @@ class HubStore:
         self.lock = threading.Lock()
         self.counter = 0
         self.requests: list[tuple[str, str]] = []
+        # A hostile server, for tests: rewrite_json(endpoint, body) changes what an API call returns
+        # ("revision", "refs", "tree", "paths-info"); rewrite_file(method, path, data, headers) changes
+        # a file's bytes and headers as HEAD describes them or GET sends them.
+        self.rewrite_json = None
+        self.rewrite_file = None
 
     # blobs and commits ------------------------------------------------------------------------
     def put_blob(self, data: bytes) -> str:
@@ -161,7 +166,10 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(body)
 
-    def _json(self, status: int, obj, headers: dict[str, str] | None = None) -> None:
+    def _json(self, status: int, obj, headers: dict[str, str] | None = None, endpoint: str | None = None) -> None:
+        rewrite = self.server.store.rewrite_json
+        if endpoint is not None and rewrite is not None:
+            obj = rewrite(endpoint, obj)
         self._send(status, json.dumps(obj).encode(), headers)
 
     def _body(self) -> bytes:
@@ -204,7 +212,10 @@ class _Handler(BaseHTTPRequestHandler):
         if oid is None:
             raise _HubError(404, "EntryNotFound", f"{filename} does not exist at {commit}", commit=commit)
         data = store.blob(oid)
-        self._send(200, data, {"X-Repo-Commit": commit, "ETag": f'"{oid}"'}, "application/octet-stream")
+        headers = {"X-Repo-Commit": commit, "ETag": f'"{oid}"'}
+        if store.rewrite_file is not None:
+            data, headers = store.rewrite_file(self.command, filename, data, headers)
+        self._send(200, data, headers, "application/octet-stream")
 
     # API --------------------------------------------------------------------------------------
     def _api(self, parts: list[str], query: dict) -> None:
@@ -246,6 +257,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "private": repo.private,
                 "siblings": [{"rfilename": p} for p in sorted(files)],
             },
+            endpoint="revision",
         )
 
     def _api_refs(self, repo: _Repo, rest: list[str], query: dict) -> None:
@@ -262,6 +274,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "converts": [],
                 "pullRequests": [],
             },
+            endpoint="refs",
         )
 
     def _entries(self, repo: _Repo, commit: str, prefix: str, recursive: bool) -> list[dict]:
@@ -293,14 +306,14 @@ class _Handler(BaseHTTPRequestHandler):
     def _api_tree(self, repo: _Repo, rest: list[str], query: dict) -> None:
         commit = self.server.store.resolve(repo, rest[0])
         recursive = query.get("recursive", ["False"])[0].lower() == "true"
-        self._json(200, self._entries(repo, commit, "/".join(rest[1:]), recursive))
+        self._json(200, self._entries(repo, commit, "/".join(rest[1:]), recursive), endpoint="tree")
 
     def _api_paths_info(self, repo: _Repo, rest: list[str], query: dict) -> None:
         commit = self.server.store.resolve(repo, "/".join(rest))
         form = parse_qs(self._body().decode())
         wanted = set(form.get("paths", []))
         entries = [e for e in self._entries(repo, commit, "", True) if e["path"] in wanted]
-        self._json(200, entries)
+        self._json(200, entries, endpoint="paths-info")
 
     def _api_preupload(self, repo: _Repo, rest: list[str], query: dict) -> None:
         self.server.store.resolve(repo, "/".join(rest))

@@ -488,3 +488,85 @@ def test_branch_names_with_slashes_stay_valid_revisions(hub, tmp_path):
     commit = _publish(tmp_path, "org/tiny")
     HfApi(endpoint=hub.url).create_branch("org/tiny", branch="release/2", repo_type="kernel", revision=commit)
     assert _scale_of(get_kernel("org/tiny", revision="release/2", trust_remote_code=True)) == 2.0
+
+
+def _files_outside(tmp_path: Path) -> set[Path]:
+    """Files under tmp_path that are neither the local Hub's storage nor the cache."""
+    return {p for p in tmp_path.rglob("*") if p.relative_to(tmp_path).parts[0] not in ("cache", "hubdata")}
+
+
+def _hostile_commit(endpoint_name: str):
+    def rewrite(endpoint, body):
+        if endpoint == endpoint_name == "revision":
+            return {**body, "sha": "../../../x"}
+        if endpoint == endpoint_name == "refs":
+            return {**body, "branches": [{**b, "targetCommit": "../../../x"} for b in body["branches"]]}
+        return body
+
+    return rewrite
+
+
+@pytest.mark.parametrize(("endpoint", "kwargs"), [("revision", {"revision": "v1"}), ("refs", {"version": 1})])
+def test_a_commit_id_from_the_hub_that_is_not_40_hex_is_refused(hub, tmp_path, endpoint, kwargs):
+    """A commit id "../../../x" from the server made a lock file outside the cache."""
+    _publish(tmp_path, "org/tiny")
+    before = _files_outside(tmp_path)
+    hub.store.rewrite_json = _hostile_commit(endpoint)
+    with pytest.raises(KernelHubError, match=r"sent the commit of .*'\.\./\.\./\.\./x'.* not a 40-hex-digit"):
+        get_kernel("org/tiny", trust_remote_code=True, **kwargs)
+    assert _files_outside(tmp_path) == before
+
+
+def test_an_etag_that_would_place_a_blob_outside_the_cache_is_refused(hub, tmp_path):
+    """huggingface_hub writes blobs/<ETag> unchecked: a hostile ETag wrote outside the cache."""
+    _publish(tmp_path, "org/tiny")
+    before = _files_outside(tmp_path)
+    hub.store.rewrite_file = lambda method, path, data, headers: (data, {**headers, "ETag": '"../../../PWNED"'})
+    with pytest.raises(KernelHubError, match=r"ETag '\"\.\./\.\./\.\./PWNED\"'.*outside the cache"):
+        get_kernel("org/tiny", version=1, trust_remote_code=True)
+    assert _files_outside(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    ("entry", "pattern"),
+    [
+        ({"type": "directory", "path": "build/..", "oid": "0" * 40}, "listed 'build/..' under build/"),
+        ({"type": "file", "path": "build/torch-universal/../../../x.py", "size": 1, "oid": "0" * 40},
+         r"listed file 'build/torch-universal/\.\./\.\./\.\./x\.py'"),
+        ({"type": "file", "path": "build/torch-universal/tiny/big.py", "size": -3, "oid": "0" * 40},
+         "gave 'build/torch-universal/tiny/big.py' .* the size -3"),
+    ],
+)
+def test_names_and_sizes_in_a_tree_listing_are_checked(hub, tmp_path, entry, pattern):
+    _publish(tmp_path, "org/tiny")
+    before = _files_outside(tmp_path)
+    hub.store.rewrite_json = lambda endpoint, body: body + [entry] if endpoint == "tree" else body
+    with pytest.raises(KernelHubError, match=pattern):
+        get_kernel("org/tiny", version=1, trust_remote_code=True)
+    assert _files_outside(tmp_path) == before
+
+
+def test_a_truncated_download_is_a_kernel_hub_error(hub, tmp_path):
+    _publish(tmp_path, "org/tiny")
+    hub.store.rewrite_file = lambda method, path, data, headers: (data[:5] if method == "GET" else data, headers)
+    with pytest.raises(KernelHubError, match="failed for kernel repository 'org/tiny'.*Consistency check failed"):
+        get_kernel("org/tiny", version=1, trust_remote_code=True)
+
+
+def test_a_file_removed_from_a_complete_snapshot_is_downloaded_again_online(hub, tmp_path):
+    """The completion marker was trusted: a file deleted afterwards gave a raw ModuleNotFoundError."""
+    _publish(tmp_path, "org/tiny")
+    path = hubmod.resolve_kernel("org/tiny", version=1).path
+    ops = path / "tiny" / "ops.py"
+    ops.unlink()
+    assert hubmod.resolve_kernel("org/tiny", version=1).path == path
+    assert ops.is_file() and "FACTOR = 2.0" in ops.read_text()
+
+
+def test_offline_a_file_removed_from_a_complete_snapshot_is_named(hub, tmp_path, monkeypatch):
+    _publish(tmp_path, "org/tiny")
+    path = hubmod.resolve_kernel("org/tiny", version=1).path
+    (path / "tiny" / "ops.py").unlink()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(KernelHubError, match=r"offline .* lost build/torch-universal/tiny/ops\.py from the cache"):
+        get_kernel("org/tiny", version=1, trust_remote_code=True)

@@ -15,8 +15,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from filelock import FileLock
-
 from kernelhub._env import env_flag
 from kernelhub.variants import SystemInfo, rank_variants
 
@@ -34,7 +32,6 @@ __all__ = [
     "choose_variant",
     "default_repo_type",
     "endpoint",
-    "fetch_variant",
     "list_variants",
     "offline",
     "resolve_kernel",
@@ -113,7 +110,51 @@ def default_repo_type() -> str:
 def api():
     from huggingface_hub import HfApi
 
+    guard_hub_session()
     return HfApi(endpoint=endpoint(), library_name="kernelhub")
+
+
+_SAFE_ETAG_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*$")
+
+
+def _check_hub_headers(response) -> None:
+    """Refuse a response whose headers huggingface_hub would turn into cache paths unchecked: the
+    ETag names the blob file (`blobs/<etag>`), the commit names the snapshot directory."""
+    etag = response.headers.get("X-Linked-Etag") or response.headers.get("ETag")
+    if etag is not None:
+        name = etag.removeprefix("W/").strip('"')
+        if name and not _SAFE_ETAG_RE.match(name):
+            raise KernelHubError(
+                f"the Hub at {response.request.url.host} sent ETag {etag!r}, which is no blob name "
+                "(huggingface_hub would write the file outside the cache); refusing the download"
+            )
+    commit = response.headers.get("X-Repo-Commit")
+    if commit is not None and not _COMMIT_RE.match(commit):
+        raise KernelHubError(
+            f"the Hub at {response.request.url.host} sent commit id {commit!r}, which is not 40 hex digits; "
+            "refusing the download"
+        )
+
+
+def guard_hub_session() -> None:
+    """Add `_check_hub_headers` to huggingface_hub's shared HTTP client (once per client; a client
+    made by a new `set_client_factory` gets it at kernelhub's next Hub call). It refuses only values
+    that would escape the cache, so the rest of the process's Hub traffic is unaffected."""
+    from huggingface_hub.utils import get_session
+
+    hooks = get_session().event_hooks.setdefault("response", [])
+    if _check_hub_headers not in hooks:
+        hooks.append(_check_hub_headers)
+
+
+def check_commit(repo_id: str, commit: object, what: str) -> str:
+    """A commit id the Hub sent: exactly 40 lowercase hex digits (it names a cache directory)."""
+    if not isinstance(commit, str) or not _COMMIT_RE.match(commit):
+        raise KernelHubError(
+            f"the Hub at {endpoint()} sent {what} {commit!r} for kernel repository {repo_id!r}, which is "
+            "not a 40-hex-digit commit id; refusing it"
+        )
+    return commit
 
 
 def _storage(repo_id: str, repo_type: str) -> Path:
@@ -163,7 +204,9 @@ def _hub_errors(repo_id: str, repo_type: str, revision: str | None) -> Iterator[
         ) from e
     except RevisionNotFoundError as e:
         raise KernelNotFoundError(f"kernel repository {repo_id!r} has no revision {revision!r}") from e
-    except (HfHubHTTPError, LocalEntryNotFoundError) as e:  # a server error, a failed download
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as e:
+        # a server error, a failed or truncated download (OSError: "Consistency check failed"), a
+        # file name huggingface_hub refused to place (ValueError: "Invalid pointer path")
         raise KernelHubError(
             f"the Hub at {endpoint()} failed for kernel repository {repo_id!r} (revision {revision!r}): "
             f"{type(e).__name__}: {e}"
@@ -179,13 +222,14 @@ def _resolve_online(
         if revision is not None and _COMMIT_RE.match(revision):
             return revision, revision
         if revision is not None:
-            return revision, hub.repo_info(repo_id, repo_type=repo_type, revision=revision).sha
+            sha = hub.repo_info(repo_id, repo_type=repo_type, revision=revision).sha
+            return revision, check_commit(repo_id, sha, f"the commit of {revision!r}")
         refs = hub.list_repo_refs(repo_id, repo_type=repo_type)
     branches = {b.name: b.target_commit for b in refs.branches}
     versions = _versions(branches)
     if version is None:  # neither given: the newest published version, else main
         ref = f"v{versions[-1]}" if versions else "main"
-        return ref, branches[ref]
+        return ref, check_commit(repo_id, branches.get(ref), f"the commit of branch {ref!r}")
     ref = f"v{version}"
     if ref not in branches:
         raise KernelVersionNotFoundError(
@@ -198,7 +242,7 @@ def _resolve_online(
         logger.warning(
             "kernel %s: using version %d, a newer version %d exists", repo_id, version, versions[-1]
         )
-    return ref, branches[ref]
+    return ref, check_commit(repo_id, branches[ref], f"the commit of branch {ref!r}")
 
 
 def _resolve_cached(
@@ -223,7 +267,12 @@ def _resolve_cached(
             f"{cache_dir()}; "
             "download it once online (`kernelhub download`)"
         )
-    return ref, ref_file.read_text().strip()
+    commit = ref_file.read_text(errors="replace").strip()
+    if not _COMMIT_RE.match(commit):
+        raise KernelHubError(
+            f"the cached ref {ref_file} of kernel {repo_id!r} holds {commit[:80]!r}, not a 40-hex-digit commit id"
+        )
+    return ref, commit
 
 
 def _variants_online(repo_id: str, repo_type: str, commit: str) -> list[str]:
@@ -233,9 +282,22 @@ def _variants_online(repo_id: str, repo_type: str, commit: str) -> list[str]:
     with _hub_errors(repo_id, repo_type, commit):
         try:
             tree = api().list_repo_tree(repo_id, path_in_repo="build", revision=commit, repo_type=repo_type)
-            return sorted(item.path.split("/")[-1] for item in tree if isinstance(item, RepoFolder))
+            folders = [item.path for item in tree if isinstance(item, RepoFolder)]
         except EntryNotFoundError:
             return []
+    names = []
+    for path in folders:  # each names a cache directory: one plain component under build/
+        name = path.removeprefix("build/")
+        if path != f"build/{name}" or not VARIANT_NAME_RE.match(name):
+            raise KernelHubError(
+                f"the Hub at {endpoint()} listed {path!r} under build/ of kernel {repo_id!r} at {commit[:12]}, "
+                "which is not a build variant directory; refusing it"
+            )
+        names.append(name)
+    return sorted(names)
+
+
+VARIANT_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")  # one path component; never "." or ".."
 
 
 _REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -323,57 +385,6 @@ def choose_variant(repo_id: str, commit: str, names: list[str], system: SystemIn
     return usable[0]
 
 
-def fetch_variant(repo_id: str, repo_type: str, ref: str, commit: str, variant: str) -> Path:
-    """Download `build/<variant>/` of `commit` (once; under a file lock) and return its directory.
-
-    The lock plus a completion marker make concurrent loaders safe: one process downloads, the others
-    wait, and nobody imports a tree that is still being written.
-    """
-    from huggingface_hub import snapshot_download
-
-    storage = _storage(repo_id, repo_type)
-    locks = cache_dir() / ".kernelhub-locks" / storage.name
-    locks.mkdir(parents=True, exist_ok=True)
-    marker = locks / f"{commit}-{variant}.complete"
-    target = storage / "snapshots" / commit / "build" / variant
-    with FileLock(str(locks / f"{commit}-{variant}.lock")):
-        if not (marker.is_file() and target.is_dir()):
-            # Offline, a cache filled by another tool has no marker: huggingface_hub checks completeness.
-            where = {"local_files_only": True} if offline() else {"endpoint": endpoint()}
-            try:
-                with _hub_errors(repo_id, repo_type, commit):
-                    snapshot_download(
-                        repo_id,
-                        repo_type=repo_type,
-                        revision=commit,
-                        cache_dir=str(cache_dir()),
-                        allow_patterns=[f"build/{variant}/*"],
-                        **where,
-                    )
-            except Exception as e:
-                if not offline():
-                    raise
-                raise KernelNotFoundError(
-                    f"offline and kernel {repo_id!r} {variant} at {commit[:12]} is not fully cached: {e}"
-                ) from e
-            if not target.is_dir():
-                raise KernelVariantNotFoundError(
-                    f"kernel {repo_id!r} at {commit[:12]} has no build/{variant}/"
-                )
-            marker.write_text(commit)
-        if (
-            ref != commit
-        ):  # remember the branch/tag -> commit mapping for offline use, as huggingface_hub does
-            ref_file = inside(storage / "refs", storage / "refs" / check_revision("fetch_variant", ref),
-                              f"kernel {repo_id!r}: the cached ref of {ref!r}")
-            ref_file.parent.mkdir(parents=True, exist_ok=True)
-            if not ref_file.is_file() or ref_file.read_text() != commit:
-                tmp = ref_file.with_name(f".{ref_file.name}.{os.getpid()}")
-                tmp.write_text(commit)
-                os.replace(tmp, ref_file)
-    return target
-
-
 def resolve_kernel(
     repo_id: str,
     *,
@@ -391,5 +402,7 @@ def resolve_kernel(
         raise KernelVariantNotFoundError(
             f"kernel {repo_id!r} at {commit[:12]} has no variant {variant!r}: {names}"
         )
+    from kernelhub._download import fetch_variant
+
     path = fetch_variant(repo_id, repo_type, ref, commit, variant)
     return ResolvedKernel(repo_id, repo_type, ref, commit, variant, path)

@@ -20,12 +20,12 @@ import re
 from pathlib import Path
 from types import ModuleType
 
+from kernelhub._download import fetch_variant
 from kernelhub._fetch import (
     KernelHubError,
     ResolvedKernel,
     choose_variant,
     default_repo_type,
-    fetch_variant,
     list_variants,
 )
 from kernelhub.variants import rank_variants
