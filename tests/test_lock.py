@@ -159,3 +159,72 @@ def test_extra_variants_are_locked_beside_this_systems(hub, tmp_path):
     assert sorted(entry["variants"]) == sorted(["torch-universal", foreign])
     ops = f"build/{foreign}/tiny/ops.py"
     assert entry["variants"][foreign][ops] == hashlib.sha256((src / ops).read_bytes()).hexdigest()
+
+
+# -- what a locked load may import (issue 30) ------------------------------------------------------
+_EVIL_OPS = "def scale(x):\n    return x * 1000.0\n"
+
+
+def _locked(hub, tmp_path) -> tuple[Path, Path]:
+    _publish(tmp_path, "org/tiny", factor=2.0)
+    lockfile = write_lockfile([lock_kernel("org/tiny", version=1)], tmp_path / "kernels.lock")
+    package = sorted((tmp_path / "cache").rglob("build/torch-universal/tiny"))[0]
+    return lockfile, package
+
+
+def test_a_linked_package_planted_beside_a_locked_module_is_refused(hub, tmp_path):
+    """A symlinked `ops/` (with an __init__.py) beside the locked `ops.py` was verified and imported
+    (the scan did not descend into linked directories, and a package beats a module)."""
+    lockfile, package = _locked(hub, tmp_path)
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / "__init__.py").write_text(_EVIL_OPS)
+    (package / "ops").symlink_to(planted, target_is_directory=True)
+    with pytest.raises(KernelLockError, match=r"build/torch-universal/tiny/ops is a link to .*planted"):
+        get_locked_kernel("org/tiny", lockfile=lockfile)
+
+
+@pytest.mark.parametrize("plant", ["empty_dir", "dir_with_init", "file_link", "fifo"])
+def test_anything_unlisted_in_a_locked_variant_is_refused(hub, tmp_path, plant):
+    import os
+
+    lockfile, package = _locked(hub, tmp_path)
+    if plant == "empty_dir":  # a namespace package candidate
+        (package / "ops2").mkdir()
+        pattern = r"directory build/torch-universal/tiny/ops2 holds no locked file"
+    elif plant == "dir_with_init":
+        (package / "ops").mkdir()
+        (package / "ops" / "__init__.py").write_text(_EVIL_OPS)
+        pattern = r"file build/torch-universal/tiny/ops/__init__\.py is not in the lock"
+    elif plant == "file_link":  # the locked bytes, but through a link leaving the cache's blobs/
+        copy = tmp_path / "ops_copy.py"
+        copy.write_bytes((package / "ops.py").read_bytes())
+        (package / "ops.py").unlink()
+        (package / "ops.py").symlink_to(copy)
+        pattern = r"tiny/ops\.py is a link to .*ops_copy\.py"
+    else:
+        os.mkfifo(package / "pipe")
+        pattern = r"tiny/pipe is neither a file nor a directory"
+    with pytest.raises(KernelLockError, match=pattern):
+        get_locked_kernel("org/tiny", lockfile=lockfile)
+
+
+def test_a_locked_import_cannot_pick_up_a_file_planted_after_verification(hub, tmp_path):
+    """Verification and import are two steps: the import itself takes only verified files, and
+    checks each one's sha256 as it reads it."""
+    from kernelhub._loader import load_kernel_from_dir
+    from kernelhub.lock import hash_variant
+
+    _lockfile, package = _locked(hub, tmp_path)
+    variant = package.parent
+    verified = {name.removeprefix("build/torch-universal/"): digest
+                for name, digest in hash_variant(variant, blobs=variant.parents[3] / "blobs").items()}
+    (package / "ops").mkdir()  # planted after the check: a package would beat ops.py
+    (package / "ops" / "__init__.py").write_text(_EVIL_OPS)
+    assert _scale_of(load_kernel_from_dir(variant, verified=verified)) == 2.0
+    # a verified file swapped before it is read
+    layers = (package / "layers.py").resolve()
+    layers.write_text(layers.read_text() + "\nEVIL = 1\n")
+    other_lock = {**verified, "tiny/extra.py": "0" * 64}  # another lock: imported afresh, not from sys.modules
+    with pytest.raises(KernelLockError, match=r"layers\.py: sha256 .* is not the locked one"):
+        load_kernel_from_dir(variant, verified=other_lock)

@@ -181,9 +181,9 @@ def get_kernel(
     return kernel
 
 
-def _import_resolved(resolved: ResolvedKernel) -> ModuleType:
+def _import_resolved(resolved: ResolvedKernel, *, verified: dict[str, str] | None = None) -> ModuleType:
     try:
-        kernel = load_kernel_from_dir(resolved.path)
+        kernel = load_kernel_from_dir(resolved.path, verified=verified)
     except FileNotFoundError as e:  # a variant directory the loader cannot use (no single package)
         raise KernelHubError(f"kernel {resolved.repo_id!r} at {resolved.commit[:12]}: {e}") from e
     if not hasattr(kernel, "__kernelhub_source__"):

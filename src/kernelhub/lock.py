@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 from pathlib import Path
 from types import ModuleType
 
@@ -24,6 +25,7 @@ from kernelhub._download import fetch_variant
 from kernelhub._fetch import (
     KernelHubError,
     ResolvedKernel,
+    _storage,
     choose_variant,
     default_repo_type,
     list_variants,
@@ -56,16 +58,54 @@ def _lock_path(lockfile: str | Path | None) -> Path:
     return Path(os.environ.get("KERNELHUB_LOCKFILE") or DEFAULT_LOCKFILE)
 
 
-def _variant_files(variant_dir: Path) -> dict[str, Path]:
-    """Files of a variant keyed by repo path (`build/<variant>/...`); bytecode caches are not content."""
+def _walk(variant_dir: Path, blobs: Path | None) -> tuple[dict[str, Path], set[str]]:
+    """({repo path: file}, {repo path of every directory}) of a variant, links not followed.
+
+    The only link allowed is the Hugging Face cache's own: a file pointing at a regular file in
+    that repository's `blobs/`. A linked directory, a link elsewhere, a device or a FIFO is refused
+    (a planted `ops/` link beside a locked `ops.py` was imported as the package `ops`). Bytecode in
+    `__pycache__/` is not content: kernel modules are compiled from source only (`_loader`).
+    """
     prefix = f"build/{variant_dir.name}"
-    out = {}
-    for p in sorted(variant_dir.rglob("*")):
-        rel = p.relative_to(variant_dir)
-        if "__pycache__" in rel.parts or not p.is_file():
-            continue
-        out[f"{prefix}/{rel.as_posix()}"] = p
-    return out
+    real_blobs = os.path.realpath(blobs) if blobs is not None else None
+    files: dict[str, Path] = {}
+    dirs: set[str] = set()
+
+    def refuse(path: Path, what: str) -> KernelLockError:
+        return KernelLockError(f"{prefix}/{path.relative_to(variant_dir).as_posix()} is {what}; refusing to load")
+
+    def visit(directory: Path) -> None:
+        with os.scandir(directory) as entries:
+            for entry in sorted(entries, key=lambda e: e.name):
+                path = Path(entry.path)
+                name = f"{prefix}/{path.relative_to(variant_dir).as_posix()}"
+                if entry.is_symlink():
+                    real = os.path.realpath(path)
+                    in_blobs = real_blobs is not None and os.path.dirname(real) == real_blobs
+                    if not (in_blobs and stat.S_ISREG(os.lstat(real).st_mode)):
+                        raise refuse(path, f"a link to {real} (only the cache's own links into blobs/ are allowed)")
+                    files[name] = path
+                elif entry.is_dir(follow_symlinks=False):
+                    if entry.name == "__pycache__":
+                        bad = [e for e in os.scandir(path) if not (e.is_file(follow_symlinks=False)
+                                                                   and e.name.endswith(".pyc"))]
+                        if bad:
+                            raise refuse(Path(bad[0].path), "not a bytecode file in __pycache__/")
+                        continue
+                    dirs.add(name)
+                    visit(path)
+                elif entry.is_file(follow_symlinks=False):
+                    files[name] = path
+                else:
+                    raise refuse(path, "neither a file nor a directory")
+
+    visit(variant_dir)
+    return files, dirs
+
+
+def _variant_files(variant_dir: Path, blobs: Path | None = None) -> dict[str, Path]:
+    """Files of a variant keyed by repo path (`build/<variant>/...`); see `_walk` for what is refused."""
+    return _walk(variant_dir, blobs)[0]
 
 
 def _sha256(path: Path) -> str:
@@ -76,14 +116,18 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def hash_variant(variant_dir: Path) -> dict[str, str]:
+def hash_variant(variant_dir: Path, *, blobs: Path | None = None) -> dict[str, str]:
     """{repo path: sha256} for every file of a downloaded variant directory."""
-    return {name: _sha256(p) for name, p in _variant_files(Path(variant_dir)).items()}
+    return {name: _sha256(p) for name, p in _variant_files(Path(variant_dir), blobs).items()}
 
 
-def verify_variant(variant_dir: Path, expected: dict[str, str], *, where: str) -> None:
-    """Raise KernelLockError naming the first file that is missing, changed, or not in the lock."""
-    actual = _variant_files(Path(variant_dir))
+def verify_variant(variant_dir: Path, expected: dict[str, str], *, where: str, blobs: Path | None = None) -> None:
+    """Raise KernelLockError naming the first file that is missing, changed, or not in the lock, or
+    the first directory that holds no locked file (nothing unlisted may sit where imports look)."""
+    try:
+        actual, dirs = _walk(Path(variant_dir), blobs)
+    except KernelLockError as e:
+        raise KernelLockError(f"{where}: {e}") from None
     for name, digest in sorted(expected.items()):
         if name not in actual:
             raise KernelLockError(f"{where}: locked file {name} is missing from the download")
@@ -93,6 +137,10 @@ def verify_variant(variant_dir: Path, expected: dict[str, str], *, where: str) -
     extra = sorted(set(actual) - set(expected))
     if extra:
         raise KernelLockError(f"{where}: file {extra[0]} is not in the lock; refusing to load")
+    needed = {name.rsplit("/", i)[0] for name in expected for i in range(1, name.count("/"))}
+    empty = sorted(dirs - needed)
+    if empty:
+        raise KernelLockError(f"{where}: directory {empty[0]} holds no locked file; refusing to load")
 
 
 def lock_kernel(
@@ -118,7 +166,8 @@ def lock_kernel(
     for variant in wanted:
         if variant not in names:
             raise KernelLockError(f"lock_kernel: {repo_id!r} at {commit[:12]} has no variant {variant!r}: {names}")
-        hashes[variant] = hash_variant(fetch_variant(repo_id, repo_type, ref, commit, variant))
+        target = fetch_variant(repo_id, repo_type, ref, commit, variant)
+        hashes[variant] = hash_variant(target, blobs=_storage(repo_id, repo_type) / "blobs")
     return {
         "repo_id": repo_id,
         "repo_type": repo_type,
@@ -222,5 +271,9 @@ def get_locked_kernel(
     variant = choose_variant(repo_id, commit, sorted(entry["variants"]))
     ref = f"v{entry['version']}" if entry.get("version") else (entry.get("revision") or commit)
     target = fetch_variant(repo_id, repo_type, commit, commit, variant)  # no ref update: the lock pins
-    verify_variant(target, entry["variants"][variant], where=f"get_locked_kernel({repo_id!r}, lockfile={str(path)!r})")
-    return _import_resolved(ResolvedKernel(repo_id, repo_type, ref, commit, variant, target))
+    files = entry["variants"][variant]
+    verify_variant(target, files, where=f"get_locked_kernel({repo_id!r}, lockfile={str(path)!r})",
+                   blobs=_storage(repo_id, repo_type) / "blobs")
+    prefix = f"build/{variant}/"
+    verified = {name.removeprefix(prefix): digest for name, digest in files.items()}
+    return _import_resolved(ResolvedKernel(repo_id, repo_type, ref, commit, variant, target), verified=verified)
