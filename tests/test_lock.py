@@ -228,3 +228,32 @@ def test_a_locked_import_cannot_pick_up_a_file_planted_after_verification(hub, t
     other_lock = {**verified, "tiny/extra.py": "0" * 64}  # another lock: imported afresh, not from sys.modules
     with pytest.raises(KernelLockError, match=r"layers\.py: sha256 .* is not the locked one"):
         load_kernel_from_dir(variant, verified=other_lock)
+
+
+def test_a_lock_file_that_is_not_utf8_is_a_lock_error(tmp_path):
+    (tmp_path / "kernels.lock").write_bytes(b'{"lockfile_version": 1, "kernels": [\xff\xfe]}')
+    with pytest.raises(KernelLockError, match="kernels.lock is not UTF-8 text"):
+        read_lockfile(tmp_path / "kernels.lock")
+
+
+def test_a_deeply_nested_lock_file_is_a_lock_error(tmp_path):
+    (tmp_path / "kernels.lock").write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(KernelLockError, match="not valid JSON"):
+        read_lockfile(tmp_path / "kernels.lock")
+
+
+@pytest.mark.parametrize(
+    ("change", "pattern"),
+    [
+        ({"variants": {"..": {"build/../x.py": "0" * 64}}}, r"`variants` has '\.\.'"),
+        ({"variants": {"torch-universal": {"build/torch-universal/../../x.py": "0" * 64}}}, "not a plain path"),
+        ({"revision": "../../etc"}, r"`revision`: .* is not a valid git revision"),
+        ({"repo_id": "org/a..b"}, r"is not a valid Hub id"),
+    ],
+)
+def test_paths_and_names_in_a_lock_entry_are_checked(tmp_path, change, pattern):
+    entry = {"repo_id": "org/tiny", "repo_type": "kernel", "commit": "0" * 40,
+             "variants": {"torch-universal": {"build/torch-universal/tiny/__init__.py": "0" * 64}}, **change}
+    lockfile = write_lockfile([entry], tmp_path / "kernels.lock")
+    with pytest.raises(KernelLockError, match=pattern):
+        read_lockfile(lockfile)

@@ -23,9 +23,12 @@ from types import ModuleType
 
 from kernelhub._download import fetch_variant
 from kernelhub._fetch import (
+    VARIANT_NAME_RE,
     KernelHubError,
     ResolvedKernel,
     _storage,
+    check_repo_id,
+    check_revision,
     choose_variant,
     default_repo_type,
     list_variants,
@@ -194,9 +197,13 @@ def read_lockfile(lockfile: str | Path | None = None) -> list[dict]:
     if not path.is_file():
         raise KernelLockError(f"read_lockfile: lock file {path} does not exist (create it with `kernelhub lock`)")
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise KernelLockError(f"read_lockfile: {path} is not UTF-8 text: {e}") from e
+    except (json.JSONDecodeError, RecursionError) as e:
         raise KernelLockError(f"read_lockfile: {path} is not valid JSON: {e}") from e
+    except OSError as e:
+        raise KernelLockError(f"read_lockfile: cannot read {path}: {e}") from e
     if not isinstance(data, dict) or data.get("lockfile_version") != LOCKFILE_VERSION:
         raise KernelLockError(f"read_lockfile: {path} must have lockfile_version {LOCKFILE_VERSION}")
     entries = data.get("kernels")
@@ -215,22 +222,39 @@ def _entry_problem(e: dict) -> str | None:
     for key in ("repo_id", "repo_type"):
         if not isinstance(e[key], str) or not e[key]:
             return f"`{key}` must be a non-empty string, got {e[key]!r}"
+    try:
+        check_repo_id("read_lockfile", e["repo_id"])
+    except ValueError as err:
+        return str(err)
+    if e["repo_type"] not in ("kernel", "model"):
+        return f"`repo_type` must be 'kernel' or 'model', got {e['repo_type']!r}"
     if not isinstance(e["commit"], str) or not re.fullmatch(r"[0-9a-f]{40}", e["commit"]):
         return f"`commit` must be a full 40-hex-digit commit hash, got {e['commit']!r}"
     variants = e["variants"]
     if not isinstance(variants, dict) or not variants:
         return f"`variants` must map variant names to file hashes, got {variants!r}"
     for name, files in variants.items():
+        if not VARIANT_NAME_RE.match(name):
+            return f"`variants` has {name!r}, which is not a build variant directory name"
         if not isinstance(files, dict) or not all(
             isinstance(f, str) and isinstance(h, str) and re.fullmatch(r"[0-9a-f]{64}", h) for f, h in files.items()
         ):
             return f"`variants.{name}` must map file paths to sha256 hex digests"
+        for f in files:
+            parts = f.split("/")
+            if parts[:2] != ["build", name] or len(parts) < 3 or any(p in ("", ".", "..") for p in parts):
+                return f"`variants.{name}` lists {f!r}, which is not a plain path under build/{name}/"
     for key in ("version", "revision", "ref"):
         value = e.get(key)
         if key == "version" and value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             return f"`version` must be an int or null, got {value!r}"
         if key != "version" and value is not None and not isinstance(value, str):
             return f"`{key}` must be a string or null, got {value!r}"
+        if key != "version" and value is not None:
+            try:
+                check_revision("read_lockfile", value)
+            except (TypeError, ValueError) as err:
+                return f"`{key}`: {err}"
     return None
 
 
