@@ -5,6 +5,7 @@ The real client is exercised end to end; only the server is ours. Endpoints foll
 `huggingface_hub` sends (see `hf_api.py`, `_commit_api.py`, `file_download.py`):
 
 - `POST /api/repos/create`                        {name, organization, type, visibility}
+- `GET  /api/organizations/{org}/overview`         with `trustedKernelPublisher` (`store.trusted_orgs`)
 - `GET  /api/{type}s/{org}/{name}[/revision/{rev}]` repo info with `sha` and `siblings`
 - `GET  /api/{type}s/{org}/{name}/refs`           branches and tags
 - `GET  /api/{type}s/{org}/{name}/tree/{rev}[/{path}]?recursive=`
@@ -65,6 +66,7 @@ class HubStore:
         # A hostile server, for tests: rewrite_json(endpoint, body) changes what an API call returns
         # ("revision", "refs", "tree", "paths-info"); rewrite_file(method, path, data, headers) changes
         # a file's bytes and headers as HEAD describes them or GET sends them.
+        self.trusted_orgs: set[str] = set()  # organizations the Hub marks trustedKernelPublisher
         self.rewrite_json = None
         self.rewrite_file = None
 
@@ -234,6 +236,12 @@ class _Handler(BaseHTTPRequestHandler):
                 self._json(409, {"error": "You already created this repo", "url": url})
             else:
                 self._json(200, {"url": url})
+            return
+        if len(parts) == 3 and parts[0] == "organizations" and parts[2] == "overview":
+            org = parts[1]
+            if org not in store.trusted_orgs and not any(r.split("/")[0] == org for _, r in store.repos):
+                raise _HubError(404, None, f"Organization {org} not found")
+            self._json(200, {"name": org, "fullname": org, "trustedKernelPublisher": org in store.trusted_orgs})
             return
         if len(parts) < 3 or parts[0] not in _TYPE_PREFIXES:
             raise _HubError(404, None, f"unknown endpoint {self.path}")

@@ -6,7 +6,6 @@ import logging
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,6 @@ from kernelhub.hub import (
     LocalLayerRepository,
     LockedLayerRepository,
     UntrustedKernelError,
-    UntrustedKernelWarning,
     get_kernel,
     get_local_kernel,
     has_kernel,
@@ -129,37 +127,55 @@ def test_has_kernel(hub, tmp_path):
     assert not has_kernel("org/absent")
 
 
-def test_untrusted_publisher_is_refused_before_any_download_when_asked(hub, tmp_path, monkeypatch):
+def _downloads(hub) -> list[tuple[str, str]]:
+    """Requests other than the trust question (the organization overview, which `kernels` asks too)."""
+    return [r for r in hub.store.requests if not r[1].startswith("/api/organizations/")]
+
+
+def test_untrusted_publisher_is_refused_by_default_before_any_download(hub, tmp_path, monkeypatch):
+    """As Hugging Face `kernels` 0.17: a ValueError whose message says "is not from a trusted publisher"."""
     _publish(tmp_path, "someone/tiny")
-    before = len(hub.store.requests)
-    refused = "publisher 'someone'.*trust_remote_code=False.*trust_remote_code=True"
-    with pytest.raises(UntrustedKernelError, match=refused):
-        get_kernel("someone/tiny", version=1, trust_remote_code=False)
-    with pytest.raises(UntrustedKernelError):
-        LayerRepository("someone/tiny", layer_name="TinyScale", version=1, trust_remote_code=False).load()
-    monkeypatch.setenv("KERNELHUB_REQUIRE_TRUSTED", "1")
-    with pytest.raises(UntrustedKernelError, match="KERNELHUB_REQUIRE_TRUSTED is set"):
+    before = len(_downloads(hub))
+    refused = r"Kernel repository 'someone/tiny' is not from a trusted publisher.*Set trust_remote_code=True"
+    for trust in (None, False, ["other/tiny"]):
+        with pytest.raises(UntrustedKernelError, match=refused):
+            get_kernel("someone/tiny", version=1, trust_remote_code=trust)
+    with pytest.raises(ValueError, match=refused):  # the exception type `kernels` users catch
         get_kernel("someone/tiny", version=1)
     with pytest.raises(UntrustedKernelError):
         LayerRepository("someone/tiny", layer_name="TinyScale", version=1).load()
-    assert len(hub.store.requests) == before
+    monkeypatch.setenv("KERNELHUB_REQUIRE_TRUSTED", "1")
+    with pytest.raises(UntrustedKernelError, match="KERNELHUB_REQUIRE_TRUSTED is set"):
+        get_kernel("someone/tiny", version=1)
+    assert len(_downloads(hub)) == before
+    monkeypatch.delenv("KERNELHUB_REQUIRE_TRUSTED")
+    assert _scale_of(get_kernel("someone/tiny", version=1, trust_remote_code=["someone/tiny"])) == 2.0
     monkeypatch.setenv("KERNELHUB_TRUSTED_PUBLISHERS", "other, someone")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a trusted publisher: no warning either
-        assert _scale_of(get_kernel("someone/tiny", version=1)) == 2.0
-        trusted = LayerRepository("someone/tiny", layer_name="TinyScale", version=1)
-        assert trusted.load().__name__ == "TinyScale"
+    trusted = LayerRepository("someone/tiny", layer_name="TinyScale", version=1)
+    assert trusted.load().__name__ == "TinyScale"
     # imported (and cached) while trusted: the cache does not let a refusal through afterwards
     monkeypatch.delenv("KERNELHUB_TRUSTED_PUBLISHERS")
-    with pytest.raises(UntrustedKernelError, match="trust_remote_code=False"):
-        LayerRepository("someone/tiny", layer_name="TinyScale", version=1, trust_remote_code=False).load()
-    with pytest.raises(UntrustedKernelError, match="KERNELHUB_REQUIRE_TRUSTED is set"):
+    with pytest.raises(UntrustedKernelError, match="not from a trusted publisher"):
         trusted.load()
 
 
+def test_a_publisher_the_hub_marks_trusted_is_trusted_online_only(hub, tmp_path, monkeypatch):
+    """`kernels` asks the Hub's organization overview (`trustedKernelPublisher`); offline it cannot."""
+    _publish(tmp_path, "vendor/tiny")
+    hub.store.trusted_orgs.add("vendor")
+    assert _scale_of(get_kernel("vendor/tiny", version=1)) == 2.0
+    monkeypatch.setenv("KERNELHUB_REQUIRE_TRUSTED", "1")  # the local list only
+    with pytest.raises(UntrustedKernelError, match="KERNELHUB_REQUIRE_TRUSTED is set, so the Hub is not asked"):
+        get_kernel("vendor/tiny", version=1)
+    monkeypatch.delenv("KERNELHUB_REQUIRE_TRUSTED")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UntrustedKernelError, match="offline, so the Hub cannot vouch for it"):
+        get_kernel("vendor/tiny", version=1)
+
+
 def test_kernelize_decides_trust_per_use_even_for_a_layer_it_has_loaded(hub, tmp_path, monkeypatch):
-    """kernelize keeps loaded layer classes; a process that has since set KERNELHUB_REQUIRE_TRUSTED
-    must not reach an untrusted kernel through that cache: the module falls back, with the reason."""
+    """kernelize keeps loaded layer classes; a publisher no longer trusted must not be reached
+    through that cache: the module falls back, with the reason."""
     from torch import nn
 
     from kernelhub import kernelize, use_kernel_forward_from_hub, use_kernel_mapping
@@ -172,35 +188,18 @@ def test_kernelize_decides_trust_per_use_even_for_a_layer_it_has_loaded(hub, tmp
             return x
 
     repo = LayerRepository("someone/tiny", layer_name="TinyScale", version=1)
+    monkeypatch.setenv("KERNELHUB_TRUSTED_PUBLISHERS", "someone")
     with use_kernel_mapping({"TinyScale": {"cpu": repo}}, inherit_mapping=False):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UntrustedKernelWarning)  # (imported once, with a warning)
-            (entry,) = kernelize(Scale(), device="cpu").entries
-        assert entry.layer == "TinyScale", entry.fallback_reason
-        monkeypatch.setenv("KERNELHUB_REQUIRE_TRUSTED", "1")
         (entry,) = kernelize(Scale(), device="cpu").entries
-    assert entry.layer is None and "KERNELHUB_REQUIRE_TRUSTED is set" in entry.fallback_reason
+        assert entry.layer == "TinyScale", entry.fallback_reason
+        monkeypatch.delenv("KERNELHUB_TRUSTED_PUBLISHERS")
+        (entry,) = kernelize(Scale(), device="cpu").entries
+    assert entry.layer is None and "not from a trusted publisher" in entry.fallback_reason
 
 
-def test_get_kernel_trust_remote_code_must_be_a_bool(hub, tmp_path):
-    with pytest.raises(TypeError, match="get_kernel: `trust_remote_code` must be a bool or None"):
+def test_get_kernel_trust_remote_code_must_be_a_bool_or_a_list(hub, tmp_path):
+    with pytest.raises(TypeError, match="get_kernel: `trust_remote_code` must be a bool or a list"):
         get_kernel("someone/tiny", version=1, trust_remote_code="false")
-
-
-def test_untrusted_publisher_by_default_imports_with_one_warning(hub, tmp_path, monkeypatch):
-    """The contract's `get_kernel(repo_id, version=...)` works for any publisher, as in HF kernels;
-    the first import of each untrusted repository in a process says so."""
-    monkeypatch.setattr(hubmod, "_warned_untrusted", set())
-    _publish(tmp_path, "stranger/tiny")
-    with pytest.warns(UntrustedKernelWarning, match="importing 'stranger/tiny' from publisher 'stranger'"):
-        assert _scale_of(get_kernel("stranger/tiny", version=1)) == 2.0
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        get_kernel("stranger/tiny", version=1)  # once per repository
-        get_kernel("stranger/tiny", version=1, trust_remote_code=True)
-        # a repository that does not exist: its not-found error, no warning first
-        with pytest.raises(KernelNotFoundError):
-            get_kernel("stranger/absent", version=1)
 
 
 def test_concurrent_processes_share_one_download(hub, tmp_path):
@@ -358,7 +357,7 @@ def test_a_zero_padded_branch_is_not_a_version(hub, tmp_path):
 
     commit = _publish(tmp_path, "org/tiny")
     HfApi(endpoint=hub.url).create_branch("org/tiny", branch="v02", repo_type="kernel", revision=commit)
-    assert _scale_of(get_kernel("org/tiny")) == 2.0
+    assert _scale_of(get_kernel("org/tiny", trust_remote_code=True)) == 2.0
     assert has_kernel("org/tiny")
 
 
@@ -398,7 +397,7 @@ def test_offline_with_a_cached_ref_but_no_snapshot_says_not_cached(hub, tmp_path
     import shutil
 
     _publish(tmp_path, "org/tiny")
-    get_kernel("org/tiny", version=1)
+    get_kernel("org/tiny", version=1, trust_remote_code=True)
     for snapshots in (tmp_path / "cache").rglob("snapshots"):
         shutil.rmtree(snapshots)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -412,7 +411,7 @@ def test_local_kernels_choose_their_variant_as_hub_kernels_do(hub, tmp_path):
     repo = tiny_copy(tmp_path / "variants", factor=2.0, extra_variants={"torch-cpu": 4.0})
     assert _scale_of(get_local_kernel(repo)) == 4.0
     upload_kernel(repo, "org/variants", version=1)
-    assert _scale_of(get_kernel("org/variants", version=1)) == 4.0
+    assert _scale_of(get_kernel("org/variants", version=1, trust_remote_code=True)) == 4.0
 
 
 @pytest.mark.parametrize("repo_id", ["org/a..b", "org/a--b", "org/name-", "org/x.git"])

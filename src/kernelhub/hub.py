@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import threading
-import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -54,22 +53,23 @@ _kernel_cache: dict[tuple, ModuleType] = {}
 _cache_lock = threading.Lock()
 
 
-class UntrustedKernelError(KernelHubError, PermissionError):
-    """Hub code from a publisher that is not trusted, refused: `trust_remote_code=False` was given or
-    `KERNELHUB_REQUIRE_TRUSTED=1` is set (without either, such code is imported with a warning)."""
+class UntrustedKernelError(KernelHubError, PermissionError, ValueError):
+    """Hub code from a publisher that is not trusted, refused (a ValueError, as Hugging Face `kernels`
+    raises, whose message it shares: "is not from a trusted publisher")."""
 
 
 class UntrustedKernelWarning(UserWarning):
-    """Hub code from a publisher that is not trusted is being imported (once per repository)."""
+    """Kept for code that filters it: untrusted Hub code is now refused, never imported with a warning."""
 
 
-_warned_untrusted: set[str] = set()
+_TRUSTED_BY_HUB: dict[tuple[str, str], bool] = {}  # (endpoint, publisher) -> the Hub's answer
 
 
 def trusted_publishers() -> frozenset[str]:
-    """Publishers whose Hub kernels are imported without `trust_remote_code`.
+    """Publishers whose Hub kernels are imported without `trust_remote_code`, known without asking the Hub.
 
     `kernels-community` plus the comma-separated `KERNELHUB_TRUSTED_PUBLISHERS` (read at call time).
+    Online, a publisher the Hub marks `trustedKernelPublisher` is trusted too (as in `kernels`).
     """
     extra = os.environ.get("KERNELHUB_TRUSTED_PUBLISHERS", "")
     return frozenset(DEFAULT_TRUSTED_PUBLISHERS) | {p.strip() for p in extra.split(",") if p.strip()}
@@ -98,40 +98,60 @@ def _check_layer_name(func: str, layer_name: object) -> str:
     return layer_name
 
 
-def _check_trust(repo_id: str, trust_remote_code: bool | None) -> str | None:
-    """True: import. A trusted publisher: import. False, or KERNELHUB_REQUIRE_TRUSTED=1: refuse.
-    None (the default, so that `get_kernel(repo_id)` works for any publisher, as in HF `kernels`):
-    import with an UntrustedKernelWarning the first time this process imports the repository.
-    Returns that warning's text, for `_warn_untrusted` once the import succeeded (a repository
-    that does not exist gets its not-found error alone)."""
-    if trust_remote_code:
-        return None
+def _check_trust_arg(func: str, trust_remote_code: object) -> None:
+    ok = trust_remote_code is None or isinstance(trust_remote_code, bool) or (
+        isinstance(trust_remote_code, list) and all(isinstance(r, str) for r in trust_remote_code))
+    if not ok:  # ("false" would trust)
+        raise TypeError(
+            f"{func}: `trust_remote_code` must be a bool or a list of repository ids, got {trust_remote_code!r}"
+        )
+
+
+def _hub_trusts(publisher: str) -> bool:
+    """Whether the Hub marks the publisher `trustedKernelPublisher` (its organization overview), as
+    `kernels` asks; remembered per process and endpoint. Not reachable: a refusal naming why."""
+    key = (endpoint(), publisher)
+    if key not in _TRUSTED_BY_HUB:
+        from kernelhub._fetch import api
+
+        try:
+            info = api().get_organization_overview(publisher)
+        except Exception as e:
+            raise UntrustedKernelError(
+                f"Kernel repository of publisher {publisher!r} could not verify publisher trust status "
+                f"({type(e).__name__}: {e}). Set trust_remote_code=True or add the repository ID to the "
+                "trust_remote_code allowlist to allow loading kernels from untrusted sources."
+            ) from e
+        _TRUSTED_BY_HUB[key] = getattr(info, "trustedKernelPublisher", False) is True
+    return _TRUSTED_BY_HUB[key]
+
+
+def _check_trust(repo_id: str, trust_remote_code: bool | list[str] | None) -> None:
+    """Refuse Hub code that is not trusted, before anything is downloaded (as `kernels` 0.17).
+
+    Trusted: `trust_remote_code=True`, a list holding `repo_id`, a publisher in
+    `trusted_publishers()`, or (online) one the Hub marks `trustedKernelPublisher`. Offline the Hub
+    cannot be asked, so only the first three count. Locked kernels do not come through here: the
+    lock is the review of that exact code.
+    """
+    if trust_remote_code is True or (isinstance(trust_remote_code, list) and repo_id in trust_remote_code):
+        return
     publisher = repo_id.split("/", 1)[0]
     trusted = trusted_publishers()
     if publisher in trusted:
-        return None
-    advice = (
-        "Code from the Hub runs in this process: pass trust_remote_code=True, add the publisher to "
-        "KERNELHUB_TRUSTED_PUBLISHERS (or `trusted_publishers` in the kernelhub config), or load it "
+        return
+    strict = env_flag("KERNELHUB_REQUIRE_TRUSTED")  # only the local list: the Hub's flag is not asked
+    if not strict and not offline() and _hub_trusts(publisher):
+        return
+    where = ("KERNELHUB_REQUIRE_TRUSTED is set, so the Hub is not asked; " if strict
+             else "offline, so the Hub cannot vouch for it; " if offline() else "")
+    raise UntrustedKernelError(
+        f"Kernel repository '{repo_id}' is not from a trusted publisher ({where}publisher {publisher!r}; "
+        f"trusted: {sorted(trusted)}). Set trust_remote_code=True or add the repository ID to the "
+        "trust_remote_code allowlist to allow loading kernels from untrusted sources; or add the publisher "
+        "to KERNELHUB_TRUSTED_PUBLISHERS (`trusted_publishers` in the kernelhub config), or load it "
         "through a lock file."
     )
-    strict = env_flag("KERNELHUB_REQUIRE_TRUSTED")
-    if trust_remote_code is False or strict:
-        why = "trust_remote_code=False" if trust_remote_code is False else "KERNELHUB_REQUIRE_TRUSTED is set"
-        raise UntrustedKernelError(
-            f"get_kernel: {repo_id!r} is from publisher {publisher!r}, which is not trusted "
-            f"(trusted: {sorted(trusted)}) and {why}. {advice}"
-        )
-    if repo_id in _warned_untrusted:
-        return None
-    return (f"get_kernel: importing {repo_id!r} from publisher {publisher!r}, which is not trusted "
-            f"(trusted: {sorted(trusted)}). {advice} KERNELHUB_REQUIRE_TRUSTED=1 refuses such imports.")
-
-
-def _warn_untrusted(repo_id: str, message: str | None) -> None:
-    if message is not None and repo_id not in _warned_untrusted:
-        _warned_untrusted.add(repo_id)
-        warnings.warn(message, UntrustedKernelWarning, stacklevel=4)
 
 
 def _layer_from(kernel: ModuleType, layer_name: str, where: str) -> type[nn.Module]:
@@ -172,13 +192,10 @@ def get_kernel(
     """
     _check_repo_id("get_kernel", repo_id)
     _check_ref("get_kernel", revision, version)
-    if trust_remote_code is not None and not isinstance(trust_remote_code, bool):  # ("false" would trust)
-        raise TypeError(f"get_kernel: `trust_remote_code` must be a bool or None, got {trust_remote_code!r}")
-    untrusted = _check_trust(repo_id, trust_remote_code)
+    _check_trust_arg("get_kernel", trust_remote_code)
+    _check_trust(repo_id, trust_remote_code)
     resolved = resolve_kernel(repo_id, revision=revision, version=version)
-    kernel = _import_resolved(resolved)
-    _warn_untrusted(repo_id, untrusted)
-    return kernel
+    return _import_resolved(resolved)
 
 
 def _import_resolved(resolved: ResolvedKernel, *, verified: dict[str, str] | None = None) -> ModuleType:
@@ -253,17 +270,12 @@ class LayerRepository:
         self.repo_id = _check_repo_id("LayerRepository", repo_id)
         self.layer_name = _check_layer_name("LayerRepository", layer_name)
         _check_ref("LayerRepository", revision, version)
-        if trust_remote_code is not None and not isinstance(trust_remote_code, bool):
-            raise TypeError(
-                f"LayerRepository: `trust_remote_code` must be a bool or None, got {trust_remote_code!r}"
-            )
+        _check_trust_arg("LayerRepository", trust_remote_code)
         self.revision, self.version, self.trust_remote_code = revision, version, trust_remote_code
 
     def load_kernel(self) -> ModuleType:
         # every load decides trust anew: a kernel imported once (trusted then) must not reach a
-        # repository object that says trust_remote_code=False, or a process that since set
-        # KERNELHUB_REQUIRE_TRUSTED, through the cache
-        # (a cache miss goes through get_kernel, which warns where the import is untrusted)
+        # repository object that is not trusted, or a process whose trusted list changed, through the cache
         _check_trust(self.repo_id, self.trust_remote_code)
         key = (endpoint(), offline(), default_repo_type(), self.repo_id, self.revision, self.version)
         with _cache_lock:
@@ -307,7 +319,9 @@ class LayerRepository:
         return f"hub:{self.repo_id}{self._ref()}/{self.layer_name}"
 
     def _key(self) -> tuple:
-        return (self.repo_id, self.layer_name, self.revision, self.version, self.trust_remote_code)
+        trust = self.trust_remote_code
+        return (self.repo_id, self.layer_name, self.revision, self.version,
+                tuple(trust) if isinstance(trust, list) else trust)
 
     def __repr__(self) -> str:
         return (
