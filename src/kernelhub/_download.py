@@ -25,6 +25,7 @@ from kernelhub._fetch import (
     cache_dir,
     check_commit,
     check_revision,
+    current_user_agent,
     endpoint,
     inside,
     offline,
@@ -101,22 +102,26 @@ def variant_manifest(marker: Path) -> dict[str, int] | None:
 def _download(repo_id: str, repo_type: str, commit: str, files: dict[str, int]) -> None:
     from huggingface_hub import hf_hub_download
 
+    user_agent = current_user_agent()  # (the pool's threads do not see the caller's context)
+
     def one(name: str) -> None:
         hf_hub_download(repo_id, name, repo_type=repo_type, revision=commit, cache_dir=str(cache_dir()),
-                        endpoint=endpoint())
+                        endpoint=endpoint(), user_agent=user_agent)
 
     with _hub_errors(repo_id, repo_type, commit), ThreadPoolExecutor(max_workers=min(8, len(files) or 1)) as pool:
         for future in [pool.submit(one, name) for name in sorted(files)]:
             future.result()
 
 
-def fetch_variant(repo_id: str, repo_type: str, ref: str, commit: str, variant: str) -> Path:
+def fetch_variant(
+    repo_id: str, repo_type: str, ref: str, commit: str, variant: str, *, local_only: bool = False
+) -> Path:
     """Download `build/<variant>/` of `commit` (once; under a file lock) and return its directory.
 
     The lock plus a completion marker make concurrent loaders safe: one process downloads, the others
     wait, and nobody imports a tree that is still being written. The marker lists the files and
     their sizes; a file gone or changed in size since is downloaded again (online) or named in a
-    KernelHubError (offline).
+    KernelHubError (offline). `local_only`: never download, as offline.
     """
     check_commit(repo_id, commit, "commit")
     if not VARIANT_NAME_RE.match(variant):
@@ -131,7 +136,7 @@ def fetch_variant(repo_id: str, repo_type: str, ref: str, commit: str, variant: 
         files = variant_manifest(marker)
         missing = _missing(snapshot, files) if files is not None else None
         if missing is None or missing:
-            if offline():
+            if local_only or offline():
                 target = _offline(repo_id, repo_type, commit, variant, target, missing)
             else:
                 files = _list_files(repo_id, repo_type, commit, variant)

@@ -8,6 +8,7 @@ time, so `HF_ENDPOINT`, `HF_HUB_CACHE`/`HF_HOME`, `HF_HUB_OFFLINE` and `KERNELHU
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import os
 import re
@@ -29,12 +30,14 @@ __all__ = [
     "cache_dir",
     "check_repo_id",
     "check_revision",
+    "current_user_agent",
     "choose_variant",
     "default_repo_type",
     "endpoint",
     "list_variants",
     "offline",
     "resolve_kernel",
+    "user_agent_scope",
 ]
 
 _COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
@@ -107,11 +110,31 @@ def default_repo_type() -> str:
     return "kernel" if "kernel" in supported else "model"
 
 
+_USER_AGENT: contextvars.ContextVar[str | dict | None] = contextvars.ContextVar("kernelhub_user_agent", default=None)
+
+
+@contextlib.contextmanager
+def user_agent_scope(user_agent: str | dict | None) -> Iterator[None]:
+    """Add `user_agent` (as `kernels` takes it: a str or a dict of name -> version) to the Hub
+    requests made inside the block."""
+    if user_agent is not None and not isinstance(user_agent, (str, dict)):
+        raise TypeError(f"`user_agent` must be a str, a dict or None, got {type(user_agent).__name__}")
+    token = _USER_AGENT.set(user_agent)
+    try:
+        yield
+    finally:
+        _USER_AGENT.reset(token)
+
+
+def current_user_agent() -> str | dict | None:
+    return _USER_AGENT.get()
+
+
 def api():
     from huggingface_hub import HfApi
 
     guard_hub_session()
-    return HfApi(endpoint=endpoint(), library_name="kernelhub")
+    return HfApi(endpoint=endpoint(), library_name="kernelhub", user_agent=_USER_AGENT.get())
 
 
 _SAFE_ETAG_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*$")
@@ -351,16 +374,22 @@ def check_repo_id(func: str, repo_id: object) -> str:
 
 
 def list_variants(
-    repo_id: str, *, revision: str | None = None, version: int | None = None, repo_type: str | None = None
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    version: int | None = None,
+    repo_type: str | None = None,
+    local_only: bool = False,
 ) -> tuple[str, str, list[str]]:
-    """(ref, commit, variant names) of a kernel revision, from the Hub or (offline) the cache."""
+    """(ref, commit, variant names) of a kernel revision, from the Hub or (offline, or `local_only`)
+    the cache."""
     check_repo_id("list_variants", repo_id)
     if revision is not None:
         check_revision("list_variants", revision)
     if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 1):
         raise ValueError(f"list_variants: `version` must be an int >= 1 (branch vN), got {version!r}")
     repo_type = repo_type or default_repo_type()
-    if offline():
+    if local_only or offline():
         ref, commit = _resolve_cached(repo_id, repo_type, revision, version)
         snapshot = _storage(repo_id, repo_type) / "snapshots" / commit
         if not snapshot.is_dir():
