@@ -63,6 +63,7 @@ class HubStore:
         self.lock = threading.Lock()
         self.counter = 0
         self.requests: list[tuple[str, str]] = []
+        self.user_agents: list[str] = []  # one per request, in order
         # A hostile server, for tests: rewrite_json(endpoint, body) changes what an API call returns
         # ("revision", "refs", "tree", "paths-info"); rewrite_file(method, path, data, headers) changes
         # a file's bytes and headers as HEAD describes them or GET sends them.
@@ -181,6 +182,7 @@ class _Handler(BaseHTTPRequestHandler):
         store = self.server.store
         url = urlsplit(self.path)
         store.requests.append((self.command, url.path))
+        store.user_agents.append(self.headers.get("User-Agent", ""))
         n = int(self.headers.get("Content-Length") or 0)
         self._raw = self.rfile.read(n) if n else b""  # always drain: the connection is kept alive
         try:

@@ -53,8 +53,8 @@ class KernelNotFoundError(KernelHubError, LookupError):
     """The repository or revision does not exist (or is not reachable and not cached)."""
 
 
-class KernelVersionNotFoundError(KernelNotFoundError):
-    """The repository has no branch `vN` for the requested version."""
+class KernelVersionNotFoundError(KernelNotFoundError, ValueError):
+    """The repository has no branch `vN` for the requested version (a ValueError, as `kernels` raises)."""
 
 
 class KernelVariantNotFoundError(KernelNotFoundError):
@@ -255,9 +255,9 @@ def _resolve_online(
         return ref, check_commit(repo_id, branches.get(ref), f"the commit of branch {ref!r}")
     ref = f"v{version}"
     if ref not in branches:
-        raise KernelVersionNotFoundError(
-            f"kernel repository {repo_id!r} has no version {version} (branch {ref!r}); "
-            f"available versions: {versions}"
+        raise KernelVersionNotFoundError(  # the phrase `kernels` users match on, then kernelhub's detail
+            f"Version {version} not found, available versions: {', '.join(map(str, versions))} "
+            f"(kernel repository {repo_id!r} has no branch {ref!r})"
         )
     warn_key = (endpoint(), repo_id, version, versions[-1] if versions else version)
     if versions and versions[-1] > version and warn_key not in _warned_newer:
@@ -386,8 +386,8 @@ def list_variants(
     check_repo_id("list_variants", repo_id)
     if revision is not None:
         check_revision("list_variants", revision)
-    if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 1):
-        raise ValueError(f"list_variants: `version` must be an int >= 1 (branch vN), got {version!r}")
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+        raise TypeError(f"list_variants: `version` must be an int (branch vN), got {version!r}")
     repo_type = repo_type or default_repo_type()
     if local_only or offline():
         ref, commit = _resolve_cached(repo_id, repo_type, revision, version)
@@ -421,12 +421,13 @@ def resolve_kernel(
     version: int | None = None,
     repo_type: str | None = None,
     variant: str | None = None,
+    system: SystemInfo | None = None,
 ) -> ResolvedKernel:
     """Find the commit and the best variant for this system, download that variant, return where it is."""
     repo_type = repo_type or default_repo_type()
     ref, commit, names = list_variants(repo_id, revision=revision, version=version, repo_type=repo_type)
     if variant is None:
-        variant = choose_variant(repo_id, commit, names)
+        variant = choose_variant(repo_id, commit, names, system)
     elif variant not in names:
         raise KernelVariantNotFoundError(
             f"kernel {repo_id!r} at {commit[:12]} has no variant {variant!r}: {names}"

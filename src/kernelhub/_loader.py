@@ -99,38 +99,70 @@ def _install_finder() -> None:
         sys.meta_path.insert(0, _KernelSourceFinder())
 
 
-def find_variant_dir(repo_dir: Path) -> Path:
-    """The build variant of a kernel repository that this system runs best, ranked as `get_kernel`
-    ranks a Hub repository's (a compiled build for this torch/backend first, `torch-universal` last)."""
+def _best_variant(build: Path, system=None) -> Path:
+    """The variant directory under `build` that this system runs best (ranked as `get_kernel`
+    ranks a Hub repository's: a compiled build for this torch/backend first, `torch-universal` last)."""
     from kernelhub.variants import rank_variants
 
-    build = repo_dir / "build"
-    if not build.is_dir():
-        raise FileNotFoundError(f"kernel repository {repo_dir} has no build/ directory")
     found = sorted(p.name for p in build.iterdir() if p.is_dir())
-    usable, rejected = rank_variants(found)
+    usable, rejected = rank_variants(found, system)
     if usable:
         return build / usable[0]
     raise FileNotFoundError(
-        f"kernel repository {repo_dir} has no build variant for this system (found {found}: "
+        f"kernel repository {build.parent} has no build variant for this system (found {found}: "
         + ("; ".join(f"{n}: {why}" for n, why in rejected.items()) or "none") + ")"
     )
 
 
-def _package_dir(path: Path) -> Path:
-    """Accept a repository root, a variant directory, or the package directory itself.
+def find_variant_dir(repo_dir: Path, system=None) -> Path:
+    """The build variant of a kernel repository (`repo_dir/build/<variant>`) that this system runs best."""
+    build = repo_dir / "build"
+    if not build.is_dir():
+        raise FileNotFoundError(f"kernel repository {repo_dir} has no build/ directory")
+    return _best_variant(build, system)
 
-    A repository root with no `build/` is read from its source, `torch-ext/<name>/` (kernel-builder's
-    layout): the bundled kernels ship as source, so a stale build can never shadow an edit.
+
+def _holds_variants(path: Path) -> bool:
+    """Whether `path` is a `build/` directory: its subdirectories are named as build variants."""
+    from kernelhub.variants import Variant
+
+    for child in path.iterdir():
+        if child.is_dir() and child.name != "__pycache__":
+            try:
+                Variant.parse(child.name)
+                return True
+            except ValueError:
+                continue
+    return False
+
+
+def _package_dir(path: Path, package_name: str | None = None, system=None) -> Path:
+    """Accept every layout `kernels` loads, plus kernelhub's source layout:
+
+    - the package directory itself (or a flattened variant: `build/<variant>/__init__.py`);
+    - a repository root (`build/<variant>/<package>/` or a flattened `build/<variant>/__init__.py`);
+    - a `build/` directory given as the path (`repo/build`, the layout before flattening);
+    - a variant directory holding one package (or `package_name`, where it holds several);
+    - a repository root with no `build/`, read from its source `torch-ext/<name>/` (kernel-builder's
+      layout): the bundled kernels ship as source, so a stale build can never shadow an edit.
     """
     path = path.resolve()
     if (path / "__init__.py").is_file():
         return path
     if (path / "build").is_dir():
-        path = find_variant_dir(path)
+        path = find_variant_dir(path, system)
     elif (path / "torch-ext").is_dir():
         path = path / "torch-ext"
+    elif _holds_variants(path):
+        path = _best_variant(path, system)
+    if (path / "__init__.py").is_file():
+        return path
     packages = [p for p in sorted(path.iterdir()) if (p / "__init__.py").is_file()]
+    if package_name is not None:
+        chosen = [p for p in packages if p.name == package_name]
+        if chosen:
+            return chosen[0]
+        raise FileNotFoundError(f"{path} has no kernel package {package_name!r} (found {[p.name for p in packages]})")
     if len(packages) != 1:
         raise FileNotFoundError(
             f"{path} must hold exactly one kernel package (a directory with __init__.py), "
@@ -183,14 +215,18 @@ def import_kernel_package(package_dir: Path, *, verified: dict[str, str] | None 
         return module
 
 
-def load_kernel_from_dir(path: str | Path, *, verified: dict[str, str] | None = None) -> ModuleType:
-    """Import the kernel at `path` (repository root, variant dir, or package dir).
+def load_kernel_from_dir(
+    path: str | Path, *, verified: dict[str, str] | None = None, package_name: str | None = None, system=None
+) -> ModuleType:
+    """Import the kernel at `path` (any layout `_package_dir` accepts).
 
-    `verified` ({path relative to `path`: sha256}): import only those files (a locked load)."""
+    `verified` ({path relative to `path`: sha256}): import only those files (a locked load).
+    `package_name`: the package to import where a variant holds several. `system`: rank variants
+    for that `SystemInfo` (a `backend=` choice) instead of this one."""
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"kernel path {p} does not exist")
-    package = _package_dir(p)
+    package = _package_dir(p, package_name, system)
     if verified is not None:
         base = p.resolve()
         verified = {
