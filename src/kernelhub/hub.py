@@ -13,7 +13,6 @@ from types import ModuleType
 
 from torch import nn
 
-from kernelhub._env import env_flag
 from kernelhub._fetch import (
     KernelHubError,
     KernelNotFoundError,
@@ -31,6 +30,14 @@ from kernelhub._fetch import (
 )
 from kernelhub._loaded import RepoInfo, local_kernel_overrides, record_loaded
 from kernelhub._loader import _package_dir, load_kernel_from_dir
+from kernelhub._trust import (
+    DEFAULT_TRUSTED_PUBLISHERS,
+    UntrustedKernelError,
+    UntrustedKernelWarning,
+    _check_trust,
+    _check_trust_arg,
+    trusted_publishers,
+)
 from kernelhub.variants import rank_variants, system_for_backend
 
 __all__ = [
@@ -50,31 +57,8 @@ __all__ = [
     "trusted_publishers",
 ]
 
-DEFAULT_TRUSTED_PUBLISHERS = ("kernels-community",)
 _kernel_cache: dict[tuple, ModuleType] = {}
 _cache_lock = threading.Lock()
-
-
-class UntrustedKernelError(KernelHubError, PermissionError, ValueError):
-    """Hub code from a publisher that is not trusted, refused (a ValueError, as Hugging Face `kernels`
-    raises, whose message it shares: "is not from a trusted publisher")."""
-
-
-class UntrustedKernelWarning(UserWarning):
-    """Kept for code that filters it: untrusted Hub code is now refused, never imported with a warning."""
-
-
-_TRUSTED_BY_HUB: dict[tuple[str, str], bool] = {}  # (endpoint, publisher) -> the Hub's answer
-
-
-def trusted_publishers() -> frozenset[str]:
-    """Publishers whose Hub kernels are imported without `trust_remote_code`, known without asking the Hub.
-
-    `kernels-community` plus the comma-separated `KERNELHUB_TRUSTED_PUBLISHERS` (read at call time).
-    Online, a publisher the Hub marks `trustedKernelPublisher` is trusted too (as in `kernels`).
-    """
-    extra = os.environ.get("KERNELHUB_TRUSTED_PUBLISHERS", "")
-    return frozenset(DEFAULT_TRUSTED_PUBLISHERS) | {p.strip() for p in extra.split(",") if p.strip()}
 
 
 def _check_repo_id(func: str, repo_id: object) -> str:
@@ -98,62 +82,6 @@ def _check_layer_name(func: str, layer_name: object) -> str:
     if not isinstance(layer_name, str) or not layer_name.isidentifier():
         raise ValueError(f"{func}: `layer_name` must be a Python identifier, got {layer_name!r}")
     return layer_name
-
-
-def _check_trust_arg(func: str, trust_remote_code: object) -> None:
-    ok = trust_remote_code is None or isinstance(trust_remote_code, bool) or (
-        isinstance(trust_remote_code, list) and all(isinstance(r, str) for r in trust_remote_code))
-    if not ok:  # ("false" would trust)
-        raise TypeError(
-            f"{func}: `trust_remote_code` must be a bool or a list of repository ids, got {trust_remote_code!r}"
-        )
-
-
-def _hub_trusts(publisher: str) -> bool:
-    """Whether the Hub marks the publisher `trustedKernelPublisher` (its organization overview), as
-    `kernels` asks; remembered per process and endpoint. Not reachable: a refusal naming why."""
-    key = (endpoint(), publisher)
-    if key not in _TRUSTED_BY_HUB:
-        from kernelhub._fetch import api
-
-        try:
-            info = api().get_organization_overview(publisher)
-        except Exception as e:
-            raise UntrustedKernelError(
-                f"Kernel repository of publisher {publisher!r} could not verify publisher trust status "
-                f"({type(e).__name__}: {e}). Set trust_remote_code=True or add the repository ID to the "
-                "trust_remote_code allowlist to allow loading kernels from untrusted sources."
-            ) from e
-        _TRUSTED_BY_HUB[key] = getattr(info, "trustedKernelPublisher", False) is True
-    return _TRUSTED_BY_HUB[key]
-
-
-def _check_trust(repo_id: str, trust_remote_code: bool | list[str] | None) -> None:
-    """Refuse Hub code that is not trusted, before anything is downloaded (as `kernels` 0.17).
-
-    Trusted: `trust_remote_code=True`, a list holding `repo_id`, a publisher in
-    `trusted_publishers()`, or (online) one the Hub marks `trustedKernelPublisher`. Offline the Hub
-    cannot be asked, so only the first three count. Locked kernels do not come through here: the
-    lock is the review of that exact code.
-    """
-    if trust_remote_code is True or (isinstance(trust_remote_code, list) and repo_id in trust_remote_code):
-        return
-    publisher = repo_id.split("/", 1)[0]
-    trusted = trusted_publishers()
-    if publisher in trusted:
-        return
-    strict = env_flag("KERNELHUB_REQUIRE_TRUSTED")  # only the local list: the Hub's flag is not asked
-    if not strict and not offline() and _hub_trusts(publisher):
-        return
-    where = ("KERNELHUB_REQUIRE_TRUSTED is set, so the Hub is not asked; " if strict
-             else "offline, so the Hub cannot vouch for it; " if offline() else "")
-    raise UntrustedKernelError(
-        f"Kernel repository '{repo_id}' is not from a trusted publisher ({where}publisher {publisher!r}; "
-        f"trusted: {sorted(trusted)}). Set trust_remote_code=True or add the repository ID to the "
-        "trust_remote_code allowlist to allow loading kernels from untrusted sources; or add the publisher "
-        "to KERNELHUB_TRUSTED_PUBLISHERS (`trusted_publishers` in the kernelhub config), or load it "
-        "through a lock file."
-    )
 
 
 def _layer_from(kernel: ModuleType, layer_name: str, where: str) -> type[nn.Module]:
