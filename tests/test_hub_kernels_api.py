@@ -155,3 +155,18 @@ def test_repository_classes_take_the_kernels_arguments(tmp_path):
     repo = LayerRepository("org/tiny", layer_name="TinyScale", version=1, trust_remote_code=["org/tiny"],
                            user_agent={"app": "1"})
     assert hash(repo) == hash(repo.with_layer_name("TinyScale")) and repo.user_agent == {"app": "1"}
+
+
+@pytest.mark.parametrize("user_agent", ["app/1\r\nX-Evil: 1", {"app": "1\n"}, 3])
+def test_a_user_agent_that_is_no_header_value_is_refused(hub, tmp_path, user_agent):
+    _publish(tmp_path, "org/tiny")
+    with pytest.raises((ValueError, TypeError), match="`user_agent` must"):
+        get_kernel("org/tiny", version=1, trust_remote_code=True, user_agent=user_agent)
+
+
+def test_a_kernels_unreadable_metadata_does_not_break_loading(tmp_path):
+    src = tiny_copy(tmp_path / "deep", factor=2.0)
+    (src / "build" / "torch-universal" / "tiny" / "metadata.json").write_text("[" * 200_000 + "]" * 200_000)
+    kernel = get_local_kernel(src)
+    (entry,) = [k for k in get_loaded_kernels() if k.module is kernel]
+    assert entry.metadata.name == "tiny" and entry.metadata.raw == {}

@@ -91,7 +91,7 @@ def variant_manifest(marker: Path) -> dict[str, int] | None:
     """The file list a completion marker recorded, or None (no marker, an older or a damaged one)."""
     try:
         data = json.loads(marker.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     files = data.get("files") if isinstance(data, dict) and data.get("format") == _MARKER_FORMAT else None
     if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, int) for k, v in files.items()):

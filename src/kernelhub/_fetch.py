@@ -119,6 +119,9 @@ def user_agent_scope(user_agent: str | dict | None) -> Iterator[None]:
     requests made inside the block."""
     if user_agent is not None and not isinstance(user_agent, (str, dict)):
         raise TypeError(f"`user_agent` must be a str, a dict or None, got {type(user_agent).__name__}")
+    parts = [user_agent] if isinstance(user_agent, str) else [str(x) for kv in (user_agent or {}).items() for x in kv]
+    if any(re.search(r"[\x00-\x1f\x7f]", p) for p in parts):  # a header value: no line breaks smuggled in
+        raise ValueError(f"`user_agent` must not contain control characters, got {user_agent!r}")
     token = _USER_AGENT.set(user_agent)
     try:
         yield

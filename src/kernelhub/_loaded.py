@@ -41,7 +41,7 @@ class KernelMetadata:
         for candidate in (variant_dir / "metadata.json", package_dir / "metadata.json"):
             try:
                 data = json.loads(candidate.read_text())
-            except (OSError, ValueError):
+            except (OSError, ValueError, RecursionError):  # (the file is the kernel's: any bytes)
                 continue
             if isinstance(data, dict):
                 raw = data
