@@ -133,8 +133,10 @@ def _local_override(func: str, repo_id: str, system) -> ModuleType | None:
         return None
     try:
         return get_local_kernel(path, backend=None if system is None else system.backend)
-    except FileNotFoundError as e:
-        raise KernelHubError(f"{func}: LOCAL_KERNELS maps {repo_id!r} to {path}, which does not load: {e}") from e
+    except FileNotFoundError as e:  # FileNotFoundError and its phrase, as `kernels` raises
+        raise FileNotFoundError(
+            f"Could not find kernel in {path} ({func}: LOCAL_KERNELS maps {repo_id!r} there: {e})"
+        ) from e
 
 
 def get_kernel(

@@ -201,7 +201,10 @@ def system_for_backend(func: str, backend: str | None) -> SystemInfo:
     if backend is None or backend == system.backend:
         return system
     if backend != "cpu":
-        raise ValueError(f"{func}: `backend` must be 'cpu' or this torch's backend {system.backend!r}, got {backend!r}")
+        raise ValueError(  # the phrase `kernels` raises, then which backends this system takes
+            f"{func}: Invalid backend {backend!r}, system supported backends: "
+            f"{', '.join(sorted({'cpu', system.backend}))} (`backend` must be 'cpu' or this torch's backend)"
+        )
     return SystemInfo(system.torch_version, "cpu", None, system.cpu, system.os, system.cxx11_abi)
 
 
