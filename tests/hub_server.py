@@ -5,6 +5,7 @@ The real client is exercised end to end; only the server is ours. Endpoints foll
 `huggingface_hub` sends (see `hf_api.py`, `_commit_api.py`, `file_download.py`):
 
 - `POST /api/repos/create`                        {name, organization, type, visibility}
+- `GET  /api/organizations/{org}/overview`         with `trustedKernelPublisher` (`store.trusted_orgs`)
 - `GET  /api/{type}s/{org}/{name}[/revision/{rev}]` repo info with `sha` and `siblings`
 - `GET  /api/{type}s/{org}/{name}/refs`           branches and tags
 - `GET  /api/{type}s/{org}/{name}/tree/{rev}[/{path}]?recursive=`
@@ -62,6 +63,13 @@ class HubStore:
         self.lock = threading.Lock()
         self.counter = 0
         self.requests: list[tuple[str, str]] = []
+        self.user_agents: list[str] = []  # one per request, in order
+        # A hostile server, for tests: rewrite_json(endpoint, body) changes what an API call returns
+        # ("revision", "refs", "tree", "paths-info"); rewrite_file(method, path, data, headers) changes
+        # a file's bytes and headers as HEAD describes them or GET sends them.
+        self.trusted_orgs: set[str] = set()  # organizations the Hub marks trustedKernelPublisher
+        self.rewrite_json = None
+        self.rewrite_file = None
 
     # blobs and commits ------------------------------------------------------------------------
     def put_blob(self, data: bytes) -> str:
@@ -161,7 +169,10 @@ class _Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(body)
 
-    def _json(self, status: int, obj, headers: dict[str, str] | None = None) -> None:
+    def _json(self, status: int, obj, headers: dict[str, str] | None = None, endpoint: str | None = None) -> None:
+        rewrite = self.server.store.rewrite_json
+        if endpoint is not None and rewrite is not None:
+            obj = rewrite(endpoint, obj)
         self._send(status, json.dumps(obj).encode(), headers)
 
     def _body(self) -> bytes:
@@ -171,6 +182,7 @@ class _Handler(BaseHTTPRequestHandler):
         store = self.server.store
         url = urlsplit(self.path)
         store.requests.append((self.command, url.path))
+        store.user_agents.append(self.headers.get("User-Agent", ""))
         n = int(self.headers.get("Content-Length") or 0)
         self._raw = self.rfile.read(n) if n else b""  # always drain: the connection is kept alive
         try:
@@ -204,7 +216,10 @@ class _Handler(BaseHTTPRequestHandler):
         if oid is None:
             raise _HubError(404, "EntryNotFound", f"{filename} does not exist at {commit}", commit=commit)
         data = store.blob(oid)
-        self._send(200, data, {"X-Repo-Commit": commit, "ETag": f'"{oid}"'}, "application/octet-stream")
+        headers = {"X-Repo-Commit": commit, "ETag": f'"{oid}"'}
+        if store.rewrite_file is not None:
+            data, headers = store.rewrite_file(self.command, filename, data, headers)
+        self._send(200, data, headers, "application/octet-stream")
 
     # API --------------------------------------------------------------------------------------
     def _api(self, parts: list[str], query: dict) -> None:
@@ -223,6 +238,12 @@ class _Handler(BaseHTTPRequestHandler):
                 self._json(409, {"error": "You already created this repo", "url": url})
             else:
                 self._json(200, {"url": url})
+            return
+        if len(parts) == 3 and parts[0] == "organizations" and parts[2] == "overview":
+            org = parts[1]
+            if org not in store.trusted_orgs and not any(r.split("/")[0] == org for _, r in store.repos):
+                raise _HubError(404, None, f"Organization {org} not found")
+            self._json(200, {"name": org, "fullname": org, "trustedKernelPublisher": org in store.trusted_orgs})
             return
         if len(parts) < 3 or parts[0] not in _TYPE_PREFIXES:
             raise _HubError(404, None, f"unknown endpoint {self.path}")
@@ -246,6 +267,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "private": repo.private,
                 "siblings": [{"rfilename": p} for p in sorted(files)],
             },
+            endpoint="revision",
         )
 
     def _api_refs(self, repo: _Repo, rest: list[str], query: dict) -> None:
@@ -262,6 +284,7 @@ class _Handler(BaseHTTPRequestHandler):
                 "converts": [],
                 "pullRequests": [],
             },
+            endpoint="refs",
         )
 
     def _entries(self, repo: _Repo, commit: str, prefix: str, recursive: bool) -> list[dict]:
@@ -293,14 +316,14 @@ class _Handler(BaseHTTPRequestHandler):
     def _api_tree(self, repo: _Repo, rest: list[str], query: dict) -> None:
         commit = self.server.store.resolve(repo, rest[0])
         recursive = query.get("recursive", ["False"])[0].lower() == "true"
-        self._json(200, self._entries(repo, commit, "/".join(rest[1:]), recursive))
+        self._json(200, self._entries(repo, commit, "/".join(rest[1:]), recursive), endpoint="tree")
 
     def _api_paths_info(self, repo: _Repo, rest: list[str], query: dict) -> None:
         commit = self.server.store.resolve(repo, "/".join(rest))
         form = parse_qs(self._body().decode())
         wanted = set(form.get("paths", []))
         entries = [e for e in self._entries(repo, commit, "", True) if e["path"] in wanted]
-        self._json(200, entries)
+        self._json(200, entries, endpoint="paths-info")
 
     def _api_preupload(self, repo: _Repo, rest: list[str], query: dict) -> None:
         self.server.store.resolve(repo, "/".join(rest))

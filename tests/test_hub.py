@@ -6,7 +6,6 @@ import logging
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,6 @@ from kernelhub.hub import (
     LocalLayerRepository,
     LockedLayerRepository,
     UntrustedKernelError,
-    UntrustedKernelWarning,
     get_kernel,
     get_local_kernel,
     has_kernel,
@@ -108,7 +106,7 @@ def test_missing_repo_revision_and_version_are_clear_errors(hub, tmp_path):
     with pytest.raises(KernelNotFoundError, match=r"'org/nothing'.*not found"):
         get_kernel("org/nothing", version=1, trust_remote_code=True)
     _publish(tmp_path, "org/tiny")
-    with pytest.raises(KernelVersionNotFoundError, match=r"no version 7 .*available versions: \[1\]"):
+    with pytest.raises(KernelVersionNotFoundError, match=r"Version 7 not found, available versions: 1 "):
         get_kernel("org/tiny", version=7, trust_remote_code=True)
     with pytest.raises(KernelNotFoundError, match="no revision 'nope'"):
         get_kernel("org/tiny", revision="nope", trust_remote_code=True)
@@ -129,38 +127,56 @@ def test_has_kernel(hub, tmp_path):
     assert not has_kernel("org/absent")
 
 
-def test_untrusted_publisher_is_refused_before_any_download_when_asked(hub, tmp_path, monkeypatch):
+def _downloads(hub) -> list[tuple[str, str]]:
+    """Requests other than the trust question (the organization overview, which `kernels` asks too)."""
+    return [r for r in hub.store.requests if not r[1].startswith("/api/organizations/")]
+
+
+def test_untrusted_publisher_is_refused_by_default_before_any_download(hub, tmp_path, monkeypatch):
+    """As Hugging Face `kernels` 0.17: a ValueError whose message says "is not from a trusted publisher"."""
     _publish(tmp_path, "someone/tiny")
-    before = len(hub.store.requests)
-    refused = "publisher 'someone'.*trust_remote_code=False.*trust_remote_code=True"
-    with pytest.raises(UntrustedKernelError, match=refused):
-        get_kernel("someone/tiny", version=1, trust_remote_code=False)
-    with pytest.raises(UntrustedKernelError):
-        LayerRepository("someone/tiny", layer_name="TinyScale", version=1, trust_remote_code=False).load()
-    monkeypatch.setenv("KERNELHUB_REQUIRE_TRUSTED", "1")
-    with pytest.raises(UntrustedKernelError, match="KERNELHUB_REQUIRE_TRUSTED is set"):
+    before = len(_downloads(hub))
+    refused = r"Kernel repository 'someone/tiny' is not from a trusted publisher.*Set trust_remote_code=True"
+    for trust in (None, False, ["other/tiny"]):
+        with pytest.raises(UntrustedKernelError, match=refused):
+            get_kernel("someone/tiny", version=1, trust_remote_code=trust)
+    with pytest.raises(ValueError, match=refused):  # the exception type `kernels` users catch
         get_kernel("someone/tiny", version=1)
     with pytest.raises(UntrustedKernelError):
         LayerRepository("someone/tiny", layer_name="TinyScale", version=1).load()
-    assert len(hub.store.requests) == before
+    monkeypatch.setenv("KERNELHUB_REQUIRE_TRUSTED", "1")
+    with pytest.raises(UntrustedKernelError, match="KERNELHUB_REQUIRE_TRUSTED is set"):
+        get_kernel("someone/tiny", version=1)
+    assert len(_downloads(hub)) == before
+    monkeypatch.delenv("KERNELHUB_REQUIRE_TRUSTED")
+    assert _scale_of(get_kernel("someone/tiny", version=1, trust_remote_code=["someone/tiny"])) == 2.0
     monkeypatch.setenv("KERNELHUB_TRUSTED_PUBLISHERS", "other, someone")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a trusted publisher: no warning either
-        assert _scale_of(get_kernel("someone/tiny", version=1)) == 2.0
-        trusted = LayerRepository("someone/tiny", layer_name="TinyScale", version=1)
-        assert trusted.load().__name__ == "TinyScale"
+    trusted = LayerRepository("someone/tiny", layer_name="TinyScale", version=1)
+    assert trusted.load().__name__ == "TinyScale"
     # imported (and cached) while trusted: the cache does not let a refusal through afterwards
     monkeypatch.delenv("KERNELHUB_TRUSTED_PUBLISHERS")
-    with pytest.raises(UntrustedKernelError, match="trust_remote_code=False"):
-        LayerRepository("someone/tiny", layer_name="TinyScale", version=1, trust_remote_code=False).load()
-    with pytest.raises(UntrustedKernelError, match="KERNELHUB_REQUIRE_TRUSTED is set"):
+    with pytest.raises(UntrustedKernelError, match="not from a trusted publisher"):
         trusted.load()
 
 
+def test_a_publisher_the_hub_marks_trusted_is_trusted_online_only(hub, tmp_path, monkeypatch):
+    """`kernels` asks the Hub's organization overview (`trustedKernelPublisher`); offline it cannot."""
+    _publish(tmp_path, "vendor/tiny")
+    hub.store.trusted_orgs.add("vendor")
+    assert _scale_of(get_kernel("vendor/tiny", version=1)) == 2.0
+    monkeypatch.setenv("KERNELHUB_REQUIRE_TRUSTED", "1")  # the local list only
+    with pytest.raises(UntrustedKernelError, match="KERNELHUB_REQUIRE_TRUSTED is set, so the Hub is not asked"):
+        get_kernel("vendor/tiny", version=1)
+    monkeypatch.delenv("KERNELHUB_REQUIRE_TRUSTED")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(UntrustedKernelError, match="offline, so the Hub cannot vouch for it"):
+        get_kernel("vendor/tiny", version=1)
+
+
 def test_kernelize_decides_trust_per_use_even_for_a_layer_it_has_loaded(hub, tmp_path, monkeypatch):
-    """kernelize keeps loaded layer classes; a process that has since set KERNELHUB_REQUIRE_TRUSTED
-    must not reach an untrusted kernel through that cache: kernelize refuses it (a module marked with
-    a layer name raises what loading its repository raised, as in Hugging Face `kernels`)."""
+    """kernelize keeps loaded layer classes; a publisher no longer trusted must not be reached
+    through that cache: kernelize refuses it (a module marked with a layer name raises what loading
+    its repository raised, as in Hugging Face `kernels`)."""
     from torch import nn
 
     from kernelhub import kernelize, kernelize_report, use_kernel_forward_from_hub, use_kernel_mapping
@@ -173,35 +189,18 @@ def test_kernelize_decides_trust_per_use_even_for_a_layer_it_has_loaded(hub, tmp
             return x
 
     repo = LayerRepository("someone/tiny", layer_name="TinyScale", version=1)
+    monkeypatch.setenv("KERNELHUB_TRUSTED_PUBLISHERS", "someone")
     with use_kernel_mapping({"TinyScale": {"cpu": repo}}, inherit_mapping=False):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UntrustedKernelWarning)  # (imported once, with a warning)
-            (entry,) = kernelize_report(kernelize(Scale(), device="cpu")).entries
+        (entry,) = kernelize_report(kernelize(Scale(), device="cpu")).entries
         assert entry.layer == "TinyScale", entry.fallback_reason
-        monkeypatch.setenv("KERNELHUB_REQUIRE_TRUSTED", "1")
-        with pytest.raises(UntrustedKernelError, match="KERNELHUB_REQUIRE_TRUSTED is set"):
+        monkeypatch.delenv("KERNELHUB_TRUSTED_PUBLISHERS")
+        with pytest.raises(UntrustedKernelError, match="not from a trusted publisher"):
             kernelize(Scale(), device="cpu")
 
 
-def test_get_kernel_trust_remote_code_must_be_a_bool(hub, tmp_path):
-    with pytest.raises(TypeError, match="get_kernel: `trust_remote_code` must be a bool or None"):
+def test_get_kernel_trust_remote_code_must_be_a_bool_or_a_list(hub, tmp_path):
+    with pytest.raises(TypeError, match="get_kernel: `trust_remote_code` must be a bool or a list"):
         get_kernel("someone/tiny", version=1, trust_remote_code="false")
-
-
-def test_untrusted_publisher_by_default_imports_with_one_warning(hub, tmp_path, monkeypatch):
-    """The contract's `get_kernel(repo_id, version=...)` works for any publisher, as in HF kernels;
-    the first import of each untrusted repository in a process says so."""
-    monkeypatch.setattr(hubmod, "_warned_untrusted", set())
-    _publish(tmp_path, "stranger/tiny")
-    with pytest.warns(UntrustedKernelWarning, match="importing 'stranger/tiny' from publisher 'stranger'"):
-        assert _scale_of(get_kernel("stranger/tiny", version=1)) == 2.0
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        get_kernel("stranger/tiny", version=1)  # once per repository
-        get_kernel("stranger/tiny", version=1, trust_remote_code=True)
-        # a repository that does not exist: its not-found error, no warning first
-        with pytest.raises(KernelNotFoundError):
-            get_kernel("stranger/absent", version=1)
 
 
 def test_concurrent_processes_share_one_download(hub, tmp_path):
@@ -246,7 +245,6 @@ def test_layer_repository_interface(hub, tmp_path):
         ({"repo_id": "a/b", "layer_name": "not an id"}, ValueError, "LayerRepository: `layer_name`"),
         ({"repo_id": "a/b", "layer_name": "X", "version": 1, "revision": "main"}, ValueError, "not both"),
         ({"repo_id": "a/b", "layer_name": "X", "version": "1"}, TypeError, "`version` must be an int"),
-        ({"repo_id": "a/b", "layer_name": "X", "version": 0}, ValueError, "`version` must be an int >= 1, got 0"),
         ({"repo_id": "a/b", "layer_name": "X", "revision": 3}, TypeError, "`revision` must be a non-empty"),
         ({"repo_id": "a/b", "layer_name": "X", "revision": ""}, ValueError, "`revision` must be a non-empty"),
     ],
@@ -359,7 +357,7 @@ def test_a_zero_padded_branch_is_not_a_version(hub, tmp_path):
 
     commit = _publish(tmp_path, "org/tiny")
     HfApi(endpoint=hub.url).create_branch("org/tiny", branch="v02", repo_type="kernel", revision=commit)
-    assert _scale_of(get_kernel("org/tiny")) == 2.0
+    assert _scale_of(get_kernel("org/tiny", trust_remote_code=True)) == 2.0
     assert has_kernel("org/tiny")
 
 
@@ -399,7 +397,7 @@ def test_offline_with_a_cached_ref_but_no_snapshot_says_not_cached(hub, tmp_path
     import shutil
 
     _publish(tmp_path, "org/tiny")
-    get_kernel("org/tiny", version=1)
+    get_kernel("org/tiny", version=1, trust_remote_code=True)
     for snapshots in (tmp_path / "cache").rglob("snapshots"):
         shutil.rmtree(snapshots)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -413,7 +411,7 @@ def test_local_kernels_choose_their_variant_as_hub_kernels_do(hub, tmp_path):
     repo = tiny_copy(tmp_path / "variants", factor=2.0, extra_variants={"torch-cpu": 4.0})
     assert _scale_of(get_local_kernel(repo)) == 4.0
     upload_kernel(repo, "org/variants", version=1)
-    assert _scale_of(get_kernel("org/variants", version=1)) == 4.0
+    assert _scale_of(get_kernel("org/variants", version=1, trust_remote_code=True)) == 4.0
 
 
 @pytest.mark.parametrize("repo_id", ["org/a..b", "org/a--b", "org/name-", "org/x.git"])
@@ -423,3 +421,151 @@ def test_repo_ids_the_hub_refuses_are_value_errors_before_any_request(hub, repo_
     with pytest.raises(ValueError, match="`repo_id` .* is not a valid Hub id"):
         LayerRepository(repo_id, layer_name="TinyScale")
 
+
+
+# -- hardening (issue 30) ------------------------------------------------------------------------
+@pytest.mark.parametrize("value", ["on", "ON", " Yes ", "TRUE", "1"])
+def test_require_trusted_understands_every_spelling_of_on(hub, tmp_path, monkeypatch, value):
+    """`KERNELHUB_REQUIRE_TRUSTED=ON` was not understood, so untrusted code was imported."""
+    _publish(tmp_path, "someone/tiny")
+    monkeypatch.setenv("KERNELHUB_REQUIRE_TRUSTED", value)
+    with pytest.raises(UntrustedKernelError, match="KERNELHUB_REQUIRE_TRUSTED is set"):
+        get_kernel("someone/tiny", version=1)
+
+
+@pytest.mark.parametrize("var", ["KERNELHUB_REQUIRE_TRUSTED", "HF_HUB_OFFLINE"])
+def test_an_unknown_boolean_value_is_an_error_naming_the_variable_never_off(hub, tmp_path, monkeypatch, var):
+    _publish(tmp_path, "someone/tiny")
+    monkeypatch.setenv(var, "enabled")
+    with pytest.raises(ValueError, match=rf"{var}='enabled' is not a boolean"):
+        get_kernel("someone/tiny", version=1)
+
+
+def test_env_flag_parses_every_boolean_the_same_way(monkeypatch):
+    from kernelhub._env import env_flag
+
+    cases = [("1", True), ("On", True), ("yes", True), ("0", False), ("OFF", False), ("No", False), ("", True)]
+    for raw, want in cases:
+        monkeypatch.setenv("KERNELHUB_X", raw)
+        assert env_flag("KERNELHUB_X", default=True) is want, raw
+    monkeypatch.delenv("KERNELHUB_X")
+    assert env_flag("KERNELHUB_X") is False
+
+
+@pytest.mark.parametrize(
+    "revision", ["../../../../SOMEWHERE", "v1/../../x", "/etc/passwd", "a\\b", ".hidden", "x.lock"]
+)
+def test_a_revision_that_could_leave_the_cache_is_refused_before_any_io(hub, tmp_path, monkeypatch, revision):
+    """`refs/<revision>` was joined unchecked: online a server that resolved it made kernelhub write
+    outside the cache; offline the same join read any file as a ref."""
+    _publish(tmp_path, "org/tiny")
+    before = len(hub.store.requests)
+    for call in (lambda: get_kernel("org/tiny", revision=revision, trust_remote_code=True),
+                 lambda: has_kernel("org/tiny", revision=revision),
+                 lambda: LayerRepository("org/tiny", layer_name="TinyScale", revision=revision)):
+        with pytest.raises(ValueError, match="`revision` .* is not a valid git revision"):
+            call()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="`revision` .* is not a valid git revision"):
+        get_kernel("org/tiny", revision=revision, trust_remote_code=True)
+    assert len(hub.store.requests) == before
+
+
+def test_offline_a_traversing_revision_does_not_read_a_file_outside_the_cache(hub, tmp_path, monkeypatch):
+    """A file outside the cache that looks like a ref (40 hex digits) must not become the commit."""
+    cache = tmp_path / "cache"
+    cache.mkdir(exist_ok=True)
+    (tmp_path / "FAKE").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="not a valid git revision"):
+        hubmod.resolve_kernel("org/tiny", revision="../../../FAKE")
+
+
+def test_branch_names_with_slashes_stay_valid_revisions(hub, tmp_path):
+    from huggingface_hub import HfApi
+
+    commit = _publish(tmp_path, "org/tiny")
+    HfApi(endpoint=hub.url).create_branch("org/tiny", branch="release/2", repo_type="kernel", revision=commit)
+    assert _scale_of(get_kernel("org/tiny", revision="release/2", trust_remote_code=True)) == 2.0
+
+
+def _files_outside(tmp_path: Path) -> set[Path]:
+    """Files under tmp_path that are neither the local Hub's storage nor the cache."""
+    return {p for p in tmp_path.rglob("*") if p.relative_to(tmp_path).parts[0] not in ("cache", "hubdata")}
+
+
+def _hostile_commit(endpoint_name: str):
+    def rewrite(endpoint, body):
+        if endpoint == endpoint_name == "revision":
+            return {**body, "sha": "../../../x"}
+        if endpoint == endpoint_name == "refs":
+            return {**body, "branches": [{**b, "targetCommit": "../../../x"} for b in body["branches"]]}
+        return body
+
+    return rewrite
+
+
+@pytest.mark.parametrize(("endpoint", "kwargs"), [("revision", {"revision": "v1"}), ("refs", {"version": 1})])
+def test_a_commit_id_from_the_hub_that_is_not_40_hex_is_refused(hub, tmp_path, endpoint, kwargs):
+    """A commit id "../../../x" from the server made a lock file outside the cache."""
+    _publish(tmp_path, "org/tiny")
+    before = _files_outside(tmp_path)
+    hub.store.rewrite_json = _hostile_commit(endpoint)
+    with pytest.raises(KernelHubError, match=r"sent the commit of .*'\.\./\.\./\.\./x'.* not a 40-hex-digit"):
+        get_kernel("org/tiny", trust_remote_code=True, **kwargs)
+    assert _files_outside(tmp_path) == before
+
+
+def test_an_etag_that_would_place_a_blob_outside_the_cache_is_refused(hub, tmp_path):
+    """huggingface_hub writes blobs/<ETag> unchecked: a hostile ETag wrote outside the cache."""
+    _publish(tmp_path, "org/tiny")
+    before = _files_outside(tmp_path)
+    hub.store.rewrite_file = lambda method, path, data, headers: (data, {**headers, "ETag": '"../../../PWNED"'})
+    with pytest.raises(KernelHubError, match=r"ETag '\"\.\./\.\./\.\./PWNED\"'.*outside the cache"):
+        get_kernel("org/tiny", version=1, trust_remote_code=True)
+    assert _files_outside(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    ("entry", "pattern"),
+    [
+        ({"type": "directory", "path": "build/..", "oid": "0" * 40}, "listed 'build/..' under build/"),
+        ({"type": "file", "path": "build/torch-universal/../../../x.py", "size": 1, "oid": "0" * 40},
+         r"listed file 'build/torch-universal/\.\./\.\./\.\./x\.py'"),
+        ({"type": "file", "path": "build/torch-universal/tiny/big.py", "size": -3, "oid": "0" * 40},
+         "gave 'build/torch-universal/tiny/big.py' .* the size -3"),
+    ],
+)
+def test_names_and_sizes_in_a_tree_listing_are_checked(hub, tmp_path, entry, pattern):
+    _publish(tmp_path, "org/tiny")
+    before = _files_outside(tmp_path)
+    hub.store.rewrite_json = lambda endpoint, body: body + [entry] if endpoint == "tree" else body
+    with pytest.raises(KernelHubError, match=pattern):
+        get_kernel("org/tiny", version=1, trust_remote_code=True)
+    assert _files_outside(tmp_path) == before
+
+
+def test_a_truncated_download_is_a_kernel_hub_error(hub, tmp_path):
+    _publish(tmp_path, "org/tiny")
+    hub.store.rewrite_file = lambda method, path, data, headers: (data[:5] if method == "GET" else data, headers)
+    with pytest.raises(KernelHubError, match="failed for kernel repository 'org/tiny'.*Consistency check failed"):
+        get_kernel("org/tiny", version=1, trust_remote_code=True)
+
+
+def test_a_file_removed_from_a_complete_snapshot_is_downloaded_again_online(hub, tmp_path):
+    """The completion marker was trusted: a file deleted afterwards gave a raw ModuleNotFoundError."""
+    _publish(tmp_path, "org/tiny")
+    path = hubmod.resolve_kernel("org/tiny", version=1).path
+    ops = path / "tiny" / "ops.py"
+    ops.unlink()
+    assert hubmod.resolve_kernel("org/tiny", version=1).path == path
+    assert ops.is_file() and "FACTOR = 2.0" in ops.read_text()
+
+
+def test_offline_a_file_removed_from_a_complete_snapshot_is_named(hub, tmp_path, monkeypatch):
+    _publish(tmp_path, "org/tiny")
+    path = hubmod.resolve_kernel("org/tiny", version=1).path
+    (path / "tiny" / "ops.py").unlink()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(KernelHubError, match=r"offline .* lost build/torch-universal/tiny/ops\.py from the cache"):
+        get_kernel("org/tiny", version=1, trust_remote_code=True)

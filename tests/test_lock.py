@@ -25,6 +25,12 @@ def _scale_of(kernel) -> float:
     return float(kernel.scale(torch.ones(1))[0])
 
 
+def _write_v1(entries: list[dict], path: Path) -> Path:
+    """A lock file in kernelhub's earlier format (still read)."""
+    path.write_text(json.dumps({"lockfile_version": 1, "kernels": entries}))
+    return path
+
+
 def test_lock_records_commit_and_sha256_of_every_variant_file(hub, tmp_path):
     commit = _publish(tmp_path, "org/tiny")
     entry = lock_kernel("org/tiny", version=1)
@@ -105,7 +111,7 @@ def test_lock_errors_name_the_problem(hub, tmp_path):
 def test_a_malformed_lock_entry_is_a_lock_error_naming_the_field(hub, tmp_path, change, pattern):
     _publish(tmp_path, "org/tiny")
     entry = {**lock_kernel("org/tiny", version=1), **change}
-    lockfile = write_lockfile([entry], tmp_path / "kernels.lock")
+    lockfile = _write_v1([entry], tmp_path / "kernels.lock")
     with pytest.raises(KernelLockError, match=rf"entry 0 \('org/tiny'\): {pattern}"):
         get_locked_kernel("org/tiny", lockfile=lockfile)
 
@@ -141,9 +147,11 @@ def test_cli_lock_writes_the_config_kernels(hub, tmp_path, monkeypatch, capsys):
     )
     monkeypatch.chdir(tmp_path)
     assert main(["lock"]) == 0
-    data = json.loads((tmp_path / "kernels.lock").read_text())
-    commits = {(e["repo_id"], e["version"]): e["commit"] for e in data["kernels"]}
+    data = json.loads((tmp_path / "kernels.lock").read_text())  # the `kernels` 0.17 format
+    commits = {(e["dependency"]["repo-id"], e["dependency"]["version"]): e["lock"]["commit"] for e in data}
     assert commits == {("org/tiny", 1): c1, ("org/tiny", 2): c2}
+    files = json.loads((tmp_path / "kernels.lock.sha256").read_text())["kernels"]  # kernelhub's per-file hashes
+    assert {(e["repo_id"], e["version"]): e["commit"] for e in files} == commits
     assert "wrote" in capsys.readouterr().out
     # Several entries for one repo: the version chooses.
     assert _scale_of(get_locked_kernel("org/tiny", lockfile=tmp_path / "kernels.lock", version=2)) == 3.0
@@ -159,3 +167,166 @@ def test_extra_variants_are_locked_beside_this_systems(hub, tmp_path):
     assert sorted(entry["variants"]) == sorted(["torch-universal", foreign])
     ops = f"build/{foreign}/tiny/ops.py"
     assert entry["variants"][foreign][ops] == hashlib.sha256((src / ops).read_bytes()).hexdigest()
+
+
+# -- what a locked load may import (issue 30) ------------------------------------------------------
+_EVIL_OPS = "def scale(x):\n    return x * 1000.0\n"
+
+
+def _locked(hub, tmp_path) -> tuple[Path, Path]:
+    _publish(tmp_path, "org/tiny", factor=2.0)
+    lockfile = write_lockfile([lock_kernel("org/tiny", version=1)], tmp_path / "kernels.lock")
+    package = sorted((tmp_path / "cache").rglob("build/torch-universal/tiny"))[0]
+    return lockfile, package
+
+
+def test_a_linked_package_planted_beside_a_locked_module_is_refused(hub, tmp_path):
+    """A symlinked `ops/` (with an __init__.py) beside the locked `ops.py` was verified and imported
+    (the scan did not descend into linked directories, and a package beats a module)."""
+    lockfile, package = _locked(hub, tmp_path)
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / "__init__.py").write_text(_EVIL_OPS)
+    (package / "ops").symlink_to(planted, target_is_directory=True)
+    with pytest.raises(KernelLockError, match=r"build/torch-universal/tiny/ops is a link to .*planted"):
+        get_locked_kernel("org/tiny", lockfile=lockfile)
+
+
+@pytest.mark.parametrize("plant", ["empty_dir", "dir_with_init", "file_link", "fifo"])
+def test_anything_unlisted_in_a_locked_variant_is_refused(hub, tmp_path, plant):
+    import os
+
+    lockfile, package = _locked(hub, tmp_path)
+    if plant == "empty_dir":  # a namespace package candidate
+        (package / "ops2").mkdir()
+        pattern = r"directory build/torch-universal/tiny/ops2 holds no locked file"
+    elif plant == "dir_with_init":
+        (package / "ops").mkdir()
+        (package / "ops" / "__init__.py").write_text(_EVIL_OPS)
+        pattern = r"file build/torch-universal/tiny/ops/__init__\.py is not in the lock"
+    elif plant == "file_link":  # the locked bytes, but through a link leaving the cache's blobs/
+        copy = tmp_path / "ops_copy.py"
+        copy.write_bytes((package / "ops.py").read_bytes())
+        (package / "ops.py").unlink()
+        (package / "ops.py").symlink_to(copy)
+        pattern = r"tiny/ops\.py is a link to .*ops_copy\.py"
+    else:
+        os.mkfifo(package / "pipe")
+        pattern = r"tiny/pipe is neither a file nor a directory"
+    with pytest.raises(KernelLockError, match=pattern):
+        get_locked_kernel("org/tiny", lockfile=lockfile)
+
+
+def test_a_locked_import_cannot_pick_up_a_file_planted_after_verification(hub, tmp_path):
+    """Verification and import are two steps: the import itself takes only verified files, and
+    checks each one's sha256 as it reads it."""
+    from kernelhub._loader import load_kernel_from_dir
+    from kernelhub.lock import hash_variant
+
+    _lockfile, package = _locked(hub, tmp_path)
+    variant = package.parent
+    verified = {name.removeprefix("build/torch-universal/"): digest
+                for name, digest in hash_variant(variant, blobs=variant.parents[3] / "blobs").items()}
+    (package / "ops").mkdir()  # planted after the check: a package would beat ops.py
+    (package / "ops" / "__init__.py").write_text(_EVIL_OPS)
+    assert _scale_of(load_kernel_from_dir(variant, verified=verified)) == 2.0
+    # a verified file swapped before it is read
+    layers = (package / "layers.py").resolve()
+    layers.write_text(layers.read_text() + "\nEVIL = 1\n")
+    other_lock = {**verified, "tiny/extra.py": "0" * 64}  # another lock: imported afresh, not from sys.modules
+    with pytest.raises(KernelLockError, match=r"layers\.py: sha256 .* is not the locked one"):
+        load_kernel_from_dir(variant, verified=other_lock)
+
+
+def test_a_lock_file_that_is_not_utf8_is_a_lock_error(tmp_path):
+    (tmp_path / "kernels.lock").write_bytes(b'{"lockfile_version": 1, "kernels": [\xff\xfe]}')
+    with pytest.raises(KernelLockError, match="kernels.lock is not UTF-8 text"):
+        read_lockfile(tmp_path / "kernels.lock")
+
+
+def test_a_deeply_nested_lock_file_is_a_lock_error(tmp_path):
+    (tmp_path / "kernels.lock").write_text("[" * 200_000 + "]" * 200_000)
+    with pytest.raises(KernelLockError, match="not valid JSON"):
+        read_lockfile(tmp_path / "kernels.lock")
+
+
+@pytest.mark.parametrize(
+    ("change", "pattern"),
+    [
+        ({"variants": {"..": {"build/../x.py": "0" * 64}}}, r"`variants` has '\.\.'"),
+        ({"variants": {"torch-universal": {"build/torch-universal/../../x.py": "0" * 64}}}, "not a plain path"),
+        ({"revision": "../../etc"}, r"`revision`: .* is not a valid git revision"),
+        ({"repo_id": "org/a..b"}, r"is not a valid Hub id"),
+    ],
+)
+def test_paths_and_names_in_a_lock_entry_are_checked(tmp_path, change, pattern):
+    entry = {"repo_id": "org/tiny", "repo_type": "kernel", "commit": "0" * 40,
+             "variants": {"torch-universal": {"build/torch-universal/tiny/__init__.py": "0" * 64}}, **change}
+    lockfile = _write_v1([entry], tmp_path / "kernels.lock")
+    with pytest.raises(KernelLockError, match=pattern):
+        read_lockfile(lockfile)
+
+
+# -- the lock formats of Hugging Face kernels ------------------------------------------------------
+def _legacy_kernels_lock(hub, repo_id: str, commit: str) -> list[dict]:
+    """An older `kernels` lock, its git_lfs_concat variant hash computed as `kernels` computed it:
+    from the Hub's listing (git blob ids, LFS sha256), not from files on disk."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.hf_api import RepoFile
+
+    files: dict[str, list] = {}
+    for f in HfApi(endpoint=hub.url).list_repo_tree(repo_id, repo_type="kernel", revision=commit, recursive=True):
+        if isinstance(f, RepoFile) and f.path.startswith("build/torch"):
+            variant, rel = f.path.split("/")[1], "/".join(f.path.split("/")[2:])
+            files.setdefault(variant, []).append((rel.encode(), f.lfs.sha256 if f.lfs else f.blob_id))
+    variants = {}
+    for variant, entries in files.items():
+        m = hashlib.sha256()
+        for rel, digest in sorted(entries):
+            m.update(rel)
+            m.update(bytes.fromhex(digest))
+        variants[variant] = {"hash": f"sha256-{m.hexdigest()}", "hash_type": "git_lfs_concat"}
+    return [{"repo_id": repo_id, "sha": commit, "variants": variants}]
+
+
+def test_an_older_kernels_lock_is_verified_by_its_variant_hash(hub, tmp_path):
+    commit = _publish(tmp_path, "org/tiny", factor=2.0)
+    lockfile = tmp_path / "kernels.lock"
+    lockfile.write_text(json.dumps(_legacy_kernels_lock(hub, "org/tiny", commit)))
+    _publish(tmp_path, "org/tiny", factor=4.0)
+    kernel = get_locked_kernel("org/tiny", lockfile=lockfile)
+    assert _scale_of(kernel) == 2.0
+    ops = (kernel.__kernelhub_source__.path / "tiny" / "ops.py").resolve()
+    ops.write_text(ops.read_text().replace("FACTOR = 2.0", "FACTOR = 9.0"))
+    with pytest.raises(KernelLockError, match=r"git_lfs_concat hash of build/torch-universal/ is .* the lock says"):
+        get_locked_kernel("org/tiny", lockfile=lockfile)
+
+
+def test_a_commit_only_lock_still_imports_nothing_unlisted(hub, tmp_path):
+    """A `kernels` 0.17 lock pins the commit only: the files are those of that commit as downloaded,
+    and links or planted packages are refused as for any locked load."""
+    commit = _publish(tmp_path, "org/tiny", factor=2.0)
+    lockfile = tmp_path / "kernels.lock"
+    lockfile.write_text(json.dumps([{"dependency": {"repo-id": "org/tiny", "version": 1},
+                                     "lock": {"commit": commit}}]))
+    kernel = get_locked_kernel("org/tiny", lockfile=lockfile, version=1)
+    assert _scale_of(kernel) == 2.0
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / "__init__.py").write_text(_EVIL_OPS)
+    (kernel.__kernelhub_source__.path / "tiny" / "ops").symlink_to(planted, target_is_directory=True)
+    with pytest.raises(KernelLockError, match=r"tiny/ops is a link"):
+        get_locked_kernel("org/tiny", lockfile=lockfile)
+
+
+def test_kernelhub_writes_the_kernels_format_and_its_file_hashes_beside_it(hub, tmp_path):
+    commit = _publish(tmp_path, "org/tiny")
+    lockfile = write_lockfile([lock_kernel("org/tiny", version=1), lock_kernel("org/tiny")], tmp_path / "k.lock")
+    assert json.loads(lockfile.read_text()) == [
+        {"dependency": {"repo-id": "org/tiny", "revision": "v1"}, "lock": {"commit": commit}},
+        {"dependency": {"repo-id": "org/tiny", "version": 1}, "lock": {"commit": commit}},
+    ]
+    (entry, _), = [(e, 0) for e in read_lockfile(lockfile) if e["version"] == 1]
+    assert entry["variants"]["torch-universal"]["build/torch-universal/tiny/ops.py"]
+    Path(f"{lockfile}.sha256").unlink()  # without kernelhub's hashes: the commit still pins
+    assert _scale_of(get_locked_kernel("org/tiny", lockfile=lockfile, version=1)) == 2.0

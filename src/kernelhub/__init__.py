@@ -40,9 +40,18 @@ from kernelhub.hub import (
 )
 from kernelhub.kernelize import KernelizeEntry, KernelizeReport, kernelize, kernelize_report, unkernelize
 from kernelhub.layer import replace_kernel_forward_from_hub, use_kernel_forward_from_hub, use_kernelized_func
+from kernelhub.load import (
+    LoadedKernel,
+    RepoInfo,
+    get_kernel_variants,
+    get_loaded_kernels,
+    install_kernel,
+    load_kernel,
+)
 from kernelhub.lock import get_locked_kernel
 from kernelhub.mode import Mode
 from kernelhub.registry import get_kernel_mapping, register_kernel_mapping, use_kernel_mapping
+from kernelhub.variants import VariantAccepted, VariantRejected
 
 __all__ = [
     "AllocationSymmetryError",
@@ -59,6 +68,7 @@ __all__ = [
     "KernelhubConfig",
     "KernelizeReport",
     "LayerRepository",
+    "LoadedKernel",
     "LocalFuncRepository",
     "LocalLayerRepository",
     "LockedFuncRepository",
@@ -66,21 +76,28 @@ __all__ = [
     "Mode",
     "ROCMProperties",
     "ROCmProperties",
+    "RepoInfo",
     "SymmetricHeapFullError",
     "UntrustedKernelError",
     "UntrustedKernelWarning",
+    "VariantAccepted",
+    "VariantRejected",
     "default_kernel_mapping",
     "device_capability",
     "device_guard",
     "device_properties",
     "get_kernel",
     "get_kernel_mapping",
+    "get_kernel_variants",
+    "get_loaded_kernels",
     "get_local_kernel",
     "get_locked_kernel",
     "has_kernel",
+    "install_kernel",
     "kernelize",
     "kernelize_report",
     "load_config",
+    "load_kernel",
     "module_device",
     "register_kernel_mapping",
     "replace_kernel_forward_from_hub",

@@ -8,6 +8,7 @@ time, so `HF_ENDPOINT`, `HF_HUB_CACHE`/`HF_HOME`, `HF_HUB_OFFLINE` and `KERNELHU
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import os
 import re
@@ -15,8 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from filelock import FileLock
-
+from kernelhub._env import env_flag
 from kernelhub.errors import (  # re-exported: their earlier import path
     KernelHubError,
     KernelNotFoundError,
@@ -34,13 +34,16 @@ __all__ = [
     "KernelVersionNotFoundError",
     "ResolvedKernel",
     "cache_dir",
+    "check_repo_id",
+    "check_revision",
+    "current_user_agent",
     "choose_variant",
     "default_repo_type",
     "endpoint",
-    "fetch_variant",
     "list_variants",
     "offline",
     "resolve_kernel",
+    "user_agent_scope",
 ]
 
 _COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
@@ -79,10 +82,7 @@ def cache_dir() -> Path:
 def offline() -> bool:
     from huggingface_hub import constants
 
-    env = os.environ.get("HF_HUB_OFFLINE")
-    if env is not None:
-        return env.strip().upper() in ("1", "ON", "YES", "TRUE")
-    return bool(constants.HF_HUB_OFFLINE)
+    return env_flag("HF_HUB_OFFLINE", default=bool(constants.HF_HUB_OFFLINE))
 
 
 def default_repo_type() -> str:
@@ -100,10 +100,77 @@ def default_repo_type() -> str:
     return "kernel" if "kernel" in supported else "model"
 
 
+_USER_AGENT: contextvars.ContextVar[str | dict | None] = contextvars.ContextVar("kernelhub_user_agent", default=None)
+
+
+@contextlib.contextmanager
+def user_agent_scope(user_agent: str | dict | None) -> Iterator[None]:
+    """Add `user_agent` (as `kernels` takes it: a str or a dict of name -> version) to the Hub
+    requests made inside the block."""
+    if user_agent is not None and not isinstance(user_agent, (str, dict)):
+        raise TypeError(f"`user_agent` must be a str, a dict or None, got {type(user_agent).__name__}")
+    parts = [user_agent] if isinstance(user_agent, str) else [str(x) for kv in (user_agent or {}).items() for x in kv]
+    if any(re.search(r"[\x00-\x1f\x7f]", p) for p in parts):  # a header value: no line breaks smuggled in
+        raise ValueError(f"`user_agent` must not contain control characters, got {user_agent!r}")
+    token = _USER_AGENT.set(user_agent)
+    try:
+        yield
+    finally:
+        _USER_AGENT.reset(token)
+
+
+def current_user_agent() -> str | dict | None:
+    return _USER_AGENT.get()
+
+
 def api():
     from huggingface_hub import HfApi
 
-    return HfApi(endpoint=endpoint(), library_name="kernelhub")
+    guard_hub_session()
+    return HfApi(endpoint=endpoint(), library_name="kernelhub", user_agent=_USER_AGENT.get())
+
+
+_SAFE_ETAG_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]*$")
+
+
+def _check_hub_headers(response) -> None:
+    """Refuse a response whose headers huggingface_hub would turn into cache paths unchecked: the
+    ETag names the blob file (`blobs/<etag>`), the commit names the snapshot directory."""
+    etag = response.headers.get("X-Linked-Etag") or response.headers.get("ETag")
+    if etag is not None:
+        name = etag.removeprefix("W/").strip('"')
+        if name and not _SAFE_ETAG_RE.match(name):
+            raise KernelHubError(
+                f"the Hub at {response.request.url.host} sent ETag {etag!r}, which is no blob name "
+                "(huggingface_hub would write the file outside the cache); refusing the download"
+            )
+    commit = response.headers.get("X-Repo-Commit")
+    if commit is not None and not _COMMIT_RE.match(commit):
+        raise KernelHubError(
+            f"the Hub at {response.request.url.host} sent commit id {commit!r}, which is not 40 hex digits; "
+            "refusing the download"
+        )
+
+
+def guard_hub_session() -> None:
+    """Add `_check_hub_headers` to huggingface_hub's shared HTTP client (once per client; a client
+    made by a new `set_client_factory` gets it at kernelhub's next Hub call). It refuses only values
+    that would escape the cache, so the rest of the process's Hub traffic is unaffected."""
+    from huggingface_hub.utils import get_session
+
+    hooks = get_session().event_hooks.setdefault("response", [])
+    if _check_hub_headers not in hooks:
+        hooks.append(_check_hub_headers)
+
+
+def check_commit(repo_id: str, commit: object, what: str) -> str:
+    """A commit id the Hub sent: exactly 40 lowercase hex digits (it names a cache directory)."""
+    if not isinstance(commit, str) or not _COMMIT_RE.match(commit):
+        raise KernelHubError(
+            f"the Hub at {endpoint()} sent {what} {commit!r} for kernel repository {repo_id!r}, which is "
+            "not a 40-hex-digit commit id; refusing it"
+        )
+    return commit
 
 
 def _storage(repo_id: str, repo_type: str) -> Path:
@@ -153,7 +220,9 @@ def _hub_errors(repo_id: str, repo_type: str, revision: str | None) -> Iterator[
         ) from e
     except RevisionNotFoundError as e:
         raise KernelNotFoundError(f"kernel repository {repo_id!r} has no revision {revision!r}") from e
-    except (HfHubHTTPError, LocalEntryNotFoundError) as e:  # a server error, a failed download
+    except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as e:
+        # a server error, a failed or truncated download (OSError: "Consistency check failed"), a
+        # file name huggingface_hub refused to place (ValueError: "Invalid pointer path")
         raise KernelHubError(
             f"the Hub at {endpoint()} failed for kernel repository {repo_id!r} (revision {revision!r}): "
             f"{type(e).__name__}: {e}"
@@ -169,18 +238,19 @@ def _resolve_online(
         if revision is not None and _COMMIT_RE.match(revision):
             return revision, revision
         if revision is not None:
-            return revision, hub.repo_info(repo_id, repo_type=repo_type, revision=revision).sha
+            sha = hub.repo_info(repo_id, repo_type=repo_type, revision=revision).sha
+            return revision, check_commit(repo_id, sha, f"the commit of {revision!r}")
         refs = hub.list_repo_refs(repo_id, repo_type=repo_type)
     branches = {b.name: b.target_commit for b in refs.branches}
     versions = _versions(branches)
     if version is None:  # neither given: the newest published version, else main
         ref = f"v{versions[-1]}" if versions else "main"
-        return ref, branches[ref]
+        return ref, check_commit(repo_id, branches.get(ref), f"the commit of branch {ref!r}")
     ref = f"v{version}"
     if ref not in branches:
-        raise KernelVersionNotFoundError(
-            f"kernel repository {repo_id!r} has no version {version} (branch {ref!r}); "
-            f"available versions: {versions}"
+        raise KernelVersionNotFoundError(  # the phrase `kernels` users match on, then kernelhub's detail
+            f"Version {version} not found, available versions: {', '.join(map(str, versions))} "
+            f"(kernel repository {repo_id!r} has no branch {ref!r})"
         )
     warn_key = (endpoint(), repo_id, version, versions[-1] if versions else version)
     if versions and versions[-1] > version and warn_key not in _warned_newer:
@@ -188,7 +258,7 @@ def _resolve_online(
         logger.warning(
             "kernel %s: using version %d, a newer version %d exists", repo_id, version, versions[-1]
         )
-    return ref, branches[ref]
+    return ref, check_commit(repo_id, branches[ref], f"the commit of branch {ref!r}")
 
 
 def _resolve_cached(
@@ -206,14 +276,19 @@ def _resolve_cached(
     else:
         cached = _versions(p.name for p in refs_dir.iterdir()) if refs_dir.is_dir() else []
         ref = f"v{cached[-1]}" if cached else "main"
-    ref_file = refs_dir / ref
+    ref_file = inside(refs_dir, refs_dir / ref, f"kernel {repo_id!r}: the cached ref of {ref!r}")
     if not ref_file.is_file():
         raise KernelNotFoundError(
             f"offline (HF_HUB_OFFLINE=1) and kernel {repo_id!r} at {ref!r} is not in the cache "
             f"{cache_dir()}; "
             "download it once online (`kernelhub download`)"
         )
-    return ref, ref_file.read_text().strip()
+    commit = ref_file.read_text(errors="replace").strip()
+    if not _COMMIT_RE.match(commit):
+        raise KernelHubError(
+            f"the cached ref {ref_file} of kernel {repo_id!r} holds {commit[:80]!r}, not a 40-hex-digit commit id"
+        )
+    return ref, commit
 
 
 def _variants_online(repo_id: str, repo_type: str, commit: str) -> list[str]:
@@ -223,12 +298,59 @@ def _variants_online(repo_id: str, repo_type: str, commit: str) -> list[str]:
     with _hub_errors(repo_id, repo_type, commit):
         try:
             tree = api().list_repo_tree(repo_id, path_in_repo="build", revision=commit, repo_type=repo_type)
-            return sorted(item.path.split("/")[-1] for item in tree if isinstance(item, RepoFolder))
+            folders = [item.path for item in tree if isinstance(item, RepoFolder)]
         except EntryNotFoundError:
             return []
+    names = []
+    for path in folders:  # each names a cache directory: one plain component under build/
+        name = path.removeprefix("build/")
+        if path != f"build/{name}" or not VARIANT_NAME_RE.match(name):
+            raise KernelHubError(
+                f"the Hub at {endpoint()} listed {path!r} under build/ of kernel {repo_id!r} at {commit[:12]}, "
+                "which is not a build variant directory; refusing it"
+            )
+        names.append(name)
+    return sorted(names)
+
+
+VARIANT_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")  # one path component; never "." or ".."
 
 
 _REPO_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_BAD_REF_CHARS = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]")
+
+
+def check_revision(func: str, revision: object) -> str:
+    """A branch, tag or commit as git allows one to be named (`git check-ref-format`), checked
+    before any I/O: the revision names a file under the cache's `refs/`, so "../x" must never reach a
+    path join, online or offline."""
+    if not isinstance(revision, str) or not revision:
+        raise TypeError(f"{func}: `revision` must be a non-empty str, got {revision!r}")
+    parts = revision.split("/")
+    problem = None
+    if _BAD_REF_CHARS.search(revision):
+        problem = "a control character, space or one of ~^:?*[\\"
+    elif ".." in revision or "@{" in revision or revision == "@":
+        problem = "'..', '@{' or is '@'"
+    elif any(not p or p.startswith(".") or p.endswith(".lock") for p in parts) or revision.endswith("."):
+        problem = "an empty path component, one starting with '.' or ending with '.lock' or '.'"
+    elif len(revision) > 255:
+        problem = "more than 255 characters"
+    if problem is not None:
+        raise ValueError(f"{func}: `revision` {revision!r} is not a valid git revision (it contains {problem})")
+    return revision
+
+
+def inside(root: Path, path: Path, what: str) -> Path:
+    """`path`, after resolving links and '..', if it lies under `root`; else KernelHubError.
+
+    Every cache path built from something a caller or the Hub sent (a ref, a commit, a variant or
+    file name) goes through here before it is read or written."""
+    real_root = Path(os.path.realpath(root))
+    real = Path(os.path.realpath(path))
+    if real != real_root and real_root not in real.parents:
+        raise KernelHubError(f"{what} {path} resolves to {real}, outside {real_root}; refusing it")
+    return path
 
 
 def check_repo_id(func: str, repo_id: object) -> str:
@@ -245,14 +367,22 @@ def check_repo_id(func: str, repo_id: object) -> str:
 
 
 def list_variants(
-    repo_id: str, *, revision: str | None = None, version: int | None = None, repo_type: str | None = None
+    repo_id: str,
+    *,
+    revision: str | None = None,
+    version: int | None = None,
+    repo_type: str | None = None,
+    local_only: bool = False,
 ) -> tuple[str, str, list[str]]:
-    """(ref, commit, variant names) of a kernel revision, from the Hub or (offline) the cache."""
+    """(ref, commit, variant names) of a kernel revision, from the Hub or (offline, or `local_only`)
+    the cache."""
     check_repo_id("list_variants", repo_id)
-    if version is not None and (isinstance(version, bool) or not isinstance(version, int) or version < 1):
-        raise ValueError(f"list_variants: `version` must be an int >= 1 (branch vN), got {version!r}")
+    if revision is not None:
+        check_revision("list_variants", revision)
+    if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
+        raise TypeError(f"list_variants: `version` must be an int (branch vN), got {version!r}")
     repo_type = repo_type or default_repo_type()
-    if offline():
+    if local_only or offline():
         ref, commit = _resolve_cached(repo_id, repo_type, revision, version)
         snapshot = _storage(repo_id, repo_type) / "snapshots" / commit
         if not snapshot.is_dir():
@@ -277,56 +407,6 @@ def choose_variant(repo_id: str, commit: str, names: list[str], system: SystemIn
     return usable[0]
 
 
-def fetch_variant(repo_id: str, repo_type: str, ref: str, commit: str, variant: str) -> Path:
-    """Download `build/<variant>/` of `commit` (once; under a file lock) and return its directory.
-
-    The lock plus a completion marker make concurrent loaders safe: one process downloads, the others
-    wait, and nobody imports a tree that is still being written.
-    """
-    from huggingface_hub import snapshot_download
-
-    storage = _storage(repo_id, repo_type)
-    locks = cache_dir() / ".kernelhub-locks" / storage.name
-    locks.mkdir(parents=True, exist_ok=True)
-    marker = locks / f"{commit}-{variant}.complete"
-    target = storage / "snapshots" / commit / "build" / variant
-    with FileLock(str(locks / f"{commit}-{variant}.lock")):
-        if not (marker.is_file() and target.is_dir()):
-            # Offline, a cache filled by another tool has no marker: huggingface_hub checks completeness.
-            where = {"local_files_only": True} if offline() else {"endpoint": endpoint()}
-            try:
-                with _hub_errors(repo_id, repo_type, commit):
-                    snapshot_download(
-                        repo_id,
-                        repo_type=repo_type,
-                        revision=commit,
-                        cache_dir=str(cache_dir()),
-                        allow_patterns=[f"build/{variant}/*"],
-                        **where,
-                    )
-            except Exception as e:
-                if not offline():
-                    raise
-                raise KernelNotFoundError(
-                    f"offline and kernel {repo_id!r} {variant} at {commit[:12]} is not fully cached: {e}"
-                ) from e
-            if not target.is_dir():
-                raise KernelVariantNotFoundError(
-                    f"kernel {repo_id!r} at {commit[:12]} has no build/{variant}/"
-                )
-            marker.write_text(commit)
-        if (
-            ref != commit
-        ):  # remember the branch/tag -> commit mapping for offline use, as huggingface_hub does
-            ref_file = storage / "refs" / ref
-            ref_file.parent.mkdir(parents=True, exist_ok=True)
-            if not ref_file.is_file() or ref_file.read_text() != commit:
-                tmp = ref_file.with_name(f".{ref_file.name}.{os.getpid()}")
-                tmp.write_text(commit)
-                os.replace(tmp, ref_file)
-    return target
-
-
 def resolve_kernel(
     repo_id: str,
     *,
@@ -334,15 +414,18 @@ def resolve_kernel(
     version: int | None = None,
     repo_type: str | None = None,
     variant: str | None = None,
+    system: SystemInfo | None = None,
 ) -> ResolvedKernel:
     """Find the commit and the best variant for this system, download that variant, return where it is."""
     repo_type = repo_type or default_repo_type()
     ref, commit, names = list_variants(repo_id, revision=revision, version=version, repo_type=repo_type)
     if variant is None:
-        variant = choose_variant(repo_id, commit, names)
+        variant = choose_variant(repo_id, commit, names, system)
     elif variant not in names:
         raise KernelVariantNotFoundError(
             f"kernel {repo_id!r} at {commit[:12]} has no variant {variant!r}: {names}"
         )
+    from kernelhub._download import fetch_variant
+
     path = fetch_variant(repo_id, repo_type, ref, commit, variant)
     return ResolvedKernel(repo_id, repo_type, ref, commit, variant, path)

@@ -30,8 +30,8 @@ class KernelNotFoundError(KernelHubError, LookupError):
     """The repository or revision does not exist (or is not reachable and not cached)."""
 
 
-class KernelVersionNotFoundError(KernelNotFoundError):
-    """The repository has no branch `vN` for the requested version."""
+class KernelVersionNotFoundError(KernelNotFoundError, ValueError):
+    """The repository has no branch `vN` for the requested version (a ValueError, as `kernels` raises)."""
 
 
 class KernelVariantNotFoundError(KernelNotFoundError):
@@ -42,12 +42,13 @@ class KernelLockError(KernelHubError, ValueError):
     """The lock file is missing, malformed, has no entry for a kernel, or a file's hash differs."""
 
 
-class UntrustedKernelError(KernelHubError, PermissionError):
-    """Hub code from a publisher that is not trusted was refused (see docs/publishing.md, "Trust")."""
+class UntrustedKernelError(KernelHubError, PermissionError, ValueError):
+    """Hub code from a publisher that is not trusted, refused (a ValueError, as Hugging Face `kernels`
+    raises, whose message it shares: "is not from a trusted publisher"; docs/security.md)."""
 
 
 class UntrustedKernelWarning(UserWarning):
-    """Hub code from a publisher that is not trusted is being imported (once per repository)."""
+    """Kept for code that filters it: untrusted Hub code is now refused, never imported with a warning."""
 
 
 class ConfigError(ValueError):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import threading
-import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -21,15 +20,25 @@ from kernelhub._fetch import (
     KernelVersionNotFoundError,
     ResolvedKernel,
     check_repo_id,
+    check_revision,
     default_repo_type,
     endpoint,
     list_variants,
     offline,
     resolve_kernel,
+    user_agent_scope,
 )
-from kernelhub._loader import load_kernel_from_dir
-from kernelhub.errors import UntrustedKernelError, UntrustedKernelWarning  # re-exported: their earlier path
-from kernelhub.variants import rank_variants
+from kernelhub._loaded import RepoInfo, local_kernel_overrides, record_loaded
+from kernelhub._loader import _package_dir, load_kernel_from_dir
+from kernelhub._trust import (
+    DEFAULT_TRUSTED_PUBLISHERS,
+    UntrustedKernelError,
+    UntrustedKernelWarning,
+    _check_trust,
+    _check_trust_arg,
+    trusted_publishers,
+)
+from kernelhub.variants import rank_variants, system_for_backend
 
 __all__ = [
     "DEFAULT_TRUSTED_PUBLISHERS",
@@ -48,21 +57,8 @@ __all__ = [
     "trusted_publishers",
 ]
 
-DEFAULT_TRUSTED_PUBLISHERS = ("kernels-community",)
 _kernel_cache: dict[tuple, ModuleType] = {}
 _cache_lock = threading.Lock()
-
-
-_warned_untrusted: set[str] = set()
-
-
-def trusted_publishers() -> frozenset[str]:
-    """Publishers whose Hub kernels are imported without `trust_remote_code`.
-
-    `kernels-community` plus the comma-separated `KERNELHUB_TRUSTED_PUBLISHERS` (read at call time).
-    """
-    extra = os.environ.get("KERNELHUB_TRUSTED_PUBLISHERS", "")
-    return frozenset(DEFAULT_TRUSTED_PUBLISHERS) | {p.strip() for p in extra.split(",") if p.strip()}
 
 
 def _check_repo_id(func: str, repo_id: object) -> str:
@@ -70,14 +66,14 @@ def _check_repo_id(func: str, repo_id: object) -> str:
 
 
 def _check_ref(func: str, revision: object, version: object) -> None:
-    if revision is not None and not isinstance(revision, str):
-        raise TypeError(f"{func}: `revision` must be a non-empty str, got {revision!r}")
     if revision == "":
         raise ValueError(f"{func}: `revision` must be a non-empty str, got ''")
+    if revision is not None:
+        check_revision(func, revision)
     if version is not None and (isinstance(version, bool) or not isinstance(version, int)):
-        raise TypeError(f"{func}: `version` must be an int >= 1, got {version!r}")
-    if version is not None and version < 1:
-        raise ValueError(f"{func}: `version` must be an int >= 1, got {version!r}")
+        raise TypeError(f"{func}: `version` must be an int, got {version!r}")
+    # version 0 (or any absent one) is no error here: as in `kernels`, the load says
+    # "Version 0 not found, available versions: ..."
     if revision is not None and version is not None:
         raise ValueError(f"{func}: give `revision` or `version`, not both (got {revision!r} and {version!r})")
 
@@ -86,42 +82,6 @@ def _check_layer_name(func: str, layer_name: object) -> str:
     if not isinstance(layer_name, str) or not layer_name.isidentifier():
         raise ValueError(f"{func}: `layer_name` must be a Python identifier, got {layer_name!r}")
     return layer_name
-
-
-def _check_trust(repo_id: str, trust_remote_code: bool | None) -> str | None:
-    """True: import. A trusted publisher: import. False, or KERNELHUB_REQUIRE_TRUSTED=1: refuse.
-    None (the default, so that `get_kernel(repo_id)` works for any publisher, as in HF `kernels`):
-    import with an UntrustedKernelWarning the first time this process imports the repository.
-    Returns that warning's text, for `_warn_untrusted` once the import succeeded (a repository
-    that does not exist gets its not-found error alone)."""
-    if trust_remote_code:
-        return None
-    publisher = repo_id.split("/", 1)[0]
-    trusted = trusted_publishers()
-    if publisher in trusted:
-        return None
-    advice = (
-        "Code from the Hub runs in this process: pass trust_remote_code=True, add the publisher to "
-        "KERNELHUB_TRUSTED_PUBLISHERS (or `trusted_publishers` in the kernelhub config), or load it "
-        "through a lock file."
-    )
-    strict = os.environ.get("KERNELHUB_REQUIRE_TRUSTED", "").strip().lower() in ("1", "true", "yes")
-    if trust_remote_code is False or strict:
-        why = "trust_remote_code=False" if trust_remote_code is False else "KERNELHUB_REQUIRE_TRUSTED is set"
-        raise UntrustedKernelError(
-            f"get_kernel: {repo_id!r} is from publisher {publisher!r}, which is not trusted "
-            f"(trusted: {sorted(trusted)}) and {why}. {advice}"
-        )
-    if repo_id in _warned_untrusted:
-        return None
-    return (f"get_kernel: importing {repo_id!r} from publisher {publisher!r}, which is not trusted "
-            f"(trusted: {sorted(trusted)}). {advice} KERNELHUB_REQUIRE_TRUSTED=1 refuses such imports.")
-
-
-def _warn_untrusted(repo_id: str, message: str | None) -> None:
-    if message is not None and repo_id not in _warned_untrusted:
-        _warned_untrusted.add(repo_id)
-        warnings.warn(message, UntrustedKernelWarning, stacklevel=4)
 
 
 def _layer_from(kernel: ModuleType, layer_name: str, where: str) -> type[nn.Module]:
@@ -135,26 +95,73 @@ def _layer_from(kernel: ModuleType, layer_name: str, where: str) -> type[nn.Modu
     return layer
 
 
-def get_local_kernel(path: str | Path) -> ModuleType:
-    """Import a kernel from a local kernel repository, variant directory or package directory."""
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"get_local_kernel: `path` must be a str or os.PathLike, got {type(path).__name__}")
-    return load_kernel_from_dir(path)
+def get_local_kernel(
+    repo_path: str | Path,
+    package_name: str | None = None,
+    *,
+    backend: str | None = None,
+    trust_remote_code: bool | list[str] | None = None,
+    user_agent: str | dict | None = None,
+) -> ModuleType:
+    """Import a kernel from disk: a repository root, its `build/` directory, a variant directory or a
+    package directory (every layout Hugging Face `kernels` loads, and kernelhub's `torch-ext/` source).
+
+    Args:
+        repo_path: where the kernel is.
+        package_name: the package to import where a variant holds several (optional, as `kernels`
+            once required it).
+        backend: load the variant for "cpu" or torch's own backend (default: this system's).
+        trust_remote_code, user_agent: accepted as `kernels` takes them; a local kernel needs no trust.
+    """
+    if not isinstance(repo_path, (str, os.PathLike)):
+        raise TypeError(
+            f"get_local_kernel: `repo_path` must be a str or os.PathLike, got {type(repo_path).__name__}"
+        )
+    if package_name is not None and (not isinstance(package_name, str) or not package_name.isidentifier()):
+        raise ValueError(f"get_local_kernel: `package_name` must be a Python identifier, got {package_name!r}")
+    _check_trust_arg("get_local_kernel", trust_remote_code)
+    system = system_for_backend("get_local_kernel", backend)
+    kernel = load_kernel_from_dir(repo_path, package_name=package_name, system=system)
+    record_loaded(kernel, Path(repo_path).resolve(), None)
+    return kernel
+
+
+def _local_override(func: str, repo_id: str, system) -> ModuleType | None:
+    """The kernel `LOCAL_KERNELS` maps `repo_id` to, imported (None where it maps nothing)."""
+    path = local_kernel_overrides().get(repo_id)
+    if path is None:
+        return None
+    try:
+        return get_local_kernel(path, backend=None if system is None else system.backend)
+    except FileNotFoundError as e:  # FileNotFoundError and its phrase, as `kernels` raises
+        raise FileNotFoundError(
+            f"Could not find kernel in {path} ({func}: LOCAL_KERNELS maps {repo_id!r} there: {e})"
+        ) from e
 
 
 def get_kernel(
-    repo_id: str, *, revision: str | None = None, version: int | None = None, trust_remote_code: bool | None = None
+    repo_id: str,
+    revision: str | None = None,
+    version: int | None = None,
+    *,
+    backend: str | None = None,
+    user_agent: str | dict | None = None,
+    trust_remote_code: bool | list[str] | None = None,
+    check_arch: bool = True,
 ) -> ModuleType:
     """Download (only the build variant this system runs) and import a kernel from the Hub.
 
     Args:
-        repo_id: "org/name".
+        repo_id: "org/name". `LOCAL_KERNELS` ("org/name=/path:...") loads it from disk instead.
         revision: a branch, tag or commit. Exclusive with `version`.
         version: N selects branch `vN` (a log warning says when a newer version exists).
             Neither given: the newest `vN` branch, else `main`.
-        trust_remote_code: True imports code from a publisher not in `trusted_publishers()`
-            silently, False refuses it (UntrustedKernelError); None (default) imports it with an
-            UntrustedKernelWarning, or refuses it when KERNELHUB_REQUIRE_TRUSTED=1.
+        backend: load the variant for "cpu" or torch's own backend (default: this system's).
+        user_agent: added to the Hub requests' user agent (a str or a dict of name -> version).
+        trust_remote_code: True, or a list of repository ids holding `repo_id`, imports code from a
+            publisher that is not trusted; otherwise such code is refused (UntrustedKernelError),
+            as in Hugging Face `kernels`. Trusted publishers: see `trusted_publishers()`.
+        check_arch: accepted as `kernels` takes it (variants are ranked by capability elsewhere).
 
     Raises:
         UntrustedKernelError, KernelNotFoundError (repo/revision), KernelVersionNotFoundError,
@@ -162,64 +169,93 @@ def get_kernel(
     """
     _check_repo_id("get_kernel", repo_id)
     _check_ref("get_kernel", revision, version)
-    if trust_remote_code is not None and not isinstance(trust_remote_code, bool):  # ("false" would trust)
-        raise TypeError(f"get_kernel: `trust_remote_code` must be a bool or None, got {trust_remote_code!r}")
-    untrusted = _check_trust(repo_id, trust_remote_code)
-    resolved = resolve_kernel(repo_id, revision=revision, version=version)
-    kernel = _import_resolved(resolved)
-    _warn_untrusted(repo_id, untrusted)
-    return kernel
+    _check_trust_arg("get_kernel", trust_remote_code)
+    system = system_for_backend("get_kernel", backend)
+    local = _local_override("get_kernel", repo_id, system)
+    if local is not None:
+        return local
+    _check_trust(repo_id, trust_remote_code)
+    with user_agent_scope(user_agent):
+        resolved = resolve_kernel(repo_id, revision=revision, version=version, system=system)
+    return _import_resolved(resolved)
 
 
-def _import_resolved(resolved: ResolvedKernel) -> ModuleType:
+def _import_resolved(resolved: ResolvedKernel, *, verified: dict[str, str] | None = None) -> ModuleType:
     try:
-        kernel = load_kernel_from_dir(resolved.path)
+        kernel = load_kernel_from_dir(resolved.path, verified=verified)
     except FileNotFoundError as e:  # a variant directory the loader cannot use (no single package)
         raise KernelHubError(f"kernel {resolved.repo_id!r} at {resolved.commit[:12]}: {e}") from e
     if not hasattr(kernel, "__kernelhub_source__"):
         kernel.__kernelhub_source__ = resolved  # for reports: which commit and variant this module is
+    record_loaded(kernel, resolved.path, RepoInfo(resolved.repo_id, resolved.commit))
     return kernel
 
 
-def has_kernel(repo_id: str, *, revision: str | None = None, version: int | None = None) -> bool:
-    """Whether `repo_id` at that revision/version has a build variant this system can run (no download)."""
+def has_kernel(
+    repo_id: str,
+    revision: str | None = None,
+    version: int | None = None,
+    *,
+    backend: str | None = None,
+    trust_remote_code: bool | list[str] | None = None,
+    check_arch: bool = True,
+) -> bool:
+    """Whether `repo_id` at that revision/version has a build variant this system (or `backend`) can
+    run; nothing is downloaded or imported, so no trust is needed (`trust_remote_code` and
+    `check_arch` are accepted as `kernels` takes them)."""
     _check_repo_id("has_kernel", repo_id)
     _check_ref("has_kernel", revision, version)
+    _check_trust_arg("has_kernel", trust_remote_code)
+    system = system_for_backend("has_kernel", backend)
+    local = local_kernel_overrides().get(repo_id)
+    if local is not None:
+        try:
+            _package_dir(local, None, system)
+        except (FileNotFoundError, OSError):
+            return False
+        return True
     try:
         _ref, _commit, names = list_variants(repo_id, revision=revision, version=version)
     except KernelNotFoundError:
         return False
-    return bool(rank_variants(names)[0])
+    return bool(rank_variants(names, system)[0])
 
 
 class LocalLayerRepository:
-    """A layer class from a kernel repository on disk (e.g. the bundled `kernels_repo/swiglu`)."""
+    """A layer class from a kernel repository on disk (e.g. the bundled `kernels_repo/swiglu`).
+
+    `LocalLayerRepository(repo_path, package_name=None, *, layer_name)`: the `kernels` spellings,
+    positional or keyword (kernelhub's earlier `path=` too); any layout `get_local_kernel` loads.
+    """
 
     def __init__(
         self,
         repo_path: str | Path | None = None,
+        package_name: str | None = None,
         *,
         layer_name: str,
-        package_name: str | None = None,
         path: str | Path | None = None,
     ):
-        # `repo_path` (and the older `package_name`) as Hugging Face `kernels` names them; `path` as before
         if (repo_path is None) == (path is None):
             raise TypeError("LocalLayerRepository: give the repository directory once, as `repo_path` (or `path`)")
-        path = repo_path if path is None else path
-        if not isinstance(path, (str, Path)) or not str(path):
-            raise TypeError(f"LocalLayerRepository: `repo_path` must be a str or Path, got {path!r}")
-        if package_name is not None and not isinstance(package_name, str):
-            raise TypeError(f"LocalLayerRepository: `package_name` must be a str, got {package_name!r}")
-        self.path = Path(path)
+        repo_path = repo_path if path is None else path
+        if not isinstance(repo_path, (str, Path)) or not str(repo_path):
+            raise TypeError(f"LocalLayerRepository: `repo_path` must be a str or Path, got {repo_path!r}")
+        if package_name is not None and (not isinstance(package_name, str) or not package_name.isidentifier()):
+            raise ValueError(f"LocalLayerRepository: `package_name` must be a Python identifier, got {package_name!r}")
+        self.path = Path(repo_path)
         self.package_name = package_name
         self.layer_name = _check_layer_name("LocalLayerRepository", layer_name)
 
+    @property
+    def repo_path(self) -> Path:
+        return self.path
+
     def load(self) -> type[nn.Module]:
-        return _layer_from(get_local_kernel(self.path), self.layer_name, f"at {self.path}")
+        return _layer_from(get_local_kernel(self.path, self.package_name), self.layer_name, f"at {self.path}")
 
     def with_layer_name(self, name: str) -> LocalLayerRepository:
-        return LocalLayerRepository(self.path, layer_name=name, package_name=self.package_name)
+        return LocalLayerRepository(self.path, self.package_name, layer_name=name)
 
     def describe(self) -> str:
         return f"local:{self.path}/{self.layer_name}"
@@ -231,11 +267,12 @@ class LocalLayerRepository:
         return (
             isinstance(other, LocalLayerRepository)
             and self.path.resolve() == other.path.resolve()
+            and self.package_name == other.package_name
             and self.layer_name == other.layer_name
         )
 
     def __hash__(self) -> int:
-        return hash((str(self.path.resolve()), self.layer_name))
+        return hash((str(self.path.resolve()), self.package_name, self.layer_name))
 
 
 class LayerRepository:
@@ -252,24 +289,28 @@ class LayerRepository:
         layer_name: str,
         revision: str | None = None,
         version: int | None = None,
-        trust_remote_code: bool | None = None,
+        trust_remote_code: bool | list[str] | None = None,
+        user_agent: str | dict | None = None,
     ):
         self.repo_id = _check_repo_id("LayerRepository", repo_id)
         self.layer_name = _check_layer_name("LayerRepository", layer_name)
         _check_ref("LayerRepository", revision, version)
-        if trust_remote_code is not None and not isinstance(trust_remote_code, bool):
-            raise TypeError(
-                f"LayerRepository: `trust_remote_code` must be a bool or None, got {trust_remote_code!r}"
-            )
+        _check_trust_arg("LayerRepository", trust_remote_code)
+        if user_agent is not None and not isinstance(user_agent, (str, dict)):
+            raise TypeError(f"LayerRepository: `user_agent` must be a str, a dict or None, got {user_agent!r}")
+        if isinstance(trust_remote_code, list):
+            trust_remote_code = list(trust_remote_code)  # (a copy: the caller's list may change)
         self.revision, self.version, self.trust_remote_code = revision, version, trust_remote_code
+        self.user_agent = user_agent
 
     def load_kernel(self) -> ModuleType:
         # every load decides trust anew: a kernel imported once (trusted then) must not reach a
-        # repository object that says trust_remote_code=False, or a process that since set
-        # KERNELHUB_REQUIRE_TRUSTED, through the cache
-        # (a cache miss goes through get_kernel, which warns where the import is untrusted)
-        _check_trust(self.repo_id, self.trust_remote_code)
-        key = (endpoint(), offline(), default_repo_type(), self.repo_id, self.revision, self.version)
+        # repository object that is not trusted, or a process whose trusted list changed, through the cache
+        local = local_kernel_overrides().get(self.repo_id)
+        if local is None:  # (a LOCAL_KERNELS path is the user's own code, as in `kernels`)
+            _check_trust(self.repo_id, self.trust_remote_code)
+        key = (endpoint(), offline(), default_repo_type(), self.repo_id, self.revision, self.version,
+               str(local) if local is not None else None)
         with _cache_lock:
             kernel = _kernel_cache.get(key)
         if kernel is None:
@@ -278,6 +319,7 @@ class LayerRepository:
                 revision=self.revision,
                 version=self.version,
                 trust_remote_code=self.trust_remote_code,
+                user_agent=self.user_agent,
             )
             with _cache_lock:
                 _kernel_cache[key] = kernel
@@ -289,7 +331,8 @@ class LayerRepository:
     def check_trust(self) -> None:
         """Raise UntrustedKernelError where this repository may not be imported now (for callers
         that keep the loaded layer: the trust decision is made per use, as `load_kernel` does)."""
-        _check_trust(self.repo_id, self.trust_remote_code)
+        if self.repo_id not in local_kernel_overrides():
+            _check_trust(self.repo_id, self.trust_remote_code)
 
     def with_layer_name(self, name: str) -> LayerRepository:
         return LayerRepository(
@@ -298,6 +341,7 @@ class LayerRepository:
             revision=self.revision,
             version=self.version,
             trust_remote_code=self.trust_remote_code,
+            user_agent=self.user_agent,
         )
 
     def _ref(self) -> str:
@@ -311,7 +355,9 @@ class LayerRepository:
         return f"hub:{self.repo_id}{self._ref()}/{self.layer_name}"
 
     def _key(self) -> tuple:
-        return (self.repo_id, self.layer_name, self.revision, self.version, self.trust_remote_code)
+        trust = self.trust_remote_code
+        return (self.repo_id, self.layer_name, self.revision, self.version,
+                tuple(trust) if isinstance(trust, list) else trust)
 
     def __repr__(self) -> str:
         return (
@@ -330,8 +376,9 @@ class LockedLayerRepository:
     """A layer class from a Hub kernel pinned in a lock file (`kernels.lock`): exact commit, hashed files.
 
     Loading refuses files whose sha256 differs from the lock. Locked kernels are trusted: the lock
-    is the user's review of that exact code. `lockfile` defaults to `KERNELHUB_LOCKFILE` or
-    `./kernels.lock`; `version`/`revision` choose among several lock entries of one repository.
+    is the user's review of that exact code (`trust_remote_code` is accepted, as `kernels` takes it).
+    `lockfile` defaults to `KERNELHUB_LOCKFILE` or `./kernels.lock`; `version`/`revision` choose
+    among several lock entries of one repository.
     """
 
     def __init__(
@@ -342,8 +389,12 @@ class LockedLayerRepository:
         lockfile: str | Path | None = None,
         version: int | None = None,
         revision: str | None = None,
+        trust_remote_code: bool | list[str] | None = None,
     ):
         self.repo_id = _check_repo_id("LockedLayerRepository", repo_id)
+        _check_trust_arg("LockedLayerRepository", trust_remote_code)
+        # accepted as `kernels` takes it; a lock is the review of that exact code, so it is not needed
+        self.trust_remote_code = list(trust_remote_code) if isinstance(trust_remote_code, list) else trust_remote_code
         self.layer_name = _check_layer_name("LockedLayerRepository", layer_name)
         if lockfile is not None and not isinstance(lockfile, (str, Path)):
             raise TypeError(f"LockedLayerRepository: `lockfile` must be a str or Path, got {lockfile!r}")
@@ -368,6 +419,7 @@ class LockedLayerRepository:
             lockfile=self.lockfile,
             version=self.version,
             revision=self.revision,
+            trust_remote_code=self.trust_remote_code,
         )
 
     def describe(self) -> str:

@@ -19,7 +19,7 @@ import platform
 import re
 from dataclasses import dataclass
 
-__all__ = ["SystemInfo", "Variant", "rank_variants"]
+__all__ = ["SystemInfo", "Variant", "VariantAccepted", "VariantRejected", "rank_variants", "system_for_backend"]
 
 _TORCH_RE = re.compile(r"^torch(\d)(\d+)$")
 _BACKEND_RE = re.compile(r"^(cu|rocm|xpu|cpu|metal|npu|cann)(\d*)$")
@@ -45,6 +45,11 @@ class Variant:
     cpu: str | None
     os: str | None
     cxx11_abi: bool | None
+
+    @property
+    def variant_str(self) -> str:
+        """The directory name (as `kernels`' variants name it)."""
+        return self.name
 
     @staticmethod
     def parse(name: str) -> Variant:
@@ -187,3 +192,32 @@ def rank_variants(names, system: SystemInfo | None = None) -> tuple[list[str], d
         return (1 if v.backend != "universal" else 2, (), v.name)
 
     return [v.name for v in sorted(usable, key=key)], rejected
+
+
+def system_for_backend(func: str, backend: str | None) -> SystemInfo:
+    """This system, or this system loading `backend`'s builds: "cpu" or torch's own backend, as
+    `kernels` allows (a CUDA torch can run CPU builds; a CPU torch cannot run CUDA ones)."""
+    system = SystemInfo.current()
+    if backend is None or backend == system.backend:
+        return system
+    if backend != "cpu":
+        raise ValueError(  # the phrase `kernels` raises, then which backends this system takes
+            f"{func}: Invalid backend {backend!r}, system supported backends: "
+            f"{', '.join(sorted({'cpu', system.backend}))} (`backend` must be 'cpu' or this torch's backend)"
+        )
+    return SystemInfo(system.torch_version, "cpu", None, system.cpu, system.os, system.cxx11_abi)
+
+
+@dataclass(frozen=True)
+class VariantAccepted:
+    """A build variant this system can run (`kernels`' name)."""
+
+    variant: Variant
+
+
+@dataclass(frozen=True)
+class VariantRejected:
+    """A build variant this system cannot run, and why (`kernels`' name)."""
+
+    variant: Variant | str
+    reason: str

@@ -11,7 +11,6 @@ checks it: cheaply at every `barrier()`/`close()`, and per allocation with
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -19,6 +18,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from kernelhub._env import env_flag
 from kernelhub.device import as_torch_device, device_guard
 from kernelhub.distributed._agree import (
     agree,
@@ -64,16 +64,6 @@ class Allocation:
 
 def _align_up(value: int, alignment: int) -> int:
     return (value + alignment - 1) // alignment * alignment
-
-
-def _env_flag(name: str) -> bool:
-    """A boolean environment variable; a value that is neither on nor off is an error, never "off"."""
-    value = os.environ.get(name, "").strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("", "0", "false", "no", "off"):
-        return False
-    raise ValueError(f"SymmetricHeap: {name}={os.environ[name]!r} is not 1/true/yes/on or 0/false/no/off")
 
 
 class SymmetricHeap:
@@ -140,7 +130,7 @@ class SymmetricHeap:
         self._check = False
         if problem is None:
             try:
-                self._check = _env_flag(CHECK_ENV) if check_symmetry is None else bool(check_symmetry)
+                self._check = env_flag(CHECK_ENV) if check_symmetry is None else bool(check_symmetry)
             except ValueError as e:
                 problem = e
         self._allocations: list[Allocation] = []
