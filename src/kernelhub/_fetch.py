@@ -18,6 +18,7 @@ from pathlib import Path
 
 from kernelhub._env import env_flag
 from kernelhub.errors import (  # re-exported: their earlier import path
+    HubKernelNotFoundError,
     KernelHubError,
     KernelNotFoundError,
     KernelVariantNotFoundError,
@@ -215,11 +216,13 @@ def _hub_errors(repo_id: str, repo_type: str, revision: str | None) -> Iterator[
             "(HF_HUB_OFFLINE=1 loads what the local cache holds)"
         ) from e
     except RepositoryNotFoundError as e:
-        raise KernelNotFoundError(
-            f"kernel repository {repo_id!r} ({repo_type}) not found on {endpoint()}"
+        raise HubKernelNotFoundError(
+            f"kernel repository {repo_id!r} ({repo_type}) not found on {endpoint()}", response=e.response
         ) from e
     except RevisionNotFoundError as e:
-        raise KernelNotFoundError(f"kernel repository {repo_id!r} has no revision {revision!r}") from e
+        raise HubKernelNotFoundError(
+            f"kernel repository {repo_id!r} has no revision {revision!r}", response=e.response
+        ) from e
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as e:
         # a server error, a failed or truncated download (OSError: "Consistency check failed"), a
         # file name huggingface_hub refused to place (ValueError: "Invalid pointer path")
@@ -255,8 +258,8 @@ def _resolve_online(
     warn_key = (endpoint(), repo_id, version, versions[-1] if versions else version)
     if versions and versions[-1] > version and warn_key not in _warned_newer:
         _warned_newer.add(warn_key)
-        logger.warning(
-            "kernel %s: using version %d, a newer version %d exists", repo_id, version, versions[-1]
+        logger.warning(  # Hugging Face `kernels`' wording
+            "You are using version %d of '%s', but version %d is available.", version, repo_id, versions[-1]
         )
     return ref, check_commit(repo_id, branches[ref], f"the commit of branch {ref!r}")
 

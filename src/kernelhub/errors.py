@@ -8,9 +8,12 @@ Each also derives from the builtin a caller would catch without knowing kernelhu
 
 from __future__ import annotations
 
+from huggingface_hub.errors import HfHubHTTPError
+
 __all__ = [
     "AllocationSymmetryError",
     "ConfigError",
+    "HubKernelNotFoundError",
     "KernelHubError",
     "KernelLockError",
     "KernelNotFoundError",
@@ -28,6 +31,14 @@ class KernelHubError(Exception):
 
 class KernelNotFoundError(KernelHubError, LookupError):
     """The repository or revision does not exist (or is not reachable and not cached)."""
+
+
+class HubKernelNotFoundError(KernelNotFoundError, HfHubHTTPError):
+    """The Hub answered that the repository or revision does not exist: also the `HfHubHTTPError`
+    that code written for Hugging Face `kernels` catches there."""
+
+    def __init__(self, message: str, *, response) -> None:
+        HfHubHTTPError.__init__(self, message, response=response)
 
 
 class KernelVersionNotFoundError(KernelNotFoundError, ValueError):

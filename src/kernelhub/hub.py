@@ -75,7 +75,8 @@ def _check_ref(func: str, revision: object, version: object) -> None:
     # version 0 (or any absent one) is no error here: as in `kernels`, the load says
     # "Version 0 not found, available versions: ..."
     if revision is not None and version is not None:
-        raise ValueError(f"{func}: give `revision` or `version`, not both (got {revision!r} and {version!r})")
+        raise ValueError(f"{func}: Either a revision or a version must be specified, not both "
+                         f"(got {revision!r} and {version!r})")
 
 
 def _check_layer_name(func: str, layer_name: object) -> str:

@@ -22,7 +22,7 @@ from compat_hf_kernels.hf_test_kernels import install_kernel
 from kernelhub import get_kernel, get_local_kernel, has_kernel
 
 # the flattened build layout (build/<variant>/__init__.py) is the layout part of issue 29
-_FLATTENED = pytest.mark.xfail(strict=True, reason="kernelhub's loader does not load the flattened build layout yet")
+_FLATTENED = ()
 
 
 @pytest.fixture
@@ -110,7 +110,6 @@ def test_has_kernel(kernel_exists):
     assert has_kernel(repo_id, revision=revision) == kernel
 
 
-@pytest.mark.xfail(strict=True, reason="hub part of issue 29: kernelhub refuses version=0 up front")
 def test_version():
     kernel = get_kernel("kernels-test/versions", version=1)
     assert kernel.version() == 1
@@ -122,7 +121,6 @@ def test_version():
         kernel = get_kernel("kernels-test/versions", version=0)
 
 
-@pytest.mark.xfail(strict=True, reason="hub part of issue 29: kernels' logger and wording of a newer version")
 def test_version_outdated_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="kernels._versions"):
         kernel = get_kernel("kernels-test/versions", version=1)
@@ -178,10 +176,6 @@ def test_flattened_build(repo_revision, device):
     torch.testing.assert_close(kernel.silu_and_mul(x), silu_and_mul_torch(x))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hub part of issue 29: LOCAL_KERNELS; a missing repository raises KernelNotFoundError, not HfHubHTTPError",
-)
 def test_local_overrides(monkeypatch, local_kernel_path):
     kernel_path = local_kernel_path
 
@@ -223,7 +217,6 @@ def test_local_overrides(monkeypatch, local_kernel_path):
             get_kernel("kernels-test/activation", revision="main")
 
 
-@pytest.mark.xfail(strict=True, reason="hub part of issue 29: untrusted publishers are refused by default")
 def test_trust_remote_code_blocks_untrusted_org():
     """Kernels from untrusted orgs should be rejected by default."""
     with pytest.raises(ValueError, match=r"not from a trusted publisher"):

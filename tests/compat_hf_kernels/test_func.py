@@ -124,11 +124,6 @@ def test_kernel_func_with_layer():
     assert model(x) is x
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kernelhub's loader does not load the flattened build layout (build/<variant>/__init__.py) yet: "
-    "the layout part of issue 29 (kernelhub._loader / hub.py)",
-)
 @pytest.mark.filterwarnings("ignore:.*will be removed in kernels 0.17:DeprecationWarning")
 def test_deprecated_local_kernel_func(device):
     model = SurpriseMe()

@@ -896,12 +896,6 @@ def test_kernel_modes_cross_fallback(device):
         assert linear.n_calls == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kernelhub.hub refuses version=0 when the LayerRepository is built, and words its errors otherwise "
-    "('Version 0 not found, available versions: ...', 'Either a revision or a version ... not both'): the hub "
-    "part of issue 29",
-)
 def test_layer_versions(device):
     @use_kernel_forward_from_hub("Version")
     class Version(nn.Module):
