@@ -6,12 +6,16 @@
 # expression), CFG_A, CFG_B, AB_ROUNDS=2 (cfgab), MOE_OLD (dirab), TESTS_TIMEOUT, MOE_TIMEOUT, SWEEP_TIMEOUT,
 # PERSIST_TIMEOUT, TUNE_TIMEOUT, TUNE_ARGS, and the benchmarks' own (SHAPES, TOKENS, IMPLS, MODES...).
 # Runs from the source tree (PYTHONPATH=src) on the machine's own torch/triton/transformers; wheels
-# in .whl/ (e.g. Liger-Kernel, a peer) are installed first.
+# in .whl/ are installed first: kernelhub's own pure-Python dependencies the GPU image lacks (pydantic,
+# with pydantic-core wheels for each Python) and Liger-Kernel, a peer.
 set -u
 OUT=${OUT:-/tmp/kernelhub-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} KERNELHUB_TEST_GPU=1 TRITON_INTERPRET=0
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+if ls .whl/*.whl >/dev/null 2>&1; then  # one by one: wheels for other Pythons are skipped
+  for w in .whl/*.whl; do
+    python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site "$w" 2>/dev/null
+  done
+  export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 steps=${*:-tests demo swiglu routing moe}
 # Peers' Triton autotuning (Liger's fused MoE: minutes per model shape) is kept on disk so that a
