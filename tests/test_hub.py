@@ -569,3 +569,16 @@ def test_offline_a_file_removed_from_a_complete_snapshot_is_named(hub, tmp_path,
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(KernelHubError, match=r"offline .* lost build/torch-universal/tiny/ops\.py from the cache"):
         get_kernel("org/tiny", version=1, trust_remote_code=True)
+
+
+def test_a_build_of_empty_directories_does_not_hide_the_source(tmp_path):
+    """Empty `build/<variant>/` directories (a checkout or copy that removed the files it tracked)
+    are no build: the repository still loads from torch-ext/."""
+    import shutil
+
+    src = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "kernels" / "tiny"
+    repo = tmp_path / "tiny"
+    (repo / "torch-ext").mkdir(parents=True)
+    shutil.copytree(src / "build" / "torch-universal" / "tiny", repo / "torch-ext" / "tiny")
+    (repo / "build" / "torch-universal" / "tiny").mkdir(parents=True)
+    assert get_local_kernel(repo).__file__.startswith(str((repo / "torch-ext").resolve()))

@@ -122,6 +122,10 @@ def find_variant_dir(repo_dir: Path, system=None) -> Path:
     return _best_variant(build, system)
 
 
+def _has_files(path: Path) -> bool:
+    return any(p.is_file() for p in path.rglob("*"))
+
+
 def _holds_variants(path: Path) -> bool:
     """Whether `path` is a `build/` directory: its subdirectories are named as build variants."""
     from kernelhub.variants import Variant
@@ -149,9 +153,9 @@ def _package_dir(path: Path, package_name: str | None = None, system=None) -> Pa
     path = path.resolve()
     if (path / "__init__.py").is_file():
         return path
-    if (path / "build").is_dir():
+    if (path / "build").is_dir() and (_has_files(path / "build") or not (path / "torch-ext").is_dir()):
         path = find_variant_dir(path, system)
-    elif (path / "torch-ext").is_dir():
+    elif (path / "torch-ext").is_dir():  # (a build/ of empty directories, e.g. left by a checkout, is no build)
         path = path / "torch-ext"
     elif _holds_variants(path):
         path = _best_variant(path, system)
