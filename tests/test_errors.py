@@ -12,6 +12,7 @@ import kernelhub.errors as errors
 EARLIER_PATHS = {
     "KernelHubError": ["kernelhub._fetch", "kernelhub.hub"],
     "KernelNotFoundError": ["kernelhub._fetch", "kernelhub.hub"],
+    "HubKernelNotFoundError": ["kernelhub._fetch"],
     "KernelVersionNotFoundError": ["kernelhub._fetch", "kernelhub.hub"],
     "KernelVariantNotFoundError": ["kernelhub._fetch", "kernelhub.hub"],
     "KernelLockError": ["kernelhub.lock"],

@@ -214,7 +214,7 @@ def test_kernelize_rejects_bad_arguments():
         kernelize(nn.Sequential(MLP()), device=3.5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="`use_fallback`"):
         kernelize(nn.Sequential(MLP()), use_fallback="no")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="get_local_kernel: `path`"):
+    with pytest.raises(TypeError, match="get_local_kernel: `repo_path`"):
         get_local_kernel(5)  # type: ignore[arg-type]
 
 

@@ -15,6 +15,7 @@ from kernelhub.device import (
 from kernelhub.errors import (
     AllocationSymmetryError,
     ConfigError,
+    HubKernelNotFoundError,
     KernelHubError,
     KernelLockError,
     KernelNotFoundError,
@@ -59,6 +60,7 @@ __all__ = [
     "ConfigError",
     "Device",
     "FuncRepository",
+    "HubKernelNotFoundError",
     "KernelHubError",
     "KernelLockError",
     "KernelNotFoundError",

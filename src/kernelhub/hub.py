@@ -264,16 +264,20 @@ class LocalLayerRepository:
     def __repr__(self) -> str:
         return f"LocalLayerRepository({str(self.path)!r}, layer_name={self.layer_name!r})"
 
+    def _key(self) -> tuple:
+        """What it loads: the package directory where the path resolves to one (so `package_name`
+        given or left to the loader to find compares equal), else the path and the name as given."""
+        try:
+            where = str(_package_dir(self.path, self.package_name))
+        except (OSError, ValueError):
+            where = f"{self.path.resolve()}:{self.package_name}"
+        return where, self.layer_name
+
     def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, LocalLayerRepository)
-            and self.path.resolve() == other.path.resolve()
-            and self.package_name == other.package_name
-            and self.layer_name == other.layer_name
-        )
+        return isinstance(other, LocalLayerRepository) and self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash((str(self.path.resolve()), self.package_name, self.layer_name))
+        return hash(("local",) + self._key())
 
 
 class LayerRepository:

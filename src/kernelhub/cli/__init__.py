@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kernelhub._env import env_flag
 from kernelhub.cli import build, check, download, lock, report, upload, variants
 
 __all__ = ["build_parser", "main"]
@@ -32,13 +33,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        version = getattr(args, "version", None)
+        if version is not None and version < 1:
+            # branches start at v1; the library leaves v0 to the Hub to refuse, as `kernels` does
+            raise ValueError(f"--version: `version` must be an int >= 1, got {version}")
         return int(args.run(args) or 0)
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # a CLI prints the reason, not a traceback; KERNELHUB_DEBUG=1 shows it
-        import os
-
-        if os.environ.get("KERNELHUB_DEBUG") == "1":
+        if env_flag("KERNELHUB_DEBUG"):
             raise
         print(f"kernelhub {args.command}: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
