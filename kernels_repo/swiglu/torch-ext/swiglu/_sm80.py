@@ -3,10 +3,8 @@
 Ampere (A100: 1.5-2 TB/s, 108 SMs) saturates HBM with modest bytes in flight per SM, so a plain
 grid of small tiles lets the hardware scheduler balance the tail. Forward: 4 KiB per tensor and
 tile, 8 warps (one 16-byte vector per thread and tensor); backward (five tensors): 8 KiB, 8 warps.
-Measured on an H200 (`tools/sweep_tiles.py`): forward under CUDA-graph replay, 1x2048 tiles /
-8 warps 0.962 / 1.022 / 1.024 of copy at 4096x6144 / 8192x14336 / 32768x4096 against 0.895 /
-1.016 / 1.016 for 2x2048 (2026-12-03, MODE=rows); whole-row tiles (Liger-Kernel's shape) lose
-(0.82-0.94 at 4096x6144). Backward: 8 KiB / 8 warps (2026-12-02; 32 KiB tiles lose).
+Tile sizes were chosen by sweep (`tools/sweep_tiles.py`; docs/history/performance-log.md):
+1x2048-element forward tiles beat 2x2048 and whole-row tiles (Liger-Kernel's shape).
 Kernels and launch configs only: devices are handled in `ops.py`.
 """
 
