@@ -46,6 +46,7 @@ __all__ = [
     "DEFAULT_LOCKFILE",
     "LOCKFILE_VERSION",
     "KernelLockError",
+    "download_locked",
     "find_lock_entry",
     "get_locked_kernel",
     "hash_variant",
@@ -394,3 +395,27 @@ def get_locked_kernel(
     prefix = f"build/{variant}/"
     verified = {name.removeprefix(prefix): digest for name, digest in files.items()}
     return _import_resolved(ResolvedKernel(repo_id, repo_type, ref, commit, variant, target), verified=verified)
+
+
+def download_locked(
+    lockfile: str | Path | None = None, *, all_variants: bool = False, backend: str | None = None
+) -> list[Path]:
+    """Download every kernel of a lock at its locked commit and check it against the lock, as
+    `kernels download` does; returns the variant directories. Only the variant this system (or
+    `backend`) loads, or with `all_variants` every locked variant (every variant of the commit for a
+    lock that pins only commits). Nothing is imported, so no publisher trust is needed."""
+    system = None if all_variants else system_for_backend("download_locked", backend)
+    path = _lock_path(lockfile)
+    out = []
+    for entry in read_lockfile(path):
+        repo_id, commit, repo_type = entry["repo_id"], entry["commit"], entry["repo_type"]
+        names = sorted(set(entry["variants"]) | set(entry.get("variant_hashes", {})))
+        if not names:
+            names = list_variants(repo_id, revision=commit, repo_type=repo_type)[2]
+        wanted = names if all_variants else [choose_variant(repo_id, commit, names, system)]
+        where = f"download_locked({repo_id!r}, lockfile={str(path)!r})"
+        for variant in wanted:
+            target = fetch_variant(repo_id, repo_type, commit, commit, variant)
+            _verified_files(entry, variant, target, _storage(repo_id, repo_type) / "blobs", f"{where} {variant}")
+            out.append(target)
+    return out
