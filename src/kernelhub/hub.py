@@ -378,8 +378,9 @@ class LockedLayerRepository:
 
     Loading refuses files whose sha256 differs from the lock. Locked kernels are trusted: the lock
     is the user's review of that exact code (`trust_remote_code` is accepted, as `kernels` takes it).
-    `lockfile` defaults to `KERNELHUB_LOCKFILE` or `./kernels.lock`; `version`/`revision` choose
-    among several lock entries of one repository.
+    `lockfile` defaults to `KERNELHUB_LOCKFILE`, else the `kernels.lock` the calling package ships in
+    its distribution metadata (as `kernels`), else `./kernels.lock`; `version`/`revision` choose among
+    several lock entries of one repository. A kernel an existing lock does not hold is refused here.
     """
 
     def __init__(
@@ -397,10 +398,11 @@ class LockedLayerRepository:
         # accepted as `kernels` takes it; a lock is the review of that exact code, so it is not needed
         self.trust_remote_code = list(trust_remote_code) if isinstance(trust_remote_code, list) else trust_remote_code
         self.layer_name = _check_layer_name("LockedLayerRepository", layer_name)
-        if lockfile is not None and not isinstance(lockfile, (str, Path)):
-            raise TypeError(f"LockedLayerRepository: `lockfile` must be a str or Path, got {lockfile!r}")
         _check_ref("LockedLayerRepository", revision, version)
-        self.lockfile = Path(lockfile) if lockfile is not None else None
+        from kernelhub.lock import repository_lockfile
+
+        self.lockfile = repository_lockfile("LockedLayerRepository", self.repo_id, lockfile, version=version,
+                                            revision=revision)
         self.version, self.revision = version, revision
 
     def load_kernel(self) -> ModuleType:

@@ -12,10 +12,13 @@ older `kernels` locks (a `git_lfs_concat` hash per variant, verified) and kernel
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import re
 import stat
+import sys
+import tempfile
 from pathlib import Path
 from types import ModuleType
 
@@ -52,6 +55,7 @@ __all__ = [
     "hash_variant",
     "lock_kernel",
     "read_lockfile",
+    "repository_lockfile",
     "verify_variant",
     "write_lockfile",
 ]
@@ -59,10 +63,65 @@ __all__ = [
 DEFAULT_LOCKFILE = "kernels.lock"
 
 
+def _caller_distribution_lock() -> Path | None:
+    """The `kernels.lock` that the calling package (the first module on the stack outside kernelhub)
+    ships in its distribution metadata, as `kernels` reads it when `lockfile` is None; None where
+    that package ships none. The text is copied to a private file (with the `.sha256` sidecar when
+    the metadata has one), since a distribution's files need not be on disk."""
+    frame = sys._getframe(1)
+    while frame is not None and str(frame.f_globals.get("__name__", "")).split(".")[0] == "kernelhub":
+        frame = frame.f_back
+    if frame is None:
+        return None
+    top = str(frame.f_globals.get("__name__", "")).split(".")[0]
+    for name in importlib.metadata.packages_distributions().get(top, []):
+        dist = importlib.metadata.distribution(name)
+        text = dist.read_text(DEFAULT_LOCKFILE)
+        if text is None:
+            continue
+        side = dist.read_text(sidecar_path(Path(DEFAULT_LOCKFILE)).name)
+        key = (name, text, side)
+        if key not in _DISTRIBUTION_LOCKS:
+            path = Path(tempfile.mkdtemp(prefix="kernelhub-lock-")) / DEFAULT_LOCKFILE
+            path.write_text(text)
+            if side is not None:
+                sidecar_path(path).write_text(side)
+            _DISTRIBUTION_LOCKS[key] = path
+        return _DISTRIBUTION_LOCKS[key]
+    return None
+
+
+_DISTRIBUTION_LOCKS: dict[tuple, Path] = {}
+
+
+def repository_lockfile(func: str, repo_id: str, lockfile: str | Path | None, *, version: int | None = None,
+                        revision: str | None = None) -> Path | None:
+    """The lock file a locked repository keeps, checked where the repository is built, as `kernels`
+    does: `lockfile`, or with None the calling package's shipped lock (None again where it ships none:
+    `KERNELHUB_LOCKFILE` / `./kernels.lock` are then read at load). A kernel that an existing lock does
+    not hold is refused now ("is not locked"); a lock file that does not exist yet is read at load."""
+    if lockfile is not None and not isinstance(lockfile, (str, Path)):
+        raise TypeError(f"{func}: `lockfile` must be a str or Path, got {lockfile!r}")
+    if lockfile is None:
+        path = None if os.environ.get("KERNELHUB_LOCKFILE") else _caller_distribution_lock()
+    else:
+        path = Path(lockfile)
+    if path is not None and path.is_file():
+        try:
+            find_lock_entry(read_lockfile(path), repo_id, version=version, revision=revision)
+        except KernelLockError as e:
+            raise KernelLockError(f"{func}: {e}") from None
+    return path
+
+
 def _lock_path(lockfile: str | Path | None) -> Path:
+    """`lockfile`, else `KERNELHUB_LOCKFILE`, else the calling package's shipped lock (as `kernels`),
+    else `./kernels.lock`."""
     if lockfile is not None:
         return Path(lockfile)
-    return Path(os.environ.get("KERNELHUB_LOCKFILE") or DEFAULT_LOCKFILE)
+    if os.environ.get("KERNELHUB_LOCKFILE"):
+        return Path(os.environ["KERNELHUB_LOCKFILE"])
+    return _caller_distribution_lock() or Path(DEFAULT_LOCKFILE)
 
 
 def _walk(variant_dir: Path, blobs: Path | None) -> tuple[dict[str, Path], set[str]]:
@@ -298,9 +357,9 @@ def find_lock_entry(
         found = [e for e in found if e.get("revision") == revision or e["commit"] == revision]
     if not found:
         have = sorted({e["repo_id"] for e in entries})
-        raise KernelLockError(
-            f"lock has no entry for {repo_id!r} (version={version}, revision={revision}); "
-            f"locked: {have}. Run `kernelhub lock`."
+        raise KernelLockError(  # "is not locked": the phrase `kernels` raises
+            f"Kernel `{repo_id}` is not locked: lock has no entry for {repo_id!r} (version={version}, "
+            f"revision={revision}); locked: {have}. Lock it with `kernelhub lock` (or `kernels lock <project>`)."
         )
     if len(found) > 1:
         refs = [(e.get("version"), e.get("revision")) for e in found]
