@@ -5,7 +5,8 @@ Upstream: github.com/huggingface/kernels at 8ac69fc542a4306eade0759ef7c45b4f2ae5
 `download_kernels` is `kernelhub.cli.download.download_kernels`, what `kernelhub download PROJECT_DIR`
 runs); upstream's checked-in projects `tests/kernel_locking/` and `tests/layer_locking/` (pyproject.toml
 and the kernels.lock `kernels lock` wrote) are written by `_project` for the local Hub's stand-ins
-(hf_test_kernels.py), in the same lock format; `cuda_only` is kernelhub's `gpu` marker.
+(hf_test_kernels.py), in upstream's lock format and again in the one the released `kernels` 0.17.2
+writes (commit only); `cuda_only` is kernelhub's `gpu` marker.
 """
 
 from dataclasses import dataclass
@@ -36,11 +37,13 @@ _PROJECTS = {
 _PROJECT_DIRS: dict[str, Path] = {}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _locked_projects(_local_hub, tmp_path_factory):
-    root = tmp_path_factory.mktemp("locked-projects")
+@pytest.fixture(scope="module", autouse=True, params=["variant-hash", "commit"])
+def _locked_projects(request, _local_hub, tmp_path_factory):
+    """Each test runs with the lock files of upstream's commit (a hash per variant) and with those
+    the released `kernels` 0.17.2 writes (the commit only)."""
+    root = tmp_path_factory.mktemp(f"locked-projects-{request.param}")
     for name, deps in _PROJECTS.items():
-        _PROJECT_DIRS[name] = write_locked_project(root / name, deps)
+        _PROJECT_DIRS[name] = write_locked_project(root / name, deps, request.param)
     yield
     _PROJECT_DIRS.clear()
 
