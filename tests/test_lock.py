@@ -388,6 +388,11 @@ def test_without_a_lockfile_the_calling_packages_shipped_lock_is_read(hub, tmp_p
         assert _scale_of(caller.cached("org/tiny")) == 2.0
         with pytest.raises(KernelLockError, match="Kernel `org/other` is not locked"):
             caller.layer("org/other")
+        sys.modules.pop("lockedcaller")
+        (tmp_path / "site" / "lockedcaller-1.0.dist-info" / "kernels.lock").unlink()  # a package shipping none
+        caller = importlib.import_module("lockedcaller")
+        with pytest.raises(ValueError, match="Could not find a `kernels.lock` file in the caller's package metadata"):
+            caller.kernel("org/tiny")
     finally:
         sys.modules.pop("lockedcaller", None)
 

@@ -439,6 +439,11 @@ def get_locked_kernel(
 
     system = system_for_backend("get_locked_kernel", backend)
     path = _lock_path(lockfile)
+    if lockfile is None and not path.is_file():  # the phrase `kernels` raises, then where kernelhub looked
+        raise KernelLockError(
+            f"get_locked_kernel: Could not find a `kernels.lock` file in the caller's package metadata, nor {path} "
+            "(KERNELHUB_LOCKFILE or ./kernels.lock). Lock kernels with `kernelhub lock` (or `kernels lock <project>`)."
+        )
     entry = find_lock_entry(read_lockfile(path), repo_id, version=version, revision=revision)
     commit, repo_type = entry["commit"], entry["repo_type"]
     with user_agent_scope(user_agent):
