@@ -440,3 +440,20 @@ def test_cli_lock_of_a_project_locks_its_kernels_dependencies(hub, tmp_path, mon
     (project / "pyproject.toml").write_text('[tool.kernels.dependencies]\n"org/tiny" = "2"\n')
     assert main(["lock", str(project)]) == 1
     assert "[tool.kernels.dependencies] 'org/tiny' must be an int version, got '2'" in capsys.readouterr().err
+
+
+def test_a_config_lock_lacking_the_kernel_fails_when_the_layer_loads(hub, tmp_path):
+    """kernelize builds the config's locked repositories while it chooses, outside its load-failure
+    handling (a layer recognised by its class falls back when its kernel fails to load): a kernel
+    the lock does not hold fails at load there, not when the repository is built."""
+    from kernelhub.config import KernelhubConfig
+
+    _publish(tmp_path, "org/tiny")
+    write_lockfile([lock_kernel("org/tiny", version=1)], tmp_path / "kernels.lock")
+    config = KernelhubConfig.from_dict(
+        {"lockfile": "kernels.lock", "layers": {"Scale": {"repo": "org/other", "version": 1, "layer": "TinyScale"}}},
+        base_dir=tmp_path,
+    )
+    repo = config.repository_for("Scale", torch.device("cpu"), None, None)
+    with pytest.raises(KernelLockError, match="Kernel `org/other` is not locked"):
+        repo.load()

@@ -6,8 +6,11 @@ Every repository kind has the same interface, used by the registry and `kerneliz
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -373,6 +376,20 @@ class LayerRepository:
         return hash(("hub",) + self._key())
 
 
+_DEFER_LOCK_CHECK: contextvars.ContextVar[bool] = contextvars.ContextVar("kernelhub_defer_lock_check", default=False)
+
+
+@contextlib.contextmanager
+def deferred_lock_check() -> Iterator[None]:
+    """LockedLayerRepository built here reads its lock only when it loads: kernelize builds the
+    config's repositories while choosing, and reports a kernel the lock lacks as a load failure."""
+    token = _DEFER_LOCK_CHECK.set(True)
+    try:
+        yield
+    finally:
+        _DEFER_LOCK_CHECK.reset(token)
+
+
 class LockedLayerRepository:
     """A layer class from a Hub kernel pinned in a lock file (`kernels.lock`): exact commit, hashed files.
 
@@ -402,7 +419,7 @@ class LockedLayerRepository:
         from kernelhub.lock import repository_lockfile
 
         self.lockfile = repository_lockfile("LockedLayerRepository", self.repo_id, lockfile, version=version,
-                                            revision=revision)
+                                            revision=revision, check=not _DEFER_LOCK_CHECK.get())
         self.version, self.revision = version, revision
 
     def load_kernel(self) -> ModuleType:

@@ -95,7 +95,7 @@ _DISTRIBUTION_LOCKS: dict[tuple, Path] = {}
 
 
 def repository_lockfile(func: str, repo_id: str, lockfile: str | Path | None, *, version: int | None = None,
-                        revision: str | None = None) -> Path | None:
+                        revision: str | None = None, check: bool = True) -> Path | None:
     """The lock file a locked repository keeps, checked where the repository is built, as `kernels`
     does: `lockfile`, or with None the calling package's shipped lock (None again where it ships none:
     `KERNELHUB_LOCKFILE` / `./kernels.lock` are then read at load). A kernel that an existing lock does
@@ -106,7 +106,7 @@ def repository_lockfile(func: str, repo_id: str, lockfile: str | Path | None, *,
         path = None if os.environ.get("KERNELHUB_LOCKFILE") else _caller_distribution_lock()
     else:
         path = Path(lockfile)
-    if path is not None and path.is_file():
+    if check and path is not None and path.is_file():
         try:
             find_lock_entry(read_lockfile(path), repo_id, version=version, revision=revision)
         except KernelLockError as e:
