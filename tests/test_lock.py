@@ -457,3 +457,6 @@ def test_a_config_lock_lacking_the_kernel_fails_when_the_layer_loads(hub, tmp_pa
     repo = config.repository_for("Scale", torch.device("cpu"), None, None)
     with pytest.raises(KernelLockError, match="Kernel `org/other` is not locked"):
         repo.load()
+    renamed = repo.with_layer_name("TinyScaleDouble")  # as the registry renames a layer
+    with pytest.raises(KernelLockError, match="Kernel `org/other` is not locked"):
+        renamed.load()

@@ -433,14 +433,15 @@ class LockedLayerRepository:
         return _layer_from(self.load_kernel(), self.layer_name, self.describe())
 
     def with_layer_name(self, name: str) -> LockedLayerRepository:
-        return LockedLayerRepository(
-            self.repo_id,
-            layer_name=name,
-            lockfile=self.lockfile,
-            version=self.version,
-            revision=self.revision,
-            trust_remote_code=self.trust_remote_code,
-        )
+        with deferred_lock_check():  # same kernel and lock: checked (or deferred) when this one was built
+            return LockedLayerRepository(
+                self.repo_id,
+                layer_name=name,
+                lockfile=self.lockfile,
+                version=self.version,
+                revision=self.revision,
+                trust_remote_code=self.trust_remote_code,
+            )
 
     def describe(self) -> str:
         ref = (
