@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 from pathlib import Path
@@ -436,6 +437,11 @@ def test_cli_lock_of_a_project_locks_its_kernels_dependencies(hub, tmp_path, mon
     (project / "kernels.lock").unlink()
     monkeypatch.chdir(project)  # `kernels lock .`, spelled `kernelhub lock`
     assert main(["lock"]) == 0
+    assert json.loads((project / "kernels.lock").read_text())[0]["lock"]["commit"] == c2
+    (project / "kernels.lock").unlink()
+    from kernelhub.cli import lock_kernels
+
+    lock_kernels(argparse.Namespace(project_dir=project))  # `kernels.cli.lock_kernels`, as `kernels` code calls it
     assert json.loads((project / "kernels.lock").read_text())[0]["lock"]["commit"] == c2
     (project / "pyproject.toml").write_text('[tool.kernels.dependencies]\n"org/tiny" = "2"\n')
     assert main(["lock", str(project)]) == 1

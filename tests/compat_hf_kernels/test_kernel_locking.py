@@ -2,7 +2,7 @@
 
 Upstream: github.com/huggingface/kernels at 8ac69fc542a4306eade0759ef7c45b4f2ae57df0 (kernels
 0.17.0.dev0), kernels/tests/test_kernel_locking.py. Changed: the imports (`kernels.cli`'s
-`download_kernels` is `kernelhub.cli.download.download_kernels`, what `kernelhub download PROJECT_DIR`
+`download_kernels` is `kernelhub.cli`'s, what `kernelhub download PROJECT_DIR`
 runs); upstream's checked-in projects `tests/kernel_locking/` and `tests/layer_locking/` (pyproject.toml
 and the kernels.lock `kernels lock` wrote) are written by `_project` for the local Hub's stand-ins
 (hf_test_kernels.py), in upstream's lock format and again in the one the released `kernels` 0.17.2
@@ -26,7 +26,7 @@ from kernelhub import (
     use_kernel_func_from_hub,
     use_kernel_mapping,
 )
-from kernelhub.cli.download import download_kernels
+from kernelhub.cli import download_kernels
 
 _PROJECTS = {
     "kernel_locking": {"kernels-community/relu": 1, "kernels-test/versions": 2},
