@@ -49,7 +49,6 @@ __all__ = [
 
 _COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 _VERSION_BRANCH_RE = re.compile(r"^v([1-9]\d*)$")  # v1, v2, ...: not "v01", which is no "vN" of a version N
-_warned_newer: set[tuple] = set()  # (hub, repo, version, newest): warn once each
 
 
 @dataclass(frozen=True)
@@ -255,10 +254,8 @@ def _resolve_online(
             f"Version {version} not found, available versions: {', '.join(map(str, versions))} "
             f"(kernel repository {repo_id!r} has no branch {ref!r})"
         )
-    warn_key = (endpoint(), repo_id, version, versions[-1] if versions else version)
-    if versions and versions[-1] > version and warn_key not in _warned_newer:
-        _warned_newer.add(warn_key)
-        logger.warning(  # Hugging Face `kernels`' wording
+    if versions and versions[-1] > version:
+        logger.warning(  # Hugging Face `kernels`' wording, on every resolution as `kernels` logs it
             "You are using version %d of '%s', but version %d is available.", version, repo_id, versions[-1]
         )
     return ref, check_commit(repo_id, branches[ref], f"the commit of branch {ref!r}")
