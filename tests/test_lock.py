@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 from pathlib import Path
@@ -330,3 +331,138 @@ def test_kernelhub_writes_the_kernels_format_and_its_file_hashes_beside_it(hub, 
     assert entry["variants"]["torch-universal"]["build/torch-universal/tiny/ops.py"]
     Path(f"{lockfile}.sha256").unlink()  # without kernelhub's hashes: the commit still pins
     assert _scale_of(get_locked_kernel("org/tiny", lockfile=lockfile, version=1)) == 2.0
+
+
+# -- as Hugging Face `kernels` does it (issue 29) ----------------------------------------------------
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # LockedFuncRepository is deprecated, as in `kernels`
+def test_a_kernel_the_lock_does_not_hold_is_refused_when_the_repository_is_built(hub, tmp_path):
+    from kernelhub.func import LockedFuncRepository
+
+    _publish(tmp_path, "org/tiny")
+    lockfile = write_lockfile([lock_kernel("org/tiny", version=1)], tmp_path / "kernels.lock")
+    with pytest.raises(KernelLockError, match="LockedFuncRepository: Kernel `org/other` is not locked"):
+        LockedFuncRepository("org/other", func_name="scale", lockfile=lockfile)
+    with pytest.raises(KernelLockError, match="LockedLayerRepository: Kernel `org/other` is not locked"):
+        LockedLayerRepository("org/other", layer_name="TinyScale", lockfile=lockfile)
+    with pytest.raises(ValueError, match="Kernel `org/other` is not locked"):
+        get_locked_kernel("org/other", lockfile=lockfile)
+    LockedFuncRepository("org/tiny", func_name="scale", lockfile=lockfile)
+    # a lock file that does not exist yet is read when the layer loads, as before
+    LockedLayerRepository("org/other", layer_name="TinyScale", lockfile=tmp_path / "later.lock")
+
+
+def _installed_caller(site: Path, lockfile: Path) -> None:
+    """An installed package `lockedcaller` shipping `lockfile` (and its sidecar) in its metadata, as
+    `kernels`' setuptools hook ships a project's kernels.lock."""
+    pkg = site / "lockedcaller"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(
+        "from kernelhub import LockedLayerRepository, get_locked_kernel, load_kernel\n\n"
+        "def layer(repo_id):\n    return LockedLayerRepository(repo_id, layer_name='TinyScale')\n\n"
+        "def kernel(repo_id):\n    return get_locked_kernel(repo_id)\n\n"
+        "def cached(repo_id):\n    return load_kernel(repo_id, lockfile=None)\n"
+    )
+    info = site / "lockedcaller-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: lockedcaller\nVersion: 1.0\n")
+    (info / "top_level.txt").write_text("lockedcaller\n")
+    (info / "kernels.lock").write_text(lockfile.read_text())
+    (info / "kernels.lock.sha256").write_text(Path(f"{lockfile}.sha256").read_text())
+
+
+def test_without_a_lockfile_the_calling_packages_shipped_lock_is_read(hub, tmp_path, monkeypatch):
+    import importlib
+    import sys
+
+    _publish(tmp_path, "org/tiny", factor=2.0)
+    lockfile = write_lockfile([lock_kernel("org/tiny", version=1)], tmp_path / "kernels.lock")
+    _publish(tmp_path, "org/tiny", factor=4.0)  # v1 moved on: the shipped lock still means the first commit
+    _installed_caller(tmp_path / "site", lockfile)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # no ./kernels.lock to fall back on
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    try:
+        caller = importlib.import_module("lockedcaller")
+        assert _scale_of(caller.kernel("org/tiny")) == 2.0
+        layer = caller.layer("org/tiny")
+        assert layer.load().__name__ == "TinyScale"
+        assert _scale_of(caller.cached("org/tiny")) == 2.0
+        with pytest.raises(KernelLockError, match="Kernel `org/other` is not locked"):
+            caller.layer("org/other")
+        sys.modules.pop("lockedcaller")
+        (tmp_path / "site" / "lockedcaller-1.0.dist-info" / "kernels.lock").unlink()  # a package shipping none
+        caller = importlib.import_module("lockedcaller")
+        with pytest.raises(ValueError, match="Could not find a `kernels.lock` file in the caller's package metadata"):
+            caller.kernel("org/tiny")
+    finally:
+        sys.modules.pop("lockedcaller", None)
+
+
+def _two_variant_kernel(tmp_path: Path, foreign: str) -> str:
+    return upload_kernel(tiny_copy(tmp_path / "src2", extra_variants={foreign: 3.0}), "org/tiny", version=1)[2]
+
+
+def test_cli_download_of_a_project_checks_the_locked_variants(hub, tmp_path, capsys):
+    foreign = "torch27-cxx11-cu118-aarch64-linux"
+    commit = _two_variant_kernel(tmp_path, foreign)
+    project = tmp_path / "project"
+    project.mkdir()
+    lock = _legacy_kernels_lock(hub, "org/tiny", commit)
+    (project / "kernels.lock").write_text(json.dumps(lock))
+    assert main(["download", str(project), "--all-variants"]) == 0
+    out = capsys.readouterr().out
+    assert f"build/{foreign}" in out and "build/torch-universal" in out
+    lock[0]["variants"][foreign]["hash"] = "sha256-" + "0" * 64
+    (project / "kernels.lock").write_text(json.dumps(lock))
+    assert main(["download", str(project)]) == 0  # this system's variant only: still as locked
+    assert main(["download", str(project), "--all-variants"]) == 1
+    assert f"git_lfs_concat hash of build/{foreign}/ is" in capsys.readouterr().err
+    (project / "kernels.lock").unlink()
+    assert main(["download", str(project)]) == 1
+    assert "No kernels.lock file found in" in capsys.readouterr().err
+
+
+def test_cli_lock_of_a_project_locks_its_kernels_dependencies(hub, tmp_path, monkeypatch, capsys):
+    _publish(tmp_path, "org/tiny", version=1, factor=2.0)
+    c2 = _publish(tmp_path, "org/tiny", version=2, factor=3.0)
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "pyproject.toml").write_text('[tool.kernels.dependencies]\n"org/tiny" = 2\n')
+    monkeypatch.chdir(tmp_path)
+    assert main(["lock", str(project)]) == 0
+    assert json.loads((project / "kernels.lock").read_text()) == [
+        {"dependency": {"repo-id": "org/tiny", "version": 2}, "lock": {"commit": c2}}
+    ]
+    assert _scale_of(get_locked_kernel("org/tiny", lockfile=project / "kernels.lock")) == 3.0
+    (project / "kernels.lock").unlink()
+    monkeypatch.chdir(project)  # `kernels lock .`, spelled `kernelhub lock`
+    assert main(["lock"]) == 0
+    assert json.loads((project / "kernels.lock").read_text())[0]["lock"]["commit"] == c2
+    (project / "kernels.lock").unlink()
+    from kernelhub.cli import lock_kernels
+
+    lock_kernels(argparse.Namespace(project_dir=project))  # `kernels.cli.lock_kernels`, as `kernels` code calls it
+    assert json.loads((project / "kernels.lock").read_text())[0]["lock"]["commit"] == c2
+    (project / "pyproject.toml").write_text('[tool.kernels.dependencies]\n"org/tiny" = "2"\n')
+    assert main(["lock", str(project)]) == 1
+    assert "[tool.kernels.dependencies] 'org/tiny' must be an int version, got '2'" in capsys.readouterr().err
+
+
+def test_a_config_lock_lacking_the_kernel_fails_when_the_layer_loads(hub, tmp_path):
+    """kernelize builds the config's locked repositories while it chooses, outside its load-failure
+    handling (a layer recognised by its class falls back when its kernel fails to load): a kernel
+    the lock does not hold fails at load there, not when the repository is built."""
+    from kernelhub.config import KernelhubConfig
+
+    _publish(tmp_path, "org/tiny")
+    write_lockfile([lock_kernel("org/tiny", version=1)], tmp_path / "kernels.lock")
+    config = KernelhubConfig.from_dict(
+        {"lockfile": "kernels.lock", "layers": {"Scale": {"repo": "org/other", "version": 1, "layer": "TinyScale"}}},
+        base_dir=tmp_path,
+    )
+    repo = config.repository_for("Scale", torch.device("cpu"), None, None)
+    with pytest.raises(KernelLockError, match="Kernel `org/other` is not locked"):
+        repo.load()
+    renamed = repo.with_layer_name("TinyScaleDouble")  # as the registry renames a layer
+    with pytest.raises(KernelLockError, match="Kernel `org/other` is not locked"):
+        renamed.load()

@@ -28,7 +28,7 @@ from pydantic import (
 
 from kernelhub._fetch import check_repo_id
 from kernelhub.errors import ConfigError  # re-exported: its earlier import path
-from kernelhub.hub import LayerRepository, LocalLayerRepository, LockedLayerRepository
+from kernelhub.hub import LayerRepository, LocalLayerRepository, LockedLayerRepository, deferred_lock_check
 
 try:
     import tomllib
@@ -243,13 +243,14 @@ class KernelhubConfig(_Strict):
     # -- building repositories -------------------------------------------------------------------
     def _hub(self, repo: str, layer: str, version: int | None, revision: str | None, trust: bool | None):
         if self.lockfile is not None:
-            return LockedLayerRepository(
-                repo,
-                layer_name=layer,
-                lockfile=self._base_dir / self.lockfile,
-                version=version,
-                revision=revision,
-            )
+            with deferred_lock_check():  # a kernel the lock lacks is kernelize's load failure, not a crash
+                return LockedLayerRepository(
+                    repo,
+                    layer_name=layer,
+                    lockfile=self._base_dir / self.lockfile,
+                    version=version,
+                    revision=revision,
+                )
         trusted = True if trust or repo.split("/", 1)[0] in self.trusted_publishers else trust
         return LayerRepository(
             repo, layer_name=layer, version=version, revision=revision, trust_remote_code=trusted

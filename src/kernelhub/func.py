@@ -16,8 +16,9 @@ from typing import Any
 
 from torch import nn
 
-from kernelhub.hub import LayerRepository, LockedLayerRepository, get_local_kernel
+from kernelhub.hub import LayerRepository, LockedLayerRepository, _check_repo_id, get_local_kernel
 from kernelhub.layer import create_func_module, use_kernel_forward_from_hub
+from kernelhub.lock import repository_lockfile
 
 __all__ = ["FuncRepository", "LocalFuncRepository", "LockedFuncRepository", "use_kernel_func_from_hub"]
 
@@ -155,6 +156,9 @@ class LockedFuncRepository:
         # locked code is trusted: the lock is the review of that exact code, so the flag is kept only
         # for `kernels`' signature
         self.trust_remote_code = trust_remote_code
+        _check_repo_id("LockedFuncRepository", repo_id)
+        # resolved and checked here, as `kernels` does: a kernel the lock does not hold is refused now
+        lockfile = repository_lockfile("LockedFuncRepository", repo_id, lockfile)
         self._locked = LockedLayerRepository(repo_id, layer_name=func_name, lockfile=lockfile)
         self.repo_id, self.lockfile = repo_id, self._locked.lockfile
 

@@ -6,8 +6,11 @@ Every repository kind has the same interface, used by the registry and `kerneliz
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -377,13 +380,28 @@ class LayerRepository:
         return hash(("hub",) + self._key())
 
 
+_DEFER_LOCK_CHECK: contextvars.ContextVar[bool] = contextvars.ContextVar("kernelhub_defer_lock_check", default=False)
+
+
+@contextlib.contextmanager
+def deferred_lock_check() -> Iterator[None]:
+    """LockedLayerRepository built here reads its lock only when it loads: kernelize builds the
+    config's repositories while choosing, and reports a kernel the lock lacks as a load failure."""
+    token = _DEFER_LOCK_CHECK.set(True)
+    try:
+        yield
+    finally:
+        _DEFER_LOCK_CHECK.reset(token)
+
+
 class LockedLayerRepository:
     """A layer class from a Hub kernel pinned in a lock file (`kernels.lock`): exact commit, hashed files.
 
     Loading refuses files whose sha256 differs from the lock. Locked kernels are trusted: the lock
     is the user's review of that exact code (`trust_remote_code` is accepted, as `kernels` takes it).
-    `lockfile` defaults to `KERNELHUB_LOCKFILE` or `./kernels.lock`; `version`/`revision` choose
-    among several lock entries of one repository.
+    `lockfile` defaults to `KERNELHUB_LOCKFILE`, else the `kernels.lock` the calling package ships in
+    its distribution metadata (as `kernels`), else `./kernels.lock`; `version`/`revision` choose among
+    several lock entries of one repository. A kernel an existing lock does not hold is refused here.
     """
 
     def __init__(
@@ -401,10 +419,11 @@ class LockedLayerRepository:
         # accepted as `kernels` takes it; a lock is the review of that exact code, so it is not needed
         self.trust_remote_code = list(trust_remote_code) if isinstance(trust_remote_code, list) else trust_remote_code
         self.layer_name = _check_layer_name("LockedLayerRepository", layer_name)
-        if lockfile is not None and not isinstance(lockfile, (str, Path)):
-            raise TypeError(f"LockedLayerRepository: `lockfile` must be a str or Path, got {lockfile!r}")
         _check_ref("LockedLayerRepository", revision, version)
-        self.lockfile = Path(lockfile) if lockfile is not None else None
+        from kernelhub.lock import repository_lockfile
+
+        self.lockfile = repository_lockfile("LockedLayerRepository", self.repo_id, lockfile, version=version,
+                                            revision=revision, check=not _DEFER_LOCK_CHECK.get())
         self.version, self.revision = version, revision
 
     def load_kernel(self) -> ModuleType:
@@ -418,14 +437,15 @@ class LockedLayerRepository:
         return _layer_from(self.load_kernel(), self.layer_name, self.describe())
 
     def with_layer_name(self, name: str) -> LockedLayerRepository:
-        return LockedLayerRepository(
-            self.repo_id,
-            layer_name=name,
-            lockfile=self.lockfile,
-            version=self.version,
-            revision=self.revision,
-            trust_remote_code=self.trust_remote_code,
-        )
+        with deferred_lock_check():  # same kernel and lock: checked (or deferred) when this one was built
+            return LockedLayerRepository(
+                self.repo_id,
+                layer_name=name,
+                lockfile=self.lockfile,
+                version=self.version,
+                revision=self.revision,
+                trust_remote_code=self.trust_remote_code,
+            )
 
     def describe(self) -> str:
         ref = (

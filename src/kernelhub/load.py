@@ -3,9 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
-import inspect
-import tempfile
 from pathlib import Path
 from types import ModuleType
 
@@ -13,7 +10,7 @@ from kernelhub._download import fetch_variant
 from kernelhub._fetch import choose_variant, default_repo_type, list_variants, resolve_kernel, user_agent_scope
 from kernelhub._loaded import LoadedKernel, RepoInfo, get_loaded_kernels, local_kernel_overrides
 from kernelhub.hub import _check_ref, _check_repo_id, _check_trust, _check_trust_arg
-from kernelhub.lock import get_locked_kernel
+from kernelhub.lock import _caller_distribution_lock, get_locked_kernel
 from kernelhub.variants import Variant, VariantAccepted, VariantRejected, rank_variants, system_for_backend
 
 __all__ = [
@@ -54,27 +51,6 @@ def install_kernel(
         return fetch_variant(repo_id, repo_type, ref, commit, variant, local_only=True)
 
 
-def _caller_lockfile(repo_id: str) -> Path:
-    """The `kernels.lock` that the calling package ships in its distribution metadata (as `kernels`
-    finds it when `lockfile` is None)."""
-    for frame in inspect.stack()[2:]:
-        module = inspect.getmodule(frame.frame)
-        if module is None or module.__name__.startswith("kernelhub"):
-            continue
-        top = module.__name__.split(".")[0]
-        for dist in importlib.metadata.packages_distributions().get(top, []):
-            text = importlib.metadata.distribution(dist).read_text("kernels.lock")
-            if text is not None:
-                path = Path(tempfile.mkdtemp(prefix="kernelhub-lock-")) / "kernels.lock"
-                path.write_text(text)
-                return path
-        break
-    raise ValueError(
-        "Could not find a `kernels.lock` file in the caller's package metadata. Please lock kernels with "
-        f"`kernelhub lock` (or `kernels lock <project>`) and then reinstall the project (looking for {repo_id!r})."
-    )
-
-
 def load_kernel(repo_id: str, *, lockfile: str | Path | None, backend: str | None = None) -> ModuleType:
     """Import a locked kernel that is already in the cache; never downloads (as `kernels`).
 
@@ -83,7 +59,13 @@ def load_kernel(repo_id: str, *, lockfile: str | Path | None, backend: str | Non
     """
     _check_repo_id("load_kernel", repo_id)
     if lockfile is None:
-        lockfile = _caller_lockfile(repo_id)
+        lockfile = _caller_distribution_lock()
+        if lockfile is None:
+            raise ValueError(
+                "load_kernel: Could not find a `kernels.lock` file in the caller's package metadata. Please lock "
+                f"kernels with `kernelhub lock` (or `kernels lock <project>`) and then reinstall the project "
+                f"(looking for {repo_id!r}), or pass `lockfile=`."
+            )
     return get_locked_kernel(repo_id, lockfile=lockfile, backend=backend, local_only=True)
 
 

@@ -12,10 +12,13 @@ older `kernels` locks (a `git_lfs_concat` hash per variant, verified) and kernel
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import re
 import stat
+import sys
+import tempfile
 from pathlib import Path
 from types import ModuleType
 
@@ -46,11 +49,13 @@ __all__ = [
     "DEFAULT_LOCKFILE",
     "LOCKFILE_VERSION",
     "KernelLockError",
+    "download_locked",
     "find_lock_entry",
     "get_locked_kernel",
     "hash_variant",
     "lock_kernel",
     "read_lockfile",
+    "repository_lockfile",
     "verify_variant",
     "write_lockfile",
 ]
@@ -58,10 +63,65 @@ __all__ = [
 DEFAULT_LOCKFILE = "kernels.lock"
 
 
+def _caller_distribution_lock() -> Path | None:
+    """The `kernels.lock` that the calling package (the first module on the stack outside kernelhub)
+    ships in its distribution metadata, as `kernels` reads it when `lockfile` is None; None where
+    that package ships none. The text is copied to a private file (with the `.sha256` sidecar when
+    the metadata has one), since a distribution's files need not be on disk."""
+    frame = sys._getframe(1)
+    while frame is not None and str(frame.f_globals.get("__name__", "")).split(".")[0] == "kernelhub":
+        frame = frame.f_back
+    if frame is None:
+        return None
+    top = str(frame.f_globals.get("__name__", "")).split(".")[0]
+    for name in importlib.metadata.packages_distributions().get(top, []):
+        dist = importlib.metadata.distribution(name)
+        text = dist.read_text(DEFAULT_LOCKFILE)
+        if text is None:
+            continue
+        side = dist.read_text(sidecar_path(Path(DEFAULT_LOCKFILE)).name)
+        key = (name, text, side)
+        if key not in _DISTRIBUTION_LOCKS:
+            path = Path(tempfile.mkdtemp(prefix="kernelhub-lock-")) / DEFAULT_LOCKFILE
+            path.write_text(text)
+            if side is not None:
+                sidecar_path(path).write_text(side)
+            _DISTRIBUTION_LOCKS[key] = path
+        return _DISTRIBUTION_LOCKS[key]
+    return None
+
+
+_DISTRIBUTION_LOCKS: dict[tuple, Path] = {}
+
+
+def repository_lockfile(func: str, repo_id: str, lockfile: str | Path | None, *, version: int | None = None,
+                        revision: str | None = None, check: bool = True) -> Path | None:
+    """The lock file a locked repository keeps, checked where the repository is built, as `kernels`
+    does: `lockfile`, or with None the calling package's shipped lock (None again where it ships none:
+    `KERNELHUB_LOCKFILE` / `./kernels.lock` are then read at load). A kernel that an existing lock does
+    not hold is refused now ("is not locked"); a lock file that does not exist yet is read at load."""
+    if lockfile is not None and not isinstance(lockfile, (str, Path)):
+        raise TypeError(f"{func}: `lockfile` must be a str or Path, got {lockfile!r}")
+    if lockfile is None:
+        path = None if os.environ.get("KERNELHUB_LOCKFILE") else _caller_distribution_lock()
+    else:
+        path = Path(lockfile)
+    if check and path is not None and path.is_file():
+        try:
+            find_lock_entry(read_lockfile(path), repo_id, version=version, revision=revision)
+        except KernelLockError as e:
+            raise KernelLockError(f"{func}: {e}") from None
+    return path
+
+
 def _lock_path(lockfile: str | Path | None) -> Path:
+    """`lockfile`, else `KERNELHUB_LOCKFILE`, else the calling package's shipped lock (as `kernels`),
+    else `./kernels.lock`."""
     if lockfile is not None:
         return Path(lockfile)
-    return Path(os.environ.get("KERNELHUB_LOCKFILE") or DEFAULT_LOCKFILE)
+    if os.environ.get("KERNELHUB_LOCKFILE"):
+        return Path(os.environ["KERNELHUB_LOCKFILE"])
+    return _caller_distribution_lock() or Path(DEFAULT_LOCKFILE)
 
 
 def _walk(variant_dir: Path, blobs: Path | None) -> tuple[dict[str, Path], set[str]]:
@@ -297,9 +357,9 @@ def find_lock_entry(
         found = [e for e in found if e.get("revision") == revision or e["commit"] == revision]
     if not found:
         have = sorted({e["repo_id"] for e in entries})
-        raise KernelLockError(
-            f"lock has no entry for {repo_id!r} (version={version}, revision={revision}); "
-            f"locked: {have}. Run `kernelhub lock`."
+        raise KernelLockError(  # "is not locked": the phrase `kernels` raises
+            f"Kernel `{repo_id}` is not locked: lock has no entry for {repo_id!r} (version={version}, "
+            f"revision={revision}); locked: {have}. Lock it with `kernelhub lock` (or `kernels lock <project>`)."
         )
     if len(found) > 1:
         refs = [(e.get("version"), e.get("revision")) for e in found]
@@ -379,6 +439,11 @@ def get_locked_kernel(
 
     system = system_for_backend("get_locked_kernel", backend)
     path = _lock_path(lockfile)
+    if lockfile is None and not path.is_file():  # the phrase `kernels` raises, then where kernelhub looked
+        raise KernelLockError(
+            f"get_locked_kernel: Could not find a `kernels.lock` file in the caller's package metadata, nor {path} "
+            "(KERNELHUB_LOCKFILE or ./kernels.lock). Lock kernels with `kernelhub lock` (or `kernels lock <project>`)."
+        )
     entry = find_lock_entry(read_lockfile(path), repo_id, version=version, revision=revision)
     commit, repo_type = entry["commit"], entry["repo_type"]
     with user_agent_scope(user_agent):
@@ -394,3 +459,27 @@ def get_locked_kernel(
     prefix = f"build/{variant}/"
     verified = {name.removeprefix(prefix): digest for name, digest in files.items()}
     return _import_resolved(ResolvedKernel(repo_id, repo_type, ref, commit, variant, target), verified=verified)
+
+
+def download_locked(
+    lockfile: str | Path | None = None, *, all_variants: bool = False, backend: str | None = None
+) -> list[Path]:
+    """Download every kernel of a lock at its locked commit and check it against the lock, as
+    `kernels download` does; returns the variant directories. Only the variant this system (or
+    `backend`) loads, or with `all_variants` every locked variant (every variant of the commit for a
+    lock that pins only commits). Nothing is imported, so no publisher trust is needed."""
+    system = None if all_variants else system_for_backend("download_locked", backend)
+    path = _lock_path(lockfile)
+    out = []
+    for entry in read_lockfile(path):
+        repo_id, commit, repo_type = entry["repo_id"], entry["commit"], entry["repo_type"]
+        names = sorted(set(entry["variants"]) | set(entry.get("variant_hashes", {})))
+        if not names:
+            names = list_variants(repo_id, revision=commit, repo_type=repo_type)[2]
+        wanted = names if all_variants else [choose_variant(repo_id, commit, names, system)]
+        where = f"download_locked({repo_id!r}, lockfile={str(path)!r})"
+        for variant in wanted:
+            target = fetch_variant(repo_id, repo_type, commit, commit, variant)
+            _verified_files(entry, variant, target, _storage(repo_id, repo_type) / "blobs", f"{where} {variant}")
+            out.append(target)
+    return out

@@ -182,3 +182,46 @@ def install_kernel(repo_id: str, revision: str, local_files_only: bool = False) 
     from kernelhub._fetch import resolve_kernel
 
     return Path(resolve_kernel(repo_id, revision=revision).path)
+
+
+def write_locked_project(project_dir: Path, dependencies: dict[str, int], lock_format: str = "variant-hash") -> Path:
+    """A project as upstream's `tests/kernel_locking/` and `tests/layer_locking/` hold it:
+    pyproject.toml with `[tool.kernels.dependencies]` and the `kernels.lock` that `kernels lock`
+    wrote for it at the upstream commit, made from the local Hub: each repository's commit of branch
+    `v<version>`, and each variant's `git_lfs_concat` hash computed from the Hub's listing (git blob
+    ids, LFS sha256) as `kernels` computed it, not from downloaded files. `lock_format="commit"`: the
+    lock as the released `kernels` 0.17.2 writes it instead (`{"dependency", "lock": {"commit"}}`, no
+    hashes). Returns `project_dir`."""
+    import hashlib
+
+    from huggingface_hub.hf_api import RepoFile
+
+    from kernelhub._fetch import api, default_repo_type
+
+    hub, repo_type = api(), default_repo_type()
+    project_dir.mkdir(parents=True, exist_ok=True)
+    deps = "".join(f'"{repo_id}" = {version}\n' for repo_id, version in dependencies.items())
+    (project_dir / "pyproject.toml").write_text(f"[tool.kernels.dependencies]\n{deps}")
+    locks = []
+    for repo_id, version in dependencies.items():
+        branches = {b.name: b.target_commit for b in hub.list_repo_refs(repo_id, repo_type=repo_type).branches}
+        sha = branches[f"v{version}"]
+        if lock_format == "commit":
+            locks.append({"dependency": {"repo-id": repo_id, "version": version}, "lock": {"commit": sha}})
+            continue
+        files: dict[str, list[tuple[bytes, str]]] = {}
+        for f in hub.list_repo_tree(repo_id, repo_type=repo_type, revision=sha, recursive=True):
+            if isinstance(f, RepoFile) and f.path.startswith("build/torch"):
+                parts = f.path.split("/")
+                digest = f.lfs.sha256 if f.lfs else f.blob_id
+                files.setdefault(parts[1], []).append(("/".join(parts[2:]).encode(), digest))
+        variants = {}
+        for variant, entries in sorted(files.items()):
+            m = hashlib.sha256()
+            for rel, digest in sorted(entries):
+                m.update(rel)
+                m.update(bytes.fromhex(digest))
+            variants[variant] = {"hash": f"sha256-{m.hexdigest()}", "hash_type": "git_lfs_concat"}
+        locks.append({"repo_id": repo_id, "sha": sha, "variants": variants})
+    (project_dir / "kernels.lock").write_text(json.dumps(locks, indent=2))
+    return project_dir

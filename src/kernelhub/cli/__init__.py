@@ -10,8 +10,10 @@ import sys
 
 from kernelhub._env import env_flag
 from kernelhub.cli import build, check, download, lock, report, upload, variants
+from kernelhub.cli.download import download_kernels  # `kernels.cli`'s names, for code written against it
+from kernelhub.cli.lock import lock_kernels
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "download_kernels", "lock_kernels", "main"]
 
 _COMMANDS = (check, build, upload, download, lock, variants, report)
 
