@@ -16,7 +16,6 @@ from typing import Any
 
 from torch import nn
 
-from kernelhub._trust import _check_trust_arg
 from kernelhub.hub import LayerRepository, LockedLayerRepository, get_local_kernel
 from kernelhub.layer import create_func_module, use_kernel_forward_from_hub
 
@@ -64,6 +63,8 @@ class FuncRepository:
         if revision is None and version is None:
             raise ValueError("FuncRepository: Either a revision or a version must be specified.")
         self.func_name = _check_func_name("FuncRepository", func_name)
+        from kernelhub._trust import _check_trust_arg  # (here: the import block is the lock work's to change)
+
         _check_trust_arg("FuncRepository", trust_remote_code)
         if isinstance(trust_remote_code, list):  # (a copy, as `kernels` keeps: later edits change nothing)
             trust_remote_code = list(trust_remote_code)
