@@ -63,7 +63,7 @@ class FuncRepository:
         if revision is None and version is None:
             raise ValueError("FuncRepository: Either a revision or a version must be specified.")
         self.func_name = _check_func_name("FuncRepository", func_name)
-        from kernelhub._trust import _check_trust_arg  # (here: the import block is the lock work's to change)
+        from kernelhub._trust import _check_trust_arg
 
         _check_trust_arg("FuncRepository", trust_remote_code)
         if isinstance(trust_remote_code, list):  # (a copy, as `kernels` keeps: later edits change nothing)
