@@ -552,6 +552,10 @@ def test_devices_have_kernels_validate_methods():
 
 # Where kernelhub's positional parameter differs from kernels' on purpose: (name, position) -> why.
 # The test checks kernels' spelling still works for each.
+# Defaults that differ from kernels' in spelling only: parameter -> (kernelhub's, kernels', why).
+_DEFAULT_SPELLINGS = {
+    "trust_remote_code": (None, False, "None is 'not given', refused as False is (checked below)"),
+}
 _POSITIONAL_ON_PURPOSE = {
     ("Device", 1): "kernelhub's Device(type, index, properties) keeps its per-index key; a CUDAProperties/"
                    "ROCMProperties given as the second argument is taken as `properties`, as kernels has it",
@@ -588,6 +592,9 @@ def _signature_problems(name: str, theirs: inspect.Signature, ours: inspect.Sign
                 continue
         if p.default is not P.empty and q.default is P.empty:
             problems.append(f"{q.name!r} is required here, optional in kernels")
+        elif p.default is not P.empty and not (p.default is q.default or p.default == q.default):
+            if _DEFAULT_SPELLINGS.get(p.name, (None, None))[:2] != (q.default, p.default):
+                problems.append(f"{q.name!r} defaults to {q.default!r} here, to {p.default!r} in kernels")
     required_here = {q.name for q in mine if q.default is P.empty and q.kind not in (P.VAR_POSITIONAL, P.VAR_KEYWORD)}
     for extra in sorted(required_here - set(theirs.parameters)):
         problems.append(f"requires {extra!r}, which kernels does not have")
@@ -641,6 +648,17 @@ def test_kernelhub_has_every_kernels_name_with_a_signature_that_takes_its_argume
     assert kernels.Device("cuda", props).properties == props
 
 
+def test_trust_remote_code_none_is_refused_as_false_is(monkeypatch):
+    from kernelhub._trust import _check_trust
+
+    monkeypatch.setenv("KERNELHUB_REQUIRE_TRUSTED", "1")  # the local list only: the Hub is not asked
+    monkeypatch.delenv("KERNELHUB_TRUSTED_PUBLISHERS", raising=False)
+    for untrusted in (None, False, ["someone/else"]):
+        with pytest.raises(kernelhub.UntrustedKernelError, match="not from a trusted publisher"):
+            _check_trust("someone/kernel", untrusted)
+    assert _check_trust("someone/kernel", True) is None
+
+
 def test_the_signature_check_finds_what_would_break_kernels_code():
     def kernels_fn(repo_id, *, layer_name, revision=None):
         pass
@@ -660,6 +678,9 @@ def test_the_signature_check_finds_what_would_break_kernels_code():
     def superset(repo_id, revision=None, *, layer_name, extra=1, **kw):
         pass
 
+    def other_default(repo_id, *, layer_name, revision="main"):
+        pass
+
     theirs = inspect.signature(kernels_fn)
     assert _signature_problems("f", theirs, inspect.signature(superset)) == []
     assert _signature_problems("f", theirs, inspect.signature(reordered)) == [
@@ -669,3 +690,5 @@ def test_the_signature_check_finds_what_would_break_kernels_code():
         "'revision' is required here, optional in kernels"]
     assert _signature_problems("f", theirs, inspect.signature(extra_required)) == [
         "requires 'config', which kernels does not have"]
+    assert _signature_problems("f", theirs, inspect.signature(other_default)) == [
+        "'revision' defaults to 'main' here, to None in kernels"]

@@ -55,7 +55,7 @@ class FuncRepository:
         func_name: str,
         revision: str | None = None,
         version: int | None = None,
-        trust_remote_code: bool | list[str] | None = None,
+        trust_remote_code: bool | list[str] = False,
     ):
         _deprecated("FuncRepository", "LayerRepository")
         if revision is not None and version is not None:
