@@ -692,3 +692,16 @@ def test_the_signature_check_finds_what_would_break_kernels_code():
         "requires 'config', which kernels does not have"]
     assert _signature_problems("f", theirs, inspect.signature(other_default)) == [
         "'revision' defaults to 'main' here, to None in kernels"]
+
+
+def test_metadata_reads_a_kernel_builder_metadata_json_as_kernels_does():
+    kernels = _kernels_or_skip()
+    text = (b'{"id": "_relu_cuda_2c1f9e1", "name": "relu", "version": 1, "license": "Apache-2.0", '
+            b'"kernels-minver": "0.17.0", "python-depends": ["einops"], "kernel-depends": [], '
+            b'"upstream": null, "backend": {"type": "cuda", "archs": ["8.0", "9.0"]}}')
+    ours, theirs = kernelhub.Metadata.from_bytes(text), kernels.Metadata.from_bytes(text)
+    for attr in ("id", "version", "license", "upstream", "source"):
+        assert getattr(ours, attr) == getattr(theirs, attr), attr
+    assert (str(ours.name), ours.name.python_name) == (str(theirs.name), theirs.name.python_name)
+    assert list(ours.python_depends) == theirs.python_depends and list(ours.kernel_depends) == theirs.kernel_depends
+    assert ours.kernels_minver == str(theirs.kernels_minver) and ours.backend["archs"] == theirs.backend.archs
