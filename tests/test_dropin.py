@@ -4,6 +4,7 @@ device and mode rules, layer validation, function layers and the `kernels` spell
 from __future__ import annotations
 
 import copy
+import inspect
 import pickle
 import textwrap
 import warnings
@@ -383,3 +384,324 @@ def test_members_added_to_nn_module_later_are_not_a_layers_own(monkeypatch):
     assert extra_members(Layer) == []
     monkeypatch.setattr(torch.nn.Module, "added_by_a_library", lambda self: None, raising=False)
     assert extra_members(Layer) == []
+
+
+# -- condition= on the marking decorators, as kernels 0.17 honours it ----------------------------
+
+
+def test_a_condition_decides_per_instance_whether_kernelize_replaces_the_forward(tmp_path):
+    @use_kernel_forward_from_hub("Double", condition=lambda module: module.fast)
+    class Switchable(nn.Module):
+        def __init__(self, fast):
+            super().__init__()
+            self.fast = fast
+
+        def forward(self, x):
+            return x * 2
+
+    model = nn.Sequential(Switchable(True), Switchable(False))
+    repo = LocalLayerRepository(_kernel(tmp_path, _TRIPLE), layer_name="Triple")
+    with use_kernel_mapping({"Double": {"cpu": repo}}):
+        kernelize(model, mode=Mode.INFERENCE, device="cpu", use_fallback=False)  # a skip is no failure
+    assert model[0](torch.ones(1)).item() == 3.0 and model[1](torch.ones(1)).item() == 2.0
+    kept, skipped = kernelize_report(model).entries
+    assert kept.layer == "Triple" and skipped.layer is None and "kernel_condition" in skipped.fallback_reason
+    model[1].fast = True  # asked again at every kernelize
+    with use_kernel_mapping({"Double": {"cpu": repo}}):
+        kernelize(model, device="cpu")
+    assert model[1](torch.ones(1)).item() == 3.0
+    model[0].fast = model[1].fast = False  # skipped now: back on their own forward
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a skipped module is not reported as unmapped ("Double" is not here)
+        kernelize(model, device="cpu")
+    assert model(torch.ones(1)).item() == 4.0
+
+
+def test_replace_kernel_forward_from_hub_takes_a_condition_positionally(tmp_path):
+    class ThirdParty(nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    seen = []
+    kernelhub.replace_kernel_forward_from_hub(ThirdParty, "ThirdPartyCond", lambda m: seen.append(m) or False)
+    module = ThirdParty()
+    assert module.kernel_condition(module) is False  # a staticmethod: the instance is not bound twice
+    repo = LocalLayerRepository(_kernel(tmp_path, _TRIPLE), layer_name="Triple")
+    with use_kernel_mapping({"ThirdPartyCond": {"cpu": repo}}):
+        kernelize(nn.Sequential(module), device="cpu")
+    assert seen[-1] is module and module(torch.ones(1)).item() == 2.0
+
+    class Child(ThirdParty):  # marked again without a condition: the parent's is not inherited
+        pass
+
+    kernelhub.replace_kernel_forward_from_hub(Child, "ThirdPartyCond")
+    with use_kernel_mapping({"ThirdPartyCond": {"cpu": repo}}):
+        model = kernelize(nn.Sequential(Child()), device="cpu")
+    assert model(torch.ones(1)).item() == 3.0
+
+
+def test_a_condition_applies_to_a_kernelized_function(tmp_path):
+    @use_kernel_forward_from_hub("Quintuple", condition=lambda module: False)
+    def quintuple(x):
+        return x * 5
+
+    @use_kernelized_func(quintuple)
+    class Host(nn.Module):
+        def forward(self, x):
+            return quintuple(x)
+
+    model = nn.Sequential(Host())
+    with use_kernel_mapping({"Quintuple": {"cpu": LocalLayerRepository(_kernel(tmp_path, _TRIPLE),
+                                                                           layer_name="Triple")}}):
+        kernelize(model, device="cpu")
+    assert model(torch.ones(1)).item() == 5.0
+
+
+@pytest.mark.parametrize("mark", [
+    lambda c: use_kernel_forward_from_hub("X", condition=c),
+    lambda c: (lambda cls: kernelhub.replace_kernel_forward_from_hub(cls, "X", condition=c)),
+])
+def test_a_condition_that_is_not_callable_is_a_type_error(mark):
+    with pytest.raises(TypeError, match=r"(use|replace)_kernel_forward_from_hub: `condition` must be a callable"):
+        mark(True)(Double)
+
+
+# -- kernels' other public names -------------------------------------------------------------------
+
+
+def test_version_is_the_installed_distributions():
+    import importlib.metadata
+
+    assert kernelhub.__version__ == importlib.metadata.version("kernelhub")
+
+
+def test_benchmark_is_kernels_base_class():
+    class SiluBench(kernelhub.Benchmark):
+        seed = 42
+
+        def setup(self):
+            self.x = torch.ones(2, 4, device=self.device)
+
+    bench = SiluBench()
+    assert (bench.kernel, bench.out, bench.device, kernelhub.Benchmark.seed) == (None, None, "cpu", None)
+    bench.setup()
+    assert bench.x.shape == (2, 4) and kernelhub.Benchmark().setup() is None
+
+
+def test_metadata_reads_metadata_json(tmp_path):
+    from kernelhub import Metadata
+
+    text = ('{"id": "relu_cuda_abc", "name": "my-relu", "version": 2, "license": "MIT", '
+            '"python-depends": ["einops"], "backend": {"type": "cuda", "archs": ["9.0"]}, "kernel-depends": []}')
+    meta = Metadata.from_bytes(text.encode())
+    assert (meta.id, meta.name, meta.name.python_name, meta.version, meta.license) == (
+        "relu_cuda_abc", "my-relu", "my_relu", 2, "MIT")
+    assert meta.python_depends == ("einops",) and meta.backend["archs"] == ["9.0"] and meta.kernel_depends == ()
+    (tmp_path / "metadata.json").write_text(text)
+    assert Metadata.read_from_file(tmp_path / "metadata.json") == meta
+    for bad in (b"not json", b"[]", b'{"version": 1}', b'{"name": "x", "version": "1"}',
+                b'{"name": "x", "python-depends": "einops"}'):
+        with pytest.raises(ValueError, match="Cannot parse metadata"):
+            Metadata.from_bytes(bad)
+    with pytest.raises(OSError):
+        Metadata.read_from_file(tmp_path / "missing.json")
+    with pytest.raises(TypeError, match="Metadata.from_bytes: `bytes` must be bytes"):
+        Metadata.from_bytes(text)
+
+
+def test_a_loaded_kernels_metadata_is_a_metadata(tmp_path):
+    path = _kernel(tmp_path, _TRIPLE, name="meta_kernel")
+    (path / "build" / "torch-universal" / "meta_kernel" / "metadata.json").write_text(
+        '{"name": "meta-kernel", "version": 1, "license": "MIT", "python-depends": [3, "einops"]}')
+    kernel = kernelhub.get_local_kernel(path)
+    (loaded,) = [k for k in kernelhub.get_loaded_kernels() if k.module is kernel]
+    assert isinstance(loaded.metadata, kernelhub.Metadata)
+    assert (loaded.metadata.name.python_name, loaded.metadata.license) == ("meta_kernel", "MIT")
+    assert loaded.metadata.python_depends == ("einops",)  # loading keeps what it can read
+
+
+def test_get_kernel_dep_works_only_while_a_kernel_loads(tmp_path):
+    with pytest.raises(RuntimeError, match="`get_kernel_dep` only works during kernel loading"):
+        kernelhub.get_kernel_dep("org/dep")
+    pkg = tmp_path / "dep_user" / "build" / "torch-universal" / "dep_user"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(textwrap.dedent("""
+        from kernelhub import get_kernel_dep
+
+        try:
+            get_kernel_dep("org/dep")
+        except RuntimeError as e:
+            ERROR = str(e)
+    """))
+    kernel = kernelhub.get_local_kernel(tmp_path / "dep_user")
+    assert kernel.ERROR.startswith("Dependency 'org/dep' not found in kernel dependencies")
+
+
+def test_devices_have_kernels_validate_methods():
+    props = CUDAProperties(min_capability=80, max_capability=90)
+    assert props.validate() is None and props.validate_capability_range() is None
+    assert Device("cuda", props).validate() is None
+    object.__setattr__(props, "min_capability", 95)  # what validate() is for: a field changed behind its back
+    with pytest.raises(ValueError, match=r"`min_capability` \(95\) must be <="):
+        props.validate_capability_range()
+    with pytest.raises(ValueError, match="must be <="):
+        props.validate()
+
+
+# -- every public name of kernels, with a signature that takes kernels' arguments ------------------
+
+# Where kernelhub's positional parameter differs from kernels' on purpose: (name, position) -> why.
+# The test checks kernels' spelling still works for each.
+# Defaults that differ from kernels' in spelling only: parameter -> (kernelhub's, kernels', why).
+_DEFAULT_SPELLINGS = {
+    "trust_remote_code": (None, False, "None is 'not given', refused as False is (checked below)"),
+}
+_POSITIONAL_ON_PURPOSE = {
+    ("Device", 1): "kernelhub's Device(type, index, properties) keeps its per-index key; a CUDAProperties/"
+                   "ROCMProperties given as the second argument is taken as `properties`, as kernels has it",
+}
+
+
+def _signature_problems(name: str, theirs: inspect.Signature, ours: inspect.Signature) -> list[str]:
+    """Why a call that kernels' `theirs` accepts could fail against kernelhub's `ours`."""
+    P = inspect.Parameter
+    positional = (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)
+    mine = list(ours.parameters.values())
+    my_positional = [q for q in mine if q.kind in positional]
+    by_name = {q.name: q for q in mine}
+    kinds = {q.kind for q in mine}
+    problems = []
+    for i, p in enumerate(theirs.parameters.values()):
+        if p.kind in (P.VAR_POSITIONAL, P.VAR_KEYWORD):
+            if p.kind not in kinds:
+                problems.append(f"takes no {p}")
+            continue
+        if p.kind in positional:
+            q = my_positional[i] if i < len(my_positional) else None
+            if q is None:
+                if P.VAR_POSITIONAL not in kinds:
+                    problems.append(f"has no positional parameter {i} ({p.name})")
+                continue
+            if p.kind is P.POSITIONAL_OR_KEYWORD and q.name != p.name and (name, i) not in _POSITIONAL_ON_PURPOSE:
+                problems.append(f"positional parameter {i} is {q.name!r}, kernels' is {p.name!r}")
+        else:
+            q = by_name.get(p.name)
+            if q is None or q.kind not in (P.KEYWORD_ONLY, P.POSITIONAL_OR_KEYWORD):
+                if P.VAR_KEYWORD not in kinds:
+                    problems.append(f"takes no keyword {p.name!r}")
+                continue
+        if p.default is not P.empty and q.default is P.empty:
+            problems.append(f"{q.name!r} is required here, optional in kernels")
+        elif p.default is not P.empty and not (p.default is q.default or p.default == q.default):
+            if _DEFAULT_SPELLINGS.get(p.name, (None, None))[:2] != (q.default, p.default):
+                problems.append(f"{q.name!r} defaults to {q.default!r} here, to {p.default!r} in kernels")
+    required_here = {q.name for q in mine if q.default is P.empty and q.kind not in (P.VAR_POSITIONAL, P.VAR_KEYWORD)}
+    for extra in sorted(required_here - set(theirs.parameters)):
+        problems.append(f"requires {extra!r}, which kernels does not have")
+    return problems
+
+
+def _kernels_or_skip():
+    return pytest.importorskip("kernels", reason="Hugging Face `kernels` is not installed (CI installs it)")
+
+
+def test_kernelhub_has_every_kernels_name_with_a_signature_that_takes_its_arguments():
+    kernels = _kernels_or_skip()
+    problems = {}
+    for name in kernels.__all__:
+        if not hasattr(kernelhub, name):
+            problems[name] = ["missing"]
+            continue
+        if name not in kernelhub.__all__:
+            problems[name] = ["not in kernelhub.__all__"]
+        theirs, ours = getattr(kernels, name), getattr(kernelhub, name)
+        if not callable(theirs):
+            assert isinstance(ours, type(theirs)), name
+            continue
+        try:
+            sig_theirs = inspect.signature(theirs)
+        except (TypeError, ValueError):  # a compiled class (kernels' Metadata): its methods are checked below
+            sig_theirs = None
+        if sig_theirs is not None:
+            found = _signature_problems(name, sig_theirs, inspect.signature(ours))
+            if found:
+                problems[name] = found
+        if isinstance(theirs, type):  # and each public method or attribute kernels' class has
+            for member in (m for m in dir(theirs) if not m.startswith("_")):
+                if not hasattr(ours, member) and member not in getattr(ours, "__dataclass_fields__", {}):
+                    problems.setdefault(name, []).append(f"has no member {member!r}")
+                    continue
+                theirs_m = getattr(theirs, member)
+                ours_m = getattr(ours, member, None)
+                try:
+                    sig = inspect.signature(theirs_m) if callable(theirs_m) else None
+                except (TypeError, ValueError):  # a builtin without a text signature
+                    sig = None
+                if sig is not None:
+                    found = _signature_problems(f"{name}.{member}", sig, inspect.signature(ours_m))
+                    if found:
+                        problems.setdefault(name, []).extend(f".{member}: {f}" for f in found)
+    assert problems == {}
+    # what _POSITIONAL_ON_PURPOSE lets through works as kernels calls it
+    props = kernels.CUDAProperties(min_capability=80, max_capability=90)
+    assert Device("cuda", CUDAProperties(80, 90)) == Device(type="cuda", properties=CUDAProperties(80, 90))
+    assert kernels.Device("cuda", props).properties == props
+
+
+def test_trust_remote_code_none_is_refused_as_false_is(monkeypatch):
+    from kernelhub._trust import _check_trust
+
+    monkeypatch.setenv("KERNELHUB_REQUIRE_TRUSTED", "1")  # the local list only: the Hub is not asked
+    monkeypatch.delenv("KERNELHUB_TRUSTED_PUBLISHERS", raising=False)
+    for untrusted in (None, False, ["someone/else"]):
+        with pytest.raises(kernelhub.UntrustedKernelError, match="not from a trusted publisher"):
+            _check_trust("someone/kernel", untrusted)
+    assert _check_trust("someone/kernel", True) is None
+
+
+def test_the_signature_check_finds_what_would_break_kernels_code():
+    def kernels_fn(repo_id, *, layer_name, revision=None):
+        pass
+
+    def reordered(layer_name, repo_id, *, revision=None):
+        pass
+
+    def no_keyword(repo_id, *, layer_name):
+        pass
+
+    def required(repo_id, *, layer_name, revision):
+        pass
+
+    def extra_required(repo_id, config, *, layer_name, revision=None):
+        pass
+
+    def superset(repo_id, revision=None, *, layer_name, extra=1, **kw):
+        pass
+
+    def other_default(repo_id, *, layer_name, revision="main"):
+        pass
+
+    theirs = inspect.signature(kernels_fn)
+    assert _signature_problems("f", theirs, inspect.signature(superset)) == []
+    assert _signature_problems("f", theirs, inspect.signature(reordered)) == [
+        "positional parameter 0 is 'layer_name', kernels' is 'repo_id'"]
+    assert _signature_problems("f", theirs, inspect.signature(no_keyword)) == ["takes no keyword 'revision'"]
+    assert _signature_problems("f", theirs, inspect.signature(required)) == [
+        "'revision' is required here, optional in kernels"]
+    assert _signature_problems("f", theirs, inspect.signature(extra_required)) == [
+        "requires 'config', which kernels does not have"]
+    assert _signature_problems("f", theirs, inspect.signature(other_default)) == [
+        "'revision' defaults to 'main' here, to None in kernels"]
+
+
+def test_metadata_reads_a_kernel_builder_metadata_json_as_kernels_does():
+    kernels = _kernels_or_skip()
+    text = (b'{"id": "_relu_cuda_2c1f9e1", "name": "relu", "version": 1, "license": "Apache-2.0", '
+            b'"kernels-minver": "0.17.0", "python-depends": ["einops"], "kernel-depends": [], '
+            b'"upstream": null, "backend": {"type": "cuda", "archs": ["8.0", "9.0"]}}')
+    ours, theirs = kernelhub.Metadata.from_bytes(text), kernels.Metadata.from_bytes(text)
+    for attr in ("id", "version", "license", "upstream", "source"):
+        assert getattr(ours, attr) == getattr(theirs, attr), attr
+    assert (str(ours.name), ours.name.python_name) == (str(theirs.name), theirs.name.python_name)
+    assert list(ours.python_depends) == theirs.python_depends and list(ours.kernel_depends) == theirs.kernel_depends
+    assert ours.kernels_minver == str(theirs.kernels_minver) and ours.backend["archs"] == theirs.backend.archs

@@ -173,3 +173,23 @@ def test_a_kernels_unreadable_metadata_does_not_break_loading(tmp_path):
     kernel = get_local_kernel(src)
     (entry,) = [k for k in get_loaded_kernels() if k.module is kernel]
     assert entry.metadata.name == "tiny" and entry.metadata.raw == {}
+
+
+def test_func_repository_takes_a_list_of_trusted_repository_ids(hub, tmp_path):
+    import warnings
+
+    from kernelhub import FuncRepository
+
+    _publish(tmp_path, "org/tiny", factor=3.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # FuncRepository is deprecated, as in kernels
+        trusted = FuncRepository("org/tiny", func_name="scale", version=1, trust_remote_code=["org/tiny"])
+        others = FuncRepository("org/tiny", func_name="scale", version=1, trust_remote_code=["org/other"])
+        with pytest.raises(TypeError, match="FuncRepository: `trust_remote_code` must be a bool or a list"):
+            FuncRepository("org/tiny", func_name="scale", version=1, trust_remote_code="yes")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # the list is honoured, not warned about and ignored
+        layer = trusted.load()
+    assert float(layer()(torch.ones(1))[0]) == 3.0
+    with pytest.raises(UntrustedKernelError, match="not from a trusted publisher"):
+        others.load()

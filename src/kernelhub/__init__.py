@@ -1,7 +1,16 @@
 """kernelhub: a kernel hub and capability-aware, per-module dispatch framework for PyTorch."""
 
+import importlib.metadata as _metadata
+
+try:
+    __version__ = _metadata.version("kernelhub")
+except _metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
+
+from kernelhub.benchmark import Benchmark
 from kernelhub.config import KernelhubConfig, load_config
 from kernelhub.default_mapping import default_kernel_mapping
+from kernelhub.deps import get_kernel_dep
 from kernelhub.device import (
     CUDAProperties,
     Device,
@@ -50,12 +59,15 @@ from kernelhub.load import (
     load_kernel,
 )
 from kernelhub.lock import get_locked_kernel
+from kernelhub.metadata import Metadata
 from kernelhub.mode import Mode
 from kernelhub.registry import get_kernel_mapping, register_kernel_mapping, use_kernel_mapping
 from kernelhub.variants import VariantAccepted, VariantRejected
 
 __all__ = [
+    "__version__",
     "AllocationSymmetryError",
+    "Benchmark",
     "CUDAProperties",
     "ConfigError",
     "Device",
@@ -75,6 +87,7 @@ __all__ = [
     "LocalLayerRepository",
     "LockedFuncRepository",
     "LockedLayerRepository",
+    "Metadata",
     "Mode",
     "ROCMProperties",
     "ROCmProperties",
@@ -89,6 +102,7 @@ __all__ = [
     "device_guard",
     "device_properties",
     "get_kernel",
+    "get_kernel_dep",
     "get_kernel_mapping",
     "get_kernel_variants",
     "get_loaded_kernels",

@@ -6,12 +6,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+
+from kernelhub.metadata import Metadata
 
 __all__ = ["KernelMetadata", "LoadedKernel", "RepoInfo", "get_loaded_kernels", "local_kernel_overrides"]
 
@@ -24,37 +25,7 @@ class RepoInfo:
     revision: str
 
 
-@dataclass(frozen=True)
-class KernelMetadata:
-    """A kernel's `metadata.json` (the variant's, else its package's): the fields `kernels` names,
-    and the whole file as `raw`."""
-
-    name: str
-    version: int | None = None
-    license: str | None = None
-    python_depends: tuple[str, ...] = ()
-    raw: dict = field(default_factory=dict, compare=False)
-
-    @staticmethod
-    def read(variant_dir: Path, package_dir: Path) -> KernelMetadata:
-        raw: dict = {}
-        for candidate in (variant_dir / "metadata.json", package_dir / "metadata.json"):
-            try:
-                data = json.loads(candidate.read_text())
-            except (OSError, ValueError, RecursionError):  # (the file is the kernel's: any bytes)
-                continue
-            if isinstance(data, dict):
-                raw = data
-                break
-        version = raw.get("version")
-        depends = raw.get("python-depends")
-        return KernelMetadata(
-            name=str(raw.get("name") or package_dir.name),
-            version=version if isinstance(version, int) and not isinstance(version, bool) else None,
-            license=raw.get("license") if isinstance(raw.get("license"), str) else None,
-            python_depends=tuple(d for d in depends if isinstance(d, str)) if isinstance(depends, list) else (),
-            raw=raw,
-        )
+KernelMetadata = Metadata  # its earlier name here
 
 
 @dataclass(frozen=True)
@@ -62,7 +33,7 @@ class LoadedKernel:
     """One kernel imported in this process: `metadata`, `module`, and `repo_info` (None for a local
     kernel), as `kernels.LoadedKernel`; kernelhub adds `path` (the variant directory)."""
 
-    metadata: KernelMetadata
+    metadata: Metadata
     module: ModuleType
     repo_info: RepoInfo | None
     path: Path | None = None
@@ -77,7 +48,7 @@ def record_loaded(module: ModuleType, variant_dir: Path, repo_info: RepoInfo | N
     with _lock:
         if module.__name__ not in _loaded:
             _loaded[module.__name__] = LoadedKernel(
-                KernelMetadata.read(variant_dir, package_dir), module, repo_info, variant_dir
+                Metadata.read(variant_dir, package_dir), module, repo_info, variant_dir
             )
 
 

@@ -19,6 +19,8 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
+from kernelhub.deps import use_kernel_deps
+
 __all__ = ["find_variant_dir", "import_kernel_package", "load_kernel_from_dir"]
 
 _lock = threading.Lock()
@@ -211,7 +213,8 @@ def import_kernel_package(package_dir: Path, *, verified: dict[str, str] | None 
         module = importlib.util.module_from_spec(spec)
         sys.modules[module_name] = module
         try:
-            spec.loader.exec_module(module)
+            with use_kernel_deps({}):  # (get_kernel_dep works while a kernel imports; no deps resolved)
+                spec.loader.exec_module(module)
         except BaseException:
             del sys.modules[module_name]
             _verified.pop(module_name, None)

@@ -50,12 +50,20 @@ class _CapabilityRange:
     max_capability: int
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check the fields again (`kernels`' strict dataclasses have this method): TypeError/ValueError."""
         owner = type(self).__name__
         _check_int(owner, "min_capability", self.min_capability)
         _check_int(owner, "max_capability", self.max_capability)
+        self.validate_capability_range()
+
+    def validate_capability_range(self) -> None:
+        """ValueError where the range is empty (min above max), as `kernels`' validator of that name."""
         if self.min_capability > self.max_capability:
             raise ValueError(
-                f"{owner}: `min_capability` ({self.min_capability}) must be <= "
+                f"{type(self).__name__}: `min_capability` ({self.min_capability}) must be <= "
                 f"`max_capability` ({self.max_capability})"
             )
 
@@ -94,6 +102,10 @@ class Device:
         if isinstance(self.index, _CapabilityRange) and self.properties is None:
             object.__setattr__(self, "properties", self.index)
             object.__setattr__(self, "index", None)
+        self.validate()
+
+    def validate(self) -> None:
+        """Check the fields again (`kernels`' strict dataclasses have this method): TypeError/ValueError."""
         if not isinstance(self.type, str) or self.type not in _KNOWN_TYPES:
             raise ValueError(f"Device: `type` must be one of {_KNOWN_TYPES}, got {self.type!r}")
         if self.index is not None:

@@ -38,16 +38,6 @@ def _check_func_name(owner: str, func_name: object) -> str:
     return func_name
 
 
-def _trust(owner: str, trust_remote_code: object) -> bool | None:
-    """`kernels` also takes a list of signing identities, which it does not verify yet: as there,
-    such a list warns and leaves the default trust check in place."""
-    if isinstance(trust_remote_code, list):
-        warnings.warn(f"{owner}: `trust_remote_code` as a list of signing identities is not verified; "
-                      "the default trust check applies", UserWarning, stacklevel=3)
-        return None
-    return trust_remote_code  # type: ignore[return-value]
-
-
 def _func_layer(kernel: ModuleType, func_name: str, where: str) -> type[nn.Module]:
     func = getattr(kernel, func_name, None)
     if func is None or not callable(func):
@@ -66,7 +56,7 @@ class FuncRepository:
         func_name: str,
         revision: str | None = None,
         version: int | None = None,
-        trust_remote_code: bool | list[str] | None = None,
+        trust_remote_code: bool | list[str] = False,
     ):
         _deprecated("FuncRepository", "LayerRepository")
         if revision is not None and version is not None:
@@ -74,10 +64,15 @@ class FuncRepository:
         if revision is None and version is None:
             raise ValueError("FuncRepository: Either a revision or a version must be specified.")
         self.func_name = _check_func_name("FuncRepository", func_name)
+        from kernelhub._trust import _check_trust_arg
+
+        _check_trust_arg("FuncRepository", trust_remote_code)
+        if isinstance(trust_remote_code, list):  # (a copy, as `kernels` keeps: later edits change nothing)
+            trust_remote_code = list(trust_remote_code)
         # the Hub side (repo_id/ref checks, trust, the per-process kernel cache) is LayerRepository's
         self._hub = LayerRepository(
             repo_id, layer_name=func_name, revision=revision, version=version,
-            trust_remote_code=_trust("FuncRepository", trust_remote_code),
+            trust_remote_code=trust_remote_code,  # a list: the repository ids trusted, as in `kernels`
         )
         self.repo_id, self.revision, self.version = repo_id, revision, version
         self.trust_remote_code = trust_remote_code

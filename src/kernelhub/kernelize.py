@@ -28,6 +28,7 @@ from kernelhub.device import as_torch_device, device_capability, module_device
 from kernelhub.layer import (
     KERNEL_FUNCS,
     _validate_layer,
+    condition_skips,
     keyword_renames,
     layer_problem,
     layer_verdict,
@@ -460,6 +461,8 @@ def kernelize(
 
 
 _FORWARD_ATTRS = ("forward", "_old_forward")
+# the report's reason for a module whose class's `condition` (use_kernel_forward_from_hub) said no
+CONDITION_SKIPPED = "skipped: the layer's kernel_condition returned False for this module"
 
 
 def _with_kernel_funcs(model: nn.Module) -> Iterator[tuple[str, str, nn.Module]]:
@@ -486,6 +489,10 @@ def _kernelize_modules(model: nn.Module, mode: Mode, explicit: torch.device | No
             continue
         saved.append((module, {a: module.__dict__[a] for a in _FORWARD_ATTRS if a in module.__dict__}))
         _unbind(module)
+        if condition_skips(module):  # (before any lookup, as `kernels`: no mapping, no use_fallback check)
+            entries.append(KernelizeEntry(name, type(module).__name__, match.layer_name, dev, None, None, None,
+                                          CONDITION_SKIPPED))
+            continue
         if match.unsupported_reason is not None:
             capability = _capability(dev)[0] if dev is not None else None
             choice = _Choice(dev, capability, None, None, match.unsupported_reason)
@@ -530,7 +537,8 @@ def _warn_unmapped_layers(entries: list[KernelizeEntry]) -> None:
     """As Hugging Face `kernels` does: a module marked with a layer name that no mapping has keeps
     its forward, with a warning (once per layer name)."""
     mapping = mapping_in_effect()
-    unmapped = sorted({e.layer_name for e in entries if e.fallback_reason is not None and e.layer_name not in mapping})
+    unmapped = sorted({e.layer_name for e in entries if e.fallback_reason not in (None, CONDITION_SKIPPED)
+                       and e.layer_name not in mapping})
     for layer_name in unmapped:
         warnings.warn(
             f"kernelize: No kernel mapping found for layer `{layer_name}`. Check if the layer name matches one "

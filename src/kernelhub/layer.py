@@ -14,6 +14,7 @@ from kernelhub.mode import Mode
 
 __all__ = [
     "LAYER_FLAGS",
+    "condition_skips",
     "keyword_renames",
     "layer_problem",
     "layer_verdict",
@@ -38,29 +39,56 @@ def _check_layer_name(func: str, layer_name: object) -> str:
     return layer_name
 
 
-def replace_kernel_forward_from_hub(cls: type, layer_name: str) -> None:
-    """Make instances of `cls` (a third-party layer class) kernelizable as layer `layer_name`."""
+def _check_condition(func: str, condition: object) -> None:
+    if condition is not None and not callable(condition):
+        raise TypeError(f"{func}: `condition` must be a callable taking the module, or None, got {condition!r}")
+
+
+def _mark(cls: type, layer_name: str, condition: Callable[[nn.Module], bool] | None) -> None:
+    cls.kernel_layer_name = layer_name
+    # a staticmethod, as in `kernels`: read through an instance it must not bind the module twice;
+    # always set, so a subclass marked without a condition does not inherit its parent's
+    cls.kernel_condition = staticmethod(condition if condition is not None else _always)
+
+
+def _always(module: nn.Module) -> bool:
+    return True
+
+
+def replace_kernel_forward_from_hub(
+    cls: type, layer_name: str, condition: Callable[[nn.Module], bool] | None = None
+) -> None:
+    """Make instances of `cls` (a third-party layer class) kernelizable as layer `layer_name`.
+
+    `condition(module)`, as in Hugging Face `kernels`: asked for every instance at kernelize; an
+    instance it returns False for is skipped and keeps its own forward.
+    """
     _check_layer_name("replace_kernel_forward_from_hub", layer_name)
+    _check_condition("replace_kernel_forward_from_hub", condition)
     if not isinstance(cls, type):
         raise TypeError(f"replace_kernel_forward_from_hub: `cls` must be a class, got {cls!r}")
-    cls.kernel_layer_name = layer_name
+    _mark(cls, layer_name, condition)
 
 
-def use_kernel_forward_from_hub(layer_name: str) -> Callable[[Any], Any]:
+def use_kernel_forward_from_hub(
+    layer_name: str, condition: Callable[[nn.Module], bool] | None = None
+) -> Callable[[Any], Any]:
     """Decorator: a module class's instances are kernelized as layer `layer_name`.
 
     On a plain function it returns an `nn.Module` instance calling that function (as in Hugging
     Face `kernels`); kernelize finds it where a module lists it with `use_kernelized_func`.
+    `condition(module)` is asked for every instance at kernelize; False skips that instance.
     """
     _check_layer_name("use_kernel_forward_from_hub", layer_name)
+    _check_condition("use_kernel_forward_from_hub", condition)
 
     def decorate(obj: Any) -> Any:
         if inspect.isfunction(obj):
             func_module = create_func_module(obj)
-            func_module.kernel_layer_name = layer_name
+            _mark(func_module, layer_name, condition)
             return func_module()
         if isinstance(obj, type) and issubclass(obj, nn.Module):
-            obj.kernel_layer_name = layer_name
+            _mark(obj, layer_name, condition)
             return obj
         raise TypeError(
             "use_kernel_forward_from_hub: can only be applied to classes (nn.Module subclasses) or "
@@ -118,6 +146,12 @@ def create_func_module(func: Callable) -> type[nn.Module]:
     # layer validation compares this signature with the host's
     Func.forward.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
     return Func
+
+
+def condition_skips(module: nn.Module) -> bool:
+    """Whether the `condition` its class was marked with turns kernelize away from this module."""
+    condition = getattr(type(module), "kernel_condition", None)
+    return condition is not None and not condition(module)
 
 
 def _forward_params(fn: Callable) -> list[inspect.Parameter]:
