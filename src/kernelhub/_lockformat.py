@@ -19,6 +19,8 @@ import json
 import re
 from pathlib import Path
 
+from kernelhub._fetch import default_repo_type
+
 __all__ = [
     "KERNELS_HASH_TYPE",
     "LOCKFILE_VERSION",
@@ -52,7 +54,8 @@ def _kernels_entry(i: int, item: dict) -> dict:
         raise ValueError(f"entry {i} ({repo_id!r}): `dependency.version` must be an int, got {version!r}")
     if not isinstance(commit, str) or not _HEX40.match(commit):
         raise ValueError(f"entry {i} ({repo_id!r}): `lock.commit` must be a 40-hex-digit commit, got {commit!r}")
-    return {"repo_id": repo_id, "repo_type": "kernel", "version": version, "revision": revision,
+    # `kernels` locks name no repository type: the Hub's kernel type where this client has it
+    return {"repo_id": repo_id, "repo_type": default_repo_type(), "version": version, "revision": revision,
             "ref": f"v{version}" if version is not None else revision, "commit": commit.lower(), "variants": {},
             "variant_hashes": {}}
 
@@ -73,8 +76,8 @@ def _legacy_kernels_entry(i: int, item: dict) -> dict:
                 f"{{'hash': 'sha256-<64 hex>', 'hash_type': '{KERNELS_HASH_TYPE}'}}, got {lock!r}"
             )
         hashes[name] = {"hash": lock["hash"], "hash_type": KERNELS_HASH_TYPE}
-    return {"repo_id": repo_id, "repo_type": "kernel", "version": None, "revision": None, "ref": commit.lower(),
-            "commit": commit.lower(), "variants": {}, "variant_hashes": hashes}
+    return {"repo_id": repo_id, "repo_type": default_repo_type(), "version": None, "revision": None,
+            "ref": commit.lower(), "commit": commit.lower(), "variants": {}, "variant_hashes": hashes}
 
 
 def parse_lock(data: object) -> tuple[str, list[dict]]:

@@ -29,8 +29,9 @@ _MODULE_MAPPINGS: dict[str, registry.KernelMapping] = {}
 @pytest.hookimpl(hookwrapper=True)
 def pytest_collectreport(report):
     yield
-    path = str(getattr(report, "fspath", ""))
-    if path.startswith(str(Path(__file__).parent)) and path.endswith(".py"):
+    # `fspath` is the node id's path, relative to the rootdir (the repository root) in current pytest
+    path = str((Path(__file__).resolve().parents[2] / str(getattr(report, "fspath", ""))).resolve())
+    if path.startswith(str(Path(__file__).resolve().parent)) and path.endswith(".py"):
         # the module was imported: keep what it registered, give the rest of the session the clean one
         if registry._GLOBAL_MAPPING is not _CLEAN_MAPPING:
             _MODULE_MAPPINGS[str(Path(path).resolve())] = registry._GLOBAL_MAPPING
