@@ -211,6 +211,12 @@ def test_a_file_that_is_not_utf8_is_a_config_error_naming_it(tmp_path):
         load_config(tmp_path)
 
 
+def test_a_file_nested_too_deeply_is_a_config_error_naming_it(tmp_path):
+    (tmp_path / "kernelhub.toml").write_text("a = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ConfigError, match=r"kernelhub\.toml is not valid TOML: nested too deeply"):
+        load_config(tmp_path / "kernelhub.toml")
+
+
 def test_a_lockfile_that_is_a_directory_and_an_empty_path_are_refused(tmp_path):
     (tmp_path / "locks").mkdir()
     with pytest.raises(ConfigError, match=r"lockfile: `lockfile` 'locks' is a directory"):

@@ -343,6 +343,8 @@ def _read_toml(path: Path) -> dict:
         raise ConfigError(f"load_config: {path} is not UTF-8 text (byte {e.start}): TOML must be UTF-8") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"load_config: {path} is not valid TOML: {e}") from e
+    except RecursionError:  # the parser recurses once per nesting level of arrays and tables
+        raise ConfigError(f"load_config: {path} is not valid TOML: nested too deeply") from None
 
 
 def _tool_table(data: dict, path: Path) -> dict:
