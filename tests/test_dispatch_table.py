@@ -252,6 +252,12 @@ def test_bad_declarations_are_errors_naming_the_file_and_key(tmp_path, old, new,
         read_dispatch_table(tmp_path)
 
 
+def test_a_kernel_toml_nested_too_deeply_is_an_error_naming_the_file(tmp_path):
+    (tmp_path / "kernel.toml").write_text("a = " + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ValueError, match=r"read_dispatch_table: .*kernel.toml: not valid TOML: nested too deeply"):
+        read_dispatch_table(tmp_path)
+
+
 def test_a_good_declaration_reads_back(tmp_path):
     (tmp_path / "kernel.toml").write_text(_GOOD)
     table = read_dispatch_table(tmp_path)

@@ -154,6 +154,8 @@ def _read(path: Path, mtime_ns: int) -> DispatchTable:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{_FN}: {path}: not valid UTF-8 TOML: {e}") from e
+    except RecursionError:  # the parser recurses per nesting level
+        raise ValueError(f"{_FN}: {path}: not valid TOML: nested too deeply") from None
     dispatch = data.get("dispatch", {})
     if not isinstance(dispatch, dict):
         raise _bad(path, "dispatch", "a table", dispatch)
