@@ -1,7 +1,7 @@
 """MoE kernels: routing (DeepSeek TileKernels semantics) and fused routed experts, in Triton."""
 
 from . import layers
-from .experts import VARIANTS, fused_experts, select_variant
+from .experts import VARIANTS, fused_experts, select_variant, select_variant_fp8
 from .layers import (
     MoEExperts,
     MoEExpertsReference,
@@ -11,6 +11,7 @@ from .layers import (
     unsupported_reason,
 )
 from .reference_experts import fused_experts_reference
+from .reference_fp8 import dequantize_blocks, fused_experts_fp8_reference, quantize_blocks
 from .routing import (
     aux_fi,
     expand_to_fused,
@@ -32,9 +33,11 @@ __all__ = [
     "MoEExpertsSm80",
     "MoEExpertsSm90",
     "aux_fi",
+    "dequantize_blocks",
     "expand_to_fused",
     "experts_forward",
     "fused_experts",
+    "fused_experts_fp8_reference",
     "fused_experts_reference",
     "get_fused_mapping",
     "get_num_sms",
@@ -43,8 +46,10 @@ __all__ = [
     "layers",
     "mask_indices_by_tp",
     "normalize_weight",
+    "quantize_blocks",
     "reduce_fused",
     "select_variant",
+    "select_variant_fp8",
     "set_num_sms",
     "topk_gate",
     "unsupported_reason",

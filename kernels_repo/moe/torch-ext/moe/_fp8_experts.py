@@ -1,0 +1,139 @@
+"""`fused_experts` on fp8 block-quantized expert weights: checks, variant, forward and autograd.
+
+Variants (kernel.toml [dispatch_fp8]): "sm90" fp8 tensor cores with activations quantized per
+token and 128-column group (x in the gate/up GEMM's load, h in its SwiGLU epilogue, stored as
+fp8 with its scales), "sm80" W8A16 (weights converted in registers), "reference" the torch
+dequantization (`reference_fp8`). Rows are aligned to experts by the same sync-free routing as
+the 16-bit path and combined by its fp32 combine kernel.
+
+Backward (gradients for x and topk_weights; the fp8 weights are frozen): through the torch
+reference on the dequantized weights, recomputed in backward (a straight-through estimate of the
+sm90 path's activation rounding). It reads the routed rows with `nonzero` (host syncs): correct,
+not fast; a Triton backward is future work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kernelhub.device import device_guard
+
+from . import _experts_launch as launch
+from ._experts_routing import align_rows
+from ._experts_validate import FN, INTERPRET, checked_variant, needs_grad
+from ._fp8_kernels import _fp8_gemm_kernel
+from ._fp8_validate import BLOCK, validate_fp8_inputs
+from .reference_fp8 import fp8_reference_unchecked
+
+# Tiles: BLOCK_K is the scale block (128 columns); the gate/up GEMM's BLOCK_N is 128 on sm90 (one
+# quantization group of h per column tile). Untuned (tune_moe.py does not know fp8 yet).
+_TILES = {
+    "interpret": {"block_m": 16, "BLOCK_N": 128, "num_warps": 4, "num_stages": 1},
+    "sm90": {"block_m": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3},
+    "sm80": {"block_m": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2},
+}
+
+
+def _gemm(a, a_scale, weight, scale_inv, out, out_scale, routing, tiles, *, n: int, k: int, epilogue: int,
+          gather_a: bool, topk: int, fp8_dot: bool) -> None:
+    bm, bn = routing.block_m, tiles["BLOCK_N"]
+    grid = (routing.num_rows // bm, launch.cdiv(n, bn))
+    if grid[0] == 0 or grid[1] == 0:
+        return
+    dummy = out
+    _fp8_gemm_kernel[grid](
+        a, a_scale if a_scale is not None else dummy, weight, scale_inv, out,
+        out_scale if out_scale is not None else dummy, routing.rows, routing.row_expert,
+        routing.num_rows, n, k, weight.shape[1],
+        a.stride(0), a.stride(1), a_scale.stride(0) if a_scale is not None else 0,
+        weight.stride(0), weight.stride(1), weight.stride(2),
+        scale_inv.stride(0), scale_inv.stride(1), scale_inv.stride(2),
+        out.stride(0), out.stride(1), out_scale.stride(0) if out_scale is not None else 0,
+        EPILOGUE=epilogue, GATHER_A=gather_a, TOPK=topk, FP8_DOT=fp8_dot,
+        QUANT_A=fp8_dot and a.dtype != torch.float8_e4m3fn, QUANT_C=out_scale is not None, EMULATE=INTERPRET,
+        PRECISION="ieee" if (INTERPRET or a.dtype == torch.float32) else None,
+        SCALE_N=BLOCK[0], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK[1],
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
+    )
+
+
+def forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_scale, down_scale, variant: str):
+    """out [T, H] by the Triton kernels (inside device_guard(x)): routing, gate/up + SwiGLU, down, combine."""
+    T, H = x.shape
+    E, two_i, _ = gate_up_proj.shape
+    inter = two_i // 2
+    K = topk_idx.shape[1]
+    fp8_dot = variant == "sm90"
+    tiles = _TILES["interpret" if INTERPRET else variant]
+    routing = align_rows(topk_idx, E, tiles["block_m"])
+    P, dev = routing.num_rows, x.device
+    if fp8_dot:  # h as fp8 with one scale per row and 128-column group
+        h = torch.empty(P, inter, device=dev, dtype=torch.float8_e4m3fn)
+        h_scale = torch.empty(P, launch.cdiv(inter, tiles["BLOCK_N"]), device=dev, dtype=torch.float32)
+    else:
+        h, h_scale = torch.empty(P, inter, device=dev, dtype=x.dtype), None
+    _gemm(x, None, gate_up_proj, gate_up_scale, h, h_scale, routing, tiles, n=inter, k=H, epilogue=1,
+          gather_a=True, topk=K, fp8_dot=fp8_dot)
+    y = torch.empty(P, H, device=dev, dtype=x.dtype)
+    _gemm(h, h_scale, down_proj, down_scale, y, None, routing, tiles, n=H, k=inter, epilogue=0, gather_a=False,
+          topk=K, fp8_dot=fp8_dot)
+    out = torch.empty(T, H, device=dev, dtype=x.dtype)
+    launch.combine(y, routing.token_topk_to_pos, topk_weights, out)
+    return out
+
+
+class FP8ExpertsFunction(torch.autograd.Function):
+    """Forward by the kernels; backward (x, topk_weights) through the dequantized torch reference."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, gate_up_proj, down_proj, topk_idx, gate_up_scale, down_scale, variant):
+        with device_guard(x):
+            out = forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_scale, down_scale, variant)
+        ctx.save_for_backward(x, topk_weights, gate_up_proj, down_proj, topk_idx, gate_up_scale, down_scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, topk_weights, gate_up_proj, down_proj, topk_idx, gus, ds = ctx.saved_tensors
+        if dout.device != x.device:
+            raise ValueError(f"{FN}: gradient must be on {x.device} like `x`, got {dout.device}")
+        need_x, need_w = ctx.needs_input_grad[:2]
+        with torch.enable_grad(), device_guard(x):
+            xr = x.detach().requires_grad_(need_x)
+            wr = topk_weights.detach().requires_grad_(need_w)
+            out = fp8_reference_unchecked(xr, gate_up_proj, down_proj, topk_idx, wr, gus, ds)
+            wanted = [t for t, need in ((xr, need_x), (wr, need_w)) if need]
+            grads = iter(torch.autograd.grad(out, wanted, dout, allow_unused=True))
+        dx = next(grads) if need_x else None
+        dw = next(grads) if need_w else None
+        zero = [g if g is not None else torch.zeros_like(t) for g, t in ((dx, x), (dw, topk_weights))]
+        return (zero[0] if need_x else None, zero[1] if need_w else None, None, None, None, None, None, None)
+
+
+def run(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv, down_proj_scale_inv,
+        block_size, variant: str | None, check_indices: bool, default_variant: Callable[[torch.device], str]):
+    """`fused_experts` on fp8 weights (eager): checks, variant, then the reference or the kernels."""
+    bs = validate_fp8_inputs(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
+                             down_proj_scale_inv, block_size, check_indices)
+    if variant is None and torch._C._are_functorch_transforms_active():
+        variant = "reference"
+    variant = checked_variant(x, default_variant(x.device) if variant is None else variant)
+    if variant == "reference":
+        return fp8_reference_unchecked(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
+                                       down_proj_scale_inv, bs)
+    if bs != BLOCK:
+        raise ValueError(f"{FN}: variant {variant!r} supports fp8 `block_size` {BLOCK}, got {tuple(block_size)} "
+                         "(variant='reference' takes any)")
+    if torch._C._are_functorch_transforms_active():
+        raise ValueError(f"{FN}: torch.func transforms are not supported by variant {variant!r}; "
+                         "use variant='reference'")
+    if x.shape[0] == 0:  # nothing to route; zero gradients stay connected
+        return x.new_zeros(x.shape) + 0 * (x.sum() + topk_weights.sum()).to(x.dtype)
+    if needs_grad(x, topk_weights):
+        return FP8ExpertsFunction.apply(x, topk_weights, gate_up_proj, down_proj, topk_idx, gate_up_proj_scale_inv,
+                                        down_proj_scale_inv, variant)
+    with device_guard(x):
+        return forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
+                       down_proj_scale_inv, variant)
