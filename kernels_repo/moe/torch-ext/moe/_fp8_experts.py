@@ -31,8 +31,8 @@ from .reference_fp8 import fp8_reference_unchecked
 # quantization group of h per column tile). Untuned (tune_moe.py does not know fp8 yet).
 _TILES = {
     "interpret": {"block_m": 16, "BLOCK_N": 128, "num_warps": 4, "num_stages": 1},
-    "sm90": {"block_m": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3},
-    "sm80": {"block_m": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2},
+    "sm90": {"block_m": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
+    "sm80": {"block_m": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
 }
 
 
@@ -43,8 +43,10 @@ def _gemm(a, a_scale, weight, scale_inv, out, out_scale, routing, tiles, *, n: i
     if grid[0] == 0 or grid[1] == 0:
         return
     dummy = out
+    # W8A16: the weights' bits as uint8 (Triton has no fp8e4nv pointers below sm89)
+    w = weight if fp8_dot else weight.view(torch.uint8)
     _fp8_gemm_kernel[grid](
-        a, a_scale if a_scale is not None else dummy, weight, scale_inv, out,
+        a, a_scale if a_scale is not None else dummy, w, scale_inv, out,
         out_scale if out_scale is not None else dummy, routing.rows, routing.row_expert,
         routing.num_rows, n, k, weight.shape[1],
         a.stride(0), a.stride(1), a_scale.stride(0) if a_scale is not None else 0,

@@ -3,7 +3,8 @@
 One kernel, two maths (rows: the expert-aligned buffer of `_experts_routing`, as the bf16 path):
   W8A16 (sm80, no fp8 tensor cores): fp8 weight tile -> activation dtype in registers (exact: every
     e4m3 value is a bf16/fp16 value), tl.dot with the 16-bit activations, then the K-block's
-    weight scales per output column: acc += dot(a, w) * s_w[None, :].
+    weight scales per output column: acc += dot(a, w) * s_w[None, :]. Triton refuses fp8e4nv
+    pointers below sm89, so these weights arrive as uint8 and are converted by bits (`_e4m3_bits`).
   FP8 (sm89/sm90 fp8 tensor cores): activations quantized per row and 128-column group, either in
     the load (QUANT_A: the gate/up GEMM reads x) or before (A_FP8: the down GEMM reads the h that
     the gate/up epilogue stored as fp8 with its scales, QUANT_C), then
@@ -26,9 +27,6 @@ import triton.language as tl
 
 from ._experts_kernels import _to
 
-FP8_MAX: tl.constexpr = 448.0
-AMAX_MIN: tl.constexpr = 1e-4
-
 
 @triton.jit
 def _round_e4m3(v):
@@ -43,6 +41,15 @@ def _round_e4m3(v):
 
 
 @triton.jit
+def _e4m3_bits(b):
+    """uint8 e4m3fn bits -> fp16 holding value / 256, exactly: the sign moved to bit 15 and the 7
+    exponent+mantissa bits to bits 7-13 (an fp16 exponent bias 8 above e4m3's; e4m3 subnormals land
+    on fp16 subnormals). NaN (0x7F) is not kept (checkpoints hold none). The caller scales by 256."""
+    h = b.to(tl.uint16)
+    return (((h & 0x80) << 8) | ((h & 0x7F) << 7)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def _to_fp8(v, EMULATE: tl.constexpr):
     if EMULATE:
         return _round_e4m3(v)
@@ -51,15 +58,17 @@ def _to_fp8(v, EMULATE: tl.constexpr):
 
 @triton.jit
 def _quantize_rows(v, EMULATE: tl.constexpr):
-    """(fp8 values, fp32 scale per row) of an fp32 [BM, 128] tile: one group per row."""
-    amax = tl.maximum(tl.max(tl.abs(v), axis=1), AMAX_MIN)
-    return _to_fp8(v * (FP8_MAX / amax)[:, None], EMULATE), amax / FP8_MAX
+    """(fp8 values, fp32 scale per row) of an fp32 [BM, 128] tile: one group per row. 448: e4m3fn's
+    largest value; 1e-4: the smallest amax (reference_fp8's AMAX_MIN: zeros get a finite scale)."""
+    amax = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-4)
+    return _to_fp8(v * (448.0 / amax)[:, None], EMULATE), amax / 448.0
 
 
 @triton.jit
 def _weight_tile(b_ptr, bs_ptr, e, offs_k, offs_n, k_blk, n_limit, K, stride_be, stride_bn, stride_bk,
                  stride_bse, stride_bsn, stride_bsk, SCALE_N: tl.constexpr):
-    """fp8 tile [BLOCK_K, BLOCK_N] of expert e's weight [N, K] (zero outside) and its scales per column."""
+    """fp8 (or its uint8 bits) tile [BLOCK_K, BLOCK_N] of expert e's weight [N, K] (zero outside) and
+    its scales per column."""
     n_ok = offs_n < n_limit
     ptrs = b_ptr + e * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
     b = tl.load(ptrs, mask=(offs_k[:, None] < K) & n_ok[None, :], other=0.0)
@@ -121,19 +130,21 @@ def _fp8_gemm_kernel(
             a = a.to(tl.float32)
         b, s = _weight_tile(b_ptr, bs_ptr, e, offs_k, offs_n, k_blk, N, K, stride_be, stride_bn, stride_bk,
                             stride_bse, stride_bsn, stride_bsk, SCALE_N)
-        b = b.to(a.dtype)  # W8A16: exact (e4m3 values are bf16/fp16 values); FP8_DOT: fp8 stays fp8
         if FP8_DOT:
+            b = b.to(a.dtype)  # (EMULATE: fp32 from fp8, exact; else fp8 stays fp8)
             acc += tl.dot(a, b, input_precision=PRECISION) * (a_s[:, None] * s[None, :])
-        else:
-            acc += tl.dot(a, b, input_precision=PRECISION) * s[None, :]
+        else:  # uint8 bits -> fp16 (value / 256) -> activation dtype, both exact
+            b = _e4m3_bits(b).to(a.dtype)
+            acc += tl.dot(a, b, input_precision=PRECISION) * (s * 256.0)[None, :]
         if EPILOGUE == 1:
             bu, su = _weight_tile(b_ptr, bs_ptr, e, offs_k, offs_n + N, k_blk, B_N_TOTAL, K, stride_be, stride_bn,
                                   stride_bk, stride_bse, stride_bsn, stride_bsk, SCALE_N)
-            bu = bu.to(a.dtype)
             if FP8_DOT:
+                bu = bu.to(a.dtype)
                 acc_u += tl.dot(a, bu, input_precision=PRECISION) * (a_s[:, None] * su[None, :])
             else:
-                acc_u += tl.dot(a, bu, input_precision=PRECISION) * su[None, :]
+                bu = _e4m3_bits(bu).to(a.dtype)
+                acc_u += tl.dot(a, bu, input_precision=PRECISION) * (su * 256.0)[None, :]
     c_mask = m_mask[:, None] & (offs_n[None, :] < N)
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     if EPILOGUE == 1:
