@@ -33,6 +33,7 @@ from kernelhub.device import clear_device_caches
 
 fp8k = importlib.import_module(moe.__name__ + "._fp8_kernels")
 variants = importlib.import_module(moe.__name__ + "._variants")
+fp8_variants = importlib.import_module(moe.__name__ + "._fp8_variants")
 FP8 = torch.float8_e4m3fn
 ALL = ["reference", "sm80", "sm90"]
 
@@ -337,7 +338,7 @@ def test_quantize_blocks_round_trips_within_fp8_precision():
 def test_fp8_variant_by_capability_from_kernel_toml():
     """fp8 tensor cores from sm89: the fp8 choice differs from the 16-bit one there."""
     table = {None: "reference", 75: "reference", 80: "sm80", 86: "sm80", 89: "sm90", 90: "sm90", 120: "sm90"}
-    assert {cap: variants.auto_variant_fp8(cap) for cap in table} == table
+    assert {cap: fp8_variants.auto_variant_fp8(cap) for cap in table} == table
     assert variants.auto_variant(89) == "sm80"  # the bf16 table is unchanged
 
 

@@ -16,7 +16,7 @@ try:
 except ImportError:  # Python 3.10 (tomli is a declared dependency there)
     import tomli as tomllib  # type: ignore[no-redef]
 
-__all__ = ["auto_variant", "auto_variant_fp8", "declared_layers", "kernel_toml"]
+__all__ = ["auto_variant", "declared_layers", "kernel_toml"]
 
 
 def kernel_toml() -> Path:
@@ -51,22 +51,8 @@ def auto_variant(capability: int | None) -> str:
     return hit
 
 
-_chosen_fp8: dict[int | None, str] = {}
-
-
-def auto_variant_fp8(capability: int | None) -> str:
-    """The variant for fp8 block-quantized expert weights (kernel.toml's [dispatch_fp8]): fp8 tensor
-    cores exist from sm89, so the capability ranges differ from the 16-bit weights' ones."""
-    hit = _chosen_fp8.get(capability)
-    if hit is None:
-        hit = _chosen_fp8[capability] = _lookup(capability, "dispatch_fp8")
-    return hit
-
-
-def _lookup(capability: int | None, table: str = "dispatch") -> str:
-    dispatch = _table().get(table)
-    if not isinstance(dispatch, dict):
-        raise ValueError(f"{kernel_toml()}: needs a [{table}] table")
+def _lookup(capability: int | None) -> str:
+    dispatch = _table()["dispatch"]
     key = "cpu"
     if capability is not None:
         for entry in dispatch.get("cuda", ()):
@@ -76,7 +62,7 @@ def _lookup(capability: int | None, table: str = "dispatch") -> str:
         key = "other_cuda"
     if not isinstance(dispatch.get(key), str):
         where = "the CPU" if capability is None else f"capability {capability}"
-        raise ValueError(f"{kernel_toml()}: [{table}] needs `{key}` (the variant for {where})")
+        raise ValueError(f"{kernel_toml()}: [dispatch] needs `{key}` (the variant for {where})")
     return dispatch[key]
 
 

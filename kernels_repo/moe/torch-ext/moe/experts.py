@@ -18,7 +18,8 @@ from . import _experts_eager as eager
 from ._experts_custom_ops import compiled_fused_experts
 from ._experts_validate import FN, VARIANTS, check_config, checked_variant, needs_grad, validate_inputs
 from ._fp8_validate import BLOCK, check_no_fp8_arguments, is_fp8_call
-from ._variants import auto_variant, auto_variant_fp8
+from ._fp8_variants import auto_variant_fp8
+from ._variants import auto_variant
 
 __all__ = ["fused_experts", "select_variant", "select_variant_fp8", "VARIANTS"]
 
