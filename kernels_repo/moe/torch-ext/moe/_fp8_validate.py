@@ -16,12 +16,6 @@ FP8 = torch.float8_e4m3fn
 BLOCK = (128, 128)  # the block size the Triton kernels support (every published checkpoint's)
 
 
-def is_fp8_call(gate_up_proj, down_proj, gate_up_proj_scale_inv, down_proj_scale_inv) -> bool:
-    """Whether a call takes the fp8 path: fp8 weights or scales given (then checked together)."""
-    return (getattr(gate_up_proj, "dtype", None) is FP8 or getattr(down_proj, "dtype", None) is FP8
-            or gate_up_proj_scale_inv is not None or down_proj_scale_inv is not None)
-
-
 def check_block_size(block_size: object, fn: str = FN) -> tuple[int, int]:
     if (not isinstance(block_size, (tuple, list)) or len(block_size) != 2
             or not all(type(b) is int and b > 0 for b in block_size)):
@@ -70,9 +64,9 @@ def validate_fp8_inputs(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate
     return bn, bk
 
 
-def check_no_fp8_arguments(gate_up_proj_scale_inv, down_proj_scale_inv, block_size, fn: str = FN) -> None:
-    """Scales or a block size given with weights that are not fp8: an error, not silently ignored."""
-    del gate_up_proj_scale_inv, down_proj_scale_inv  # (is_fp8_call routes any given scale to the fp8 checks)
+def check_no_fp8_arguments(block_size, fn: str = FN) -> None:
+    """A block size given with weights that are not fp8: an error, not silently ignored (given
+    scales take the fp8 path, whose checks then reject the weights' dtype)."""
     if block_size is not BLOCK and tuple(check_block_size(block_size, fn)) != BLOCK:
         raise ValueError(f"{fn}: `block_size` applies to float8_e4m3fn weights only, got {block_size!r} "
                          "with weights that are not fp8")

@@ -17,7 +17,7 @@ from kernelhub.device import device_capability
 from . import _experts_eager as eager
 from ._experts_custom_ops import compiled_fused_experts
 from ._experts_validate import FN, VARIANTS, check_config, checked_variant, needs_grad, validate_inputs
-from ._fp8_validate import BLOCK, check_no_fp8_arguments, is_fp8_call
+from ._fp8_validate import BLOCK, FP8, check_no_fp8_arguments
 from ._fp8_variants import auto_variant_fp8
 from ._variants import auto_variant
 
@@ -94,11 +94,13 @@ def fused_experts(
     """
     if check_indices is not None and type(check_indices) is not bool:  # (checked on both paths)
         raise TypeError(f"{FN}: `check_indices` must be True, False or None, got {check_indices!r}")
-    if is_fp8_call(gate_up_proj, down_proj, gate_up_proj_scale_inv, down_proj_scale_inv):
+    # the fp8 path: scales given or fp8 weights (the 16-bit path pays these three identity checks)
+    if (gate_up_proj_scale_inv is not None or down_proj_scale_inv is not None
+            or getattr(gate_up_proj, "dtype", None) is FP8):
         return _fused_experts_fp8(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
                                   down_proj_scale_inv, block_size, variant, config, check_indices)
     if block_size is not BLOCK:
-        check_no_fp8_arguments(gate_up_proj_scale_inv, down_proj_scale_inv, block_size)
+        check_no_fp8_arguments(block_size)
     # one opaque custom op per call (no graph breaks); under a torch.func transform the eager path
     # below runs (its default variant is then the reference, which the transforms trace)
     if torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active():
