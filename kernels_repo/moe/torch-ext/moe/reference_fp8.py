@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 
 from ._fp8_validate import BLOCK, validate_fp8_inputs
-from .reference_experts import reference_unchecked
 
 FP8_MAX = 448.0
 AMAX_MIN = 1e-4  # an all-zero group's amax (DeepGEMM's clamp): finite scales, zeros stay zeros
@@ -86,21 +85,30 @@ def fused_experts_fp8_reference(
 
 def fp8_reference_unchecked(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
                             down_proj_scale_inv, block_size=BLOCK, quantize_activations: bool = False):
+    """`fused_experts_fp8_reference` on checked inputs. Each routed expert's weights are dequantized
+    on their own (one expert at a time in fp32, never all E: DeepSeek-V3's 256 experts dequantized
+    at once would be ~44 GB per layer); the routed rows are read with `nonzero` (host syncs)."""
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    wgu = dequantize_blocks(gate_up_proj, gate_up_proj_scale_inv, block_size, compute)
-    wd = dequantize_blocks(down_proj, down_proj_scale_inv, block_size, compute)
-    if not quantize_activations:
-        return reference_unchecked(x.to(compute), wgu, wd, topk_idx, topk_weights).to(x.dtype)
-    inter = wgu.shape[1] // 2
-    xq = fake_quantize_rows(x.detach().to(compute))
+    inter = gate_up_proj.shape[1] // 2
+    xc = x.to(compute)
+    if quantize_activations:
+        xc = fake_quantize_rows(xc.detach())
     out = torch.zeros(x.shape, dtype=compute, device=x.device)
     idx = topk_idx.to(torch.int64)
-    for e in range(wgu.shape[0]):
+    routed = False
+    for e in range(gate_up_proj.shape[0]):
         token, slot = torch.nonzero(idx == e, as_tuple=True)
         if token.numel() == 0:
             continue
-        gu = F.linear(xq[token], wgu[e])
-        h = fake_quantize_rows(F.silu(gu[:, :inter]) * gu[:, inter:])
-        y = F.linear(h, wd[e]) * topk_weights[token, slot].to(compute)[:, None]
+        routed = True
+        wgu = dequantize_blocks(gate_up_proj[e], gate_up_proj_scale_inv[e], block_size, compute)
+        wd = dequantize_blocks(down_proj[e], down_proj_scale_inv[e], block_size, compute)
+        gu = F.linear(xc[token], wgu)
+        h = F.silu(gu[:, :inter]) * gu[:, inter:]
+        if quantize_activations:
+            h = fake_quantize_rows(h)
+        y = F.linear(h, wd) * topk_weights[token, slot].to(compute)[:, None]
         out = out.index_add(0, token, y)
+    if not routed:  # nothing routed: zeros still connected to x and topk_weights (zero gradients)
+        out = out + (x[:0].sum() + topk_weights[:0].sum()).to(compute)
     return out.to(x.dtype)
