@@ -18,9 +18,10 @@ from collections.abc import Callable
 
 import torch
 
-from kernelhub.device import device_guard
+from kernelhub.device import CachedLaunch, device_guard
 
 from . import _experts_launch as launch
+from ._constexpr_spec import constexpr_spec
 from ._experts_routing import align_rows
 from ._experts_validate import FN, INTERPRET, checked_variant, needs_grad
 from ._fp8_kernels import _fp8_gemm_kernel
@@ -36,27 +37,40 @@ _TILES = {
 }
 
 
+# A cached launcher (Triton's `kernel[grid](...)` costs tens of us of Python per launch) with the
+# constexprs by name, checked against the kernel's signature at import.
+_gemm_launch = CachedLaunch(_fp8_gemm_kernel)
+Fp8GemmConstexprs = constexpr_spec(_fp8_gemm_kernel, """EPILOGUE GATHER_A TOPK FP8_DOT QUANT_A QUANT_C EMULATE
+    PRECISION SCALE_N BLOCK_M BLOCK_N BLOCK_K""")
+
+
+def _index(t: torch.Tensor) -> int:
+    return t.get_device() if t.is_cuda else -1
+
+
 def _gemm(a, a_scale, weight, scale_inv, out, out_scale, routing, tiles, *, n: int, k: int, epilogue: int,
           gather_a: bool, topk: int, fp8_dot: bool) -> None:
+    """One grouped GEMM over the aligned rows: out[p, :n] from a[row(p), :k] and expert e(p)'s fp8 weight."""
     bm, bn = routing.block_m, tiles["BLOCK_N"]
     grid = (routing.num_rows // bm, launch.cdiv(n, bn))
     if grid[0] == 0 or grid[1] == 0:
         return
-    dummy = out
     # W8A16: the weights' bits as uint8 (Triton has no fp8e4nv pointers below sm89)
     w = weight if fp8_dot else weight.view(torch.uint8)
-    _fp8_gemm_kernel[grid](
-        a, a_scale if a_scale is not None else dummy, w, scale_inv, out,
-        out_scale if out_scale is not None else dummy, routing.rows, routing.row_expert,
-        routing.num_rows, n, k, weight.shape[1],
-        a.stride(0), a.stride(1), a_scale.stride(0) if a_scale is not None else 0,
-        weight.stride(0), weight.stride(1), weight.stride(2),
-        scale_inv.stride(0), scale_inv.stride(1), scale_inv.stride(2),
-        out.stride(0), out.stride(1), out_scale.stride(0) if out_scale is not None else 0,
-        EPILOGUE=epilogue, GATHER_A=gather_a, TOPK=topk, FP8_DOT=fp8_dot,
-        QUANT_A=fp8_dot and a.dtype != torch.float8_e4m3fn, QUANT_C=out_scale is not None, EMULATE=INTERPRET,
-        PRECISION="ieee" if (INTERPRET or a.dtype == torch.float32) else None,
-        SCALE_N=BLOCK[0], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK[1],
+    _gemm_launch.split(
+        grid, _index(a),
+        (a, a_scale if a_scale is not None else out, w, scale_inv, out, out_scale if out_scale is not None else out,
+         routing.rows, routing.row_expert),
+        (routing.num_rows, n, k, weight.shape[1],
+         a.stride(0), a.stride(1), a_scale.stride(0) if a_scale is not None else 0,
+         weight.stride(0), weight.stride(1), weight.stride(2),
+         scale_inv.stride(0), scale_inv.stride(1), scale_inv.stride(2),
+         out.stride(0), out.stride(1), out_scale.stride(0) if out_scale is not None else 0),
+        Fp8GemmConstexprs(
+            EPILOGUE=epilogue, GATHER_A=gather_a, TOPK=topk, FP8_DOT=fp8_dot,
+            QUANT_A=fp8_dot and a.dtype != torch.float8_e4m3fn, QUANT_C=out_scale is not None, EMULATE=INTERPRET,
+            PRECISION="ieee" if (INTERPRET or a.dtype == torch.float32) else None,
+            SCALE_N=BLOCK[0], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK[1]),
         num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
     )
 
