@@ -263,6 +263,29 @@ def test_weight_gradients_raise(variant, name):
         moe.fused_experts(x, args.pop("gate_up_proj"), args.pop("down_proj"), idx, w, variant=variant, **args)
 
 
+# ---- torch.compile ----
+
+@pytest.mark.parametrize("variant", ALL)
+def test_torch_compile_fullgraph_forward_and_backward_match_eager(variant):
+    """One custom op per call (fullgraph: no graph break around the Triton launches or `nonzero`)."""
+    x, guq, dq, idx, w, scales = make_fp8(5, 136, 72, 3, 2, dtype=torch.float32, seed=28, drop=1)
+    dy = torch.randn(5, 136, generator=torch.Generator().manual_seed(29))
+
+    def f(a, b):
+        return moe.fused_experts(a, guq, dq, idx, b, variant=variant, **scales)
+
+    results = []
+    for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True)):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        out = fn(xs, ws)
+        out.backward(dy)
+        results.append((out.detach(), xs.grad, ws.grad))
+    for eager, compiled in zip(*results, strict=True):
+        assert torch.equal(eager, compiled)
+    with torch.no_grad():
+        assert torch.equal(torch.compile(f, backend="aot_eager", fullgraph=True)(x, w), results[0][0])
+
+
 # ---- validation ----
 
 def _bad_cases():

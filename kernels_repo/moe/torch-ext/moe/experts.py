@@ -41,6 +41,11 @@ def _traced_variant(device: torch.device) -> str:
     return select_variant(device)
 
 
+@torch.compiler.assume_constant_result
+def _traced_variant_fp8(device: torch.device) -> str:
+    return select_variant_fp8(device)
+
+
 def fused_experts(
     x: torch.Tensor,
     gate_up_proj: torch.Tensor,
@@ -123,6 +128,16 @@ def _fused_experts_fp8(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_
     from . import _fp8_experts
 
     check_config(config)
+    if torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active():
+        from . import _fp8_custom_ops, _fp8_validate
+
+        bs = _fp8_validate.validate_fp8_inputs(x, gate_up_proj, down_proj, topk_idx, topk_weights,
+                                               gate_up_proj_scale_inv, down_proj_scale_inv, block_size, False)
+        variant = checked_variant(x, _traced_variant_fp8(x.device) if variant is None else variant)
+        if variant != "reference" and bs != BLOCK:
+            raise ValueError(f"{FN}: variant {variant!r} supports fp8 `block_size` {BLOCK}, got {bs}")
+        return _fp8_custom_ops.fused_experts_fp8_op(x, gate_up_proj, down_proj, topk_idx, topk_weights,
+                                                    gate_up_proj_scale_inv, down_proj_scale_inv, variant, list(bs))
     if check_indices is None:
         check_indices = not (isinstance(x, torch.Tensor) and x.is_cuda) or needs_grad(x, topk_weights)
     return _fp8_experts.run(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,

@@ -1,0 +1,90 @@
+"""`fused_experts` on fp8 weights as torch custom ops, used only while torch.compile traces.
+
+As `_experts_custom_ops` does for the 16-bit path: the forward (any variant, resolved while
+tracing) is one opaque op, so Dynamo never traces the Triton launches (it cannot) or the
+reference's data-dependent `nonzero`; the backward (x, topk_weights; the fp8 weights are frozen)
+is a second op, the dequantized reference's vector-Jacobian product.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernelhub.device import device_guard
+
+from . import _fp8_experts as fp8
+from .reference_fp8 import fp8_reference_unchecked
+
+_NS = "kernelhub_" + __name__.replace(".", "_")
+
+
+@torch.library.custom_op(f"{_NS}::fused_experts_fp8", mutates_args=())
+def fused_experts_fp8_op(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                         topk_idx: torch.Tensor, topk_weights: torch.Tensor, gate_up_proj_scale_inv: torch.Tensor,
+                         down_proj_scale_inv: torch.Tensor, variant: str, block_size: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        if variant == "reference":
+            return fp8_reference_unchecked(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
+                                           down_proj_scale_inv, tuple(block_size))
+        if x.shape[0] == 0:
+            return x.new_zeros(x.shape)
+        with device_guard(x):
+            return fp8.forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
+                               down_proj_scale_inv, variant)
+
+
+@fused_experts_fp8_op.register_fake
+def _(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv, down_proj_scale_inv, variant,
+      block_size):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op(f"{_NS}::fused_experts_fp8_backward", mutates_args=())
+def fused_experts_fp8_backward_op(
+    dout: torch.Tensor, x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor, gate_up_proj_scale_inv: torch.Tensor, down_proj_scale_inv: torch.Tensor,
+    block_size: list[int], needs: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, d topk_weights) by torch.func.vjp of the dequantized reference (a custom op's body runs
+    below the autograd key, where torch.autograd.grad would see no graph); empty where not needed."""
+    wanted = [t for t, need in zip((x, topk_weights), needs, strict=True) if need]
+
+    def f(*args):
+        it = iter(args)
+        a = next(it) if needs[0] else x
+        b = next(it) if needs[1] else topk_weights
+        return fp8_reference_unchecked(a, gate_up_proj, down_proj, topk_idx, b, gate_up_proj_scale_inv,
+                                       down_proj_scale_inv, tuple(block_size))
+
+    found = iter(())
+    if wanted:
+        with device_guard(x):
+            _, vjp = torch.func.vjp(f, *wanted)
+            # copies: gradients of the "nothing routed" link are expanded views, which an op may not return
+            found = iter(g.clone(memory_format=torch.contiguous_format) for g in vjp(dout.to(x.dtype)))
+    return tuple(next(found).to(t.dtype) if need else t.new_empty(0)
+                 for t, need in zip((x, topk_weights), needs, strict=True))
+
+
+@fused_experts_fp8_backward_op.register_fake
+def _(dout, x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv, down_proj_scale_inv,
+      block_size, needs):
+    return tuple(t.new_empty(t.shape) if need else t.new_empty(0)
+                 for t, need in zip((x, topk_weights), needs, strict=True))
+
+
+def _setup(ctx, inputs, output) -> None:
+    x, gate_up_proj, down_proj, topk_idx, topk_weights, gus, ds, variant, block_size = inputs
+    ctx.save_for_backward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gus, ds)
+    ctx.block_size = block_size
+
+
+def _backward(ctx, dout):
+    x, gate_up_proj, down_proj, topk_idx, topk_weights, gus, ds = ctx.saved_tensors
+    needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[4]]
+    dx, dw = fused_experts_fp8_backward_op(dout, x, gate_up_proj, down_proj, topk_idx, topk_weights, gus, ds,
+                                           ctx.block_size, needs)
+    return (dx if needs[0] else None, None, None, None, dw if needs[1] else None, None, None, None, None)
+
+
+fused_experts_fp8_op.register_autograd(_backward, setup_context=_setup)
