@@ -253,14 +253,28 @@ def test_reference_gradcheck_float64():
     assert torch.autograd.gradcheck(fn, (x.requires_grad_(), w.requires_grad_()))
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("variant", ALL)
 @pytest.mark.parametrize("name", ["gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv"])
-def test_weight_gradients_raise(variant, name):
+def test_weight_gradients_raise_when_asked_and_forward_runs(variant, name, compiled):
+    """transformers' FP8Experts holds its fp8 weights as Parameters that require grad: a forward
+    with grad enabled works (it is no request for their gradient); a backward reaching them raises."""
     x, guq, dq, idx, w, scales = make_fp8(3, 136, 72, 3, 2, seed=23)
     args = {"gate_up_proj": guq, "down_proj": dq, **scales}
-    args[name] = args[name].clone().requires_grad_()
-    with pytest.raises(ValueError, match=f"fused_experts: gradients for .*`{name}` are not supported"):
-        moe.fused_experts(x, args.pop("gate_up_proj"), args.pop("down_proj"), idx, w, variant=variant, **args)
+    want = moe.fused_experts(x, guq, dq, idx, w, variant=variant, **scales)
+    args[name] = torch.nn.Parameter(args[name].clone())  # requires_grad=True, as transformers allocates it
+    gu, dn = args.pop("gate_up_proj"), args.pop("down_proj")
+
+    def f(a):
+        return moe.fused_experts(a, gu, dn, idx, w, variant=variant, **args)
+
+    if compiled:
+        torch._dynamo.reset()  # (one code object compiled for every parametrization: no recompile limit)
+    out = (torch.compile(f, backend="aot_eager", fullgraph=True) if compiled else f)(x)
+    assert torch.equal(out.detach(), want)
+    with pytest.raises(ValueError, match=f"fused_experts: gradients for float8 expert weights are not supported "
+                                         f"\\({name} require grad\\)"):
+        out.float().sum().backward()
 
 
 # ---- torch.compile ----

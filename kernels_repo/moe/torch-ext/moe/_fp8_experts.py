@@ -25,7 +25,7 @@ from ._constexpr_spec import constexpr_spec
 from ._experts_routing import align_rows
 from ._experts_validate import FN, INTERPRET, checked_variant, needs_grad
 from ._fp8_kernels import _fp8_gemm_kernel
-from ._fp8_validate import BLOCK, validate_fp8_inputs
+from ._fp8_validate import BLOCK, refuse_weight_gradients, validate_fp8_inputs
 from .reference_fp8 import fp8_reference_unchecked
 
 # Tiles: BLOCK_K is the scale block (128 columns); the gate/up GEMM's BLOCK_N is 128 on sm90 (one
@@ -101,31 +101,41 @@ def forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_scale, d
 
 
 class FP8ExpertsFunction(torch.autograd.Function):
-    """Forward by the kernels; backward (x, topk_weights) through the dequantized torch reference."""
+    """Forward by the variant; backward (x, topk_weights) through the dequantized torch reference.
+    A gradient asked for a weight or scale raises (`refuse_weight_gradients`)."""
 
     @staticmethod
-    def forward(ctx, x, topk_weights, gate_up_proj, down_proj, topk_idx, gate_up_scale, down_scale, variant):
-        with device_guard(x):
-            out = forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_scale, down_scale, variant)
+    def forward(ctx, x, topk_weights, gate_up_proj, down_proj, topk_idx, gate_up_scale, down_scale, variant,
+                block_size):
+        if variant == "reference":
+            out = fp8_reference_unchecked(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_scale,
+                                          down_scale, block_size)
+        else:
+            with device_guard(x):
+                out = forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_scale, down_scale, variant)
         ctx.save_for_backward(x, topk_weights, gate_up_proj, down_proj, topk_idx, gate_up_scale, down_scale)
+        ctx.block_size = block_size
         return out
 
     @staticmethod
     def backward(ctx, dout):
+        n = ctx.needs_input_grad
+        refuse_weight_gradients((n[2], n[3], n[5], n[6]))
         x, topk_weights, gate_up_proj, down_proj, topk_idx, gus, ds = ctx.saved_tensors
         if dout.device != x.device:
             raise ValueError(f"{FN}: gradient must be on {x.device} like `x`, got {dout.device}")
-        need_x, need_w = ctx.needs_input_grad[:2]
+        need_x, need_w = n[:2]
         with torch.enable_grad(), device_guard(x):
             xr = x.detach().requires_grad_(need_x)
             wr = topk_weights.detach().requires_grad_(need_w)
-            out = fp8_reference_unchecked(xr, gate_up_proj, down_proj, topk_idx, wr, gus, ds)
+            out = fp8_reference_unchecked(xr, gate_up_proj.detach(), down_proj.detach(), topk_idx, wr, gus.detach(),
+                                          ds.detach(), ctx.block_size)
             wanted = [t for t, need in ((xr, need_x), (wr, need_w)) if need]
             grads = iter(torch.autograd.grad(out, wanted, dout, allow_unused=True))
         dx = next(grads) if need_x else None
         dw = next(grads) if need_w else None
         zero = [g if g is not None else torch.zeros_like(t) for g, t in ((dx, x), (dw, topk_weights))]
-        return (zero[0] if need_x else None, zero[1] if need_w else None, None, None, None, None, None, None)
+        return (zero[0] if need_x else None, zero[1] if need_w else None, None, None, None, None, None, None, None)
 
 
 def run(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv, down_proj_scale_inv,
@@ -136,20 +146,22 @@ def run(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_i
     if variant is None and torch._C._are_functorch_transforms_active():
         variant = "reference"
     variant = checked_variant(x, default_variant(x.device) if variant is None else variant)
-    if variant == "reference":
+    frozen_grad = needs_grad(gate_up_proj, down_proj, gate_up_proj_scale_inv, down_proj_scale_inv)
+    if variant == "reference" and not frozen_grad:  # plain autograd (double backward, torch.func)
         return fp8_reference_unchecked(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
                                        down_proj_scale_inv, bs)
-    if bs != BLOCK:
-        raise ValueError(f"{FN}: variant {variant!r} supports fp8 `block_size` {BLOCK}, got {tuple(block_size)} "
-                         "(variant='reference' takes any)")
-    if torch._C._are_functorch_transforms_active():
-        raise ValueError(f"{FN}: torch.func transforms are not supported by variant {variant!r}; "
-                         "use variant='reference'")
-    if x.shape[0] == 0:  # nothing to route; zero gradients stay connected
-        return x.new_zeros(x.shape) + 0 * (x.sum() + topk_weights.sum()).to(x.dtype)
-    if needs_grad(x, topk_weights):
+    if variant != "reference":
+        if bs != BLOCK:
+            raise ValueError(f"{FN}: variant {variant!r} supports fp8 `block_size` {BLOCK}, got {tuple(block_size)} "
+                             "(variant='reference' takes any)")
+        if torch._C._are_functorch_transforms_active():
+            raise ValueError(f"{FN}: torch.func transforms are not supported by variant {variant!r}; "
+                             "use variant='reference'")
+        if x.shape[0] == 0:  # nothing to route; zero gradients stay connected
+            return x.new_zeros(x.shape) + 0 * (x.sum() + topk_weights.sum()).to(x.dtype)
+    if frozen_grad or needs_grad(x, topk_weights):
         return FP8ExpertsFunction.apply(x, topk_weights, gate_up_proj, down_proj, topk_idx, gate_up_proj_scale_inv,
-                                        down_proj_scale_inv, variant)
+                                        down_proj_scale_inv, variant, bs)
     with device_guard(x):
         return forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
                        down_proj_scale_inv, variant)

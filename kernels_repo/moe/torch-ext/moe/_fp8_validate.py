@@ -55,13 +55,20 @@ def validate_fp8_inputs(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate
         if tuple(s.shape) != want:
             raise ValueError(f"{fn}: `{name}` must be [E, ceil({rows}/{bn}), ceil({cols}/{bk})] = {list(want)} "
                              f"for block_size {(bn, bk)}, got {list(s.shape)}")
-        if s.requires_grad and torch.is_grad_enabled():
-            raise ValueError(f"{fn}: gradients for `{name}` are not supported (fp8 expert weights are frozen)")
-    for name, w in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
-        if w.requires_grad and torch.is_grad_enabled():
-            raise ValueError(f"{fn}: gradients for float8 `{name}` are not supported (fp8 expert weights are "
-                             "frozen; gradients flow to `x` and `topk_weights`)")
     return bn, bk
+
+
+WEIGHT_NAMES = ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv")
+
+
+def refuse_weight_gradients(needs: tuple[bool, bool, bool, bool]) -> None:
+    """In backward: autograd asks for the gradient of an fp8 weight or scale (a leaf that requires
+    grad, e.g. transformers' FP8Experts parameters left trainable); they are frozen here."""
+    asked = [name for name, need in zip(WEIGHT_NAMES, needs, strict=True) if need]
+    if asked:
+        raise ValueError(f"{FN}: gradients for float8 expert weights are not supported ({', '.join(asked)} "
+                         "require grad); the fp8 weights are frozen, gradients flow to `x` and `topk_weights`: "
+                         "call requires_grad_(False) on them")
 
 
 def check_no_fp8_arguments(block_size, fn: str = FN) -> None:

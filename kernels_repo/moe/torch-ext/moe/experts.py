@@ -136,8 +136,12 @@ def _fused_experts_fp8(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_
         variant = checked_variant(x, _traced_variant_fp8(x.device) if variant is None else variant)
         if variant != "reference" and bs != BLOCK:
             raise ValueError(f"{FN}: variant {variant!r} supports fp8 `block_size` {BLOCK}, got {bs}")
+        grad = torch.is_grad_enabled()
+        weight_needs = [grad and t.requires_grad for t in (gate_up_proj, down_proj, gate_up_proj_scale_inv,
+                                                           down_proj_scale_inv)]
         return _fp8_custom_ops.fused_experts_fp8_op(x, gate_up_proj, down_proj, topk_idx, topk_weights,
-                                                    gate_up_proj_scale_inv, down_proj_scale_inv, variant, list(bs))
+                                                    gate_up_proj_scale_inv, down_proj_scale_inv, variant, list(bs),
+                                                    weight_needs)
     if check_indices is None:
         check_indices = not (isinstance(x, torch.Tensor) and x.is_cuda) or needs_grad(x, topk_weights)
     return _fp8_experts.run(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
