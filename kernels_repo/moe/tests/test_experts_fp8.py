@@ -201,6 +201,16 @@ def test_power_of_two_ue8m0_scales(variant):
     assert rel(out, ref) <= tol
 
 
+@pytest.mark.parametrize("variant", ALL)
+def test_ue8m0_scales_stored_as_float8_e8m0fnu(variant):
+    """transformers' scale_fmt="ue8m0" keeps the power-of-two scales as float8_e8m0fnu."""
+    x, guq, dq, idx, w, scales = make_fp8(7, 200, 136, 4, 2, seed=14, ue8m0=True)
+    e8 = {k: v.to(torch.float8_e8m0fnu) for k, v in scales.items()}
+    assert all(torch.equal(e8[k].float(), scales[k]) for k in scales)  # exact: powers of two
+    assert torch.equal(moe.fused_experts(x, guq, dq, idx, w, variant=variant, **e8),
+                       moe.fused_experts(x, guq, dq, idx, w, variant=variant, **scales))
+
+
 def test_float32_activations_on_w8a16():
     x, guq, dq, idx, w, scales = make_fp8(5, 136, 72, 3, 2, dtype=torch.float32, seed=15)
     out = moe.fused_experts(x, guq, dq, idx, w, variant="sm80", **scales)

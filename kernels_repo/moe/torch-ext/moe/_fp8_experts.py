@@ -82,6 +82,8 @@ def forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_scale, d
     inter = two_i // 2
     K = topk_idx.shape[1]
     fp8_dot = variant == "sm90"
+    # UE8M0 scales (float8_e8m0fnu): the kernels read fp32 (exact: powers of two); a small copy
+    gate_up_scale, down_scale = (s if s.dtype == torch.float32 else s.float() for s in (gate_up_scale, down_scale))
     tiles = _TILES["interpret" if INTERPRET else variant]
     routing = align_rows(topk_idx, E, tiles["block_m"])
     P, dev = routing.num_rows, x.device

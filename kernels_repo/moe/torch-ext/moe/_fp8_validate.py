@@ -14,6 +14,8 @@ from ._experts_validate import FN, validate_inputs
 
 FP8 = torch.float8_e4m3fn
 BLOCK = (128, 128)  # the block size the Triton kernels support (every published checkpoint's)
+# scale dtypes: fp32, or UE8M0 powers of two as transformers stores them (scale_fmt="ue8m0")
+SCALE_DTYPES = (torch.float32,) + ((torch.float8_e8m0fnu,) if hasattr(torch, "float8_e8m0fnu") else ())
 
 
 def check_block_size(block_size: object, fn: str = FN) -> tuple[int, int]:
@@ -48,8 +50,8 @@ def validate_fp8_inputs(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate
             raise TypeError(f"{fn}: `{name}` must be a torch.Tensor, got {type(s).__name__}")
         if s.device != x.device:
             raise ValueError(f"{fn}: `{name}` must be on {x.device} like `x`, got {s.device}")
-        if s.dtype != torch.float32:
-            raise TypeError(f"{fn}: `{name}` must be float32 (power-of-two UE8M0 scales as float32 too), "
+        if s.dtype not in SCALE_DTYPES:
+            raise TypeError(f"{fn}: `{name}` must be float32 (or float8_e8m0fnu: power-of-two UE8M0 scales), "
                             f"got {s.dtype}")
         want = (E, _cdiv(rows, bn), _cdiv(cols, bk))
         if tuple(s.shape) != want:
