@@ -429,3 +429,33 @@ def test_gpu_fp8_at_qwen3_30b_shapes(variant, T):
                             **{k: v.to(dev) for k, v in scales.items()}).cpu()
     tol = 1.25 * rel(emu, ref) if variant == "sm90" else 1e-2
     assert rel(out, ref) <= tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["sm80", "sm90"])
+def test_gpu_fp8_decode_is_capturable_in_a_cuda_graph(variant):
+    """Inference is sync-free: a decode step captures and replays with new inputs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if variant == "sm90" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 tensor cores need sm89+")
+    dev = torch.device("cuda")
+    x, guq, dq, idx, w, scales = make_fp8(4, 2048, 768, 16, 8, seed=31)
+    x, guq, dq, idx, w = (t.to(dev) for t in (x, guq, dq, idx, w))
+    scales = {k: v.to(dev) for k, v in scales.items()}
+
+    def step():
+        return moe.fused_experts(x, guq, dq, idx, w, variant=variant, **scales)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    x2, *_, idx2, w2, _ = make_fp8(4, 2048, 768, 16, 8, seed=32)
+    x.copy_(x2.to(dev))
+    idx.copy_(idx2.to(dev))
+    w.copy_(w2.to(dev))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, step())

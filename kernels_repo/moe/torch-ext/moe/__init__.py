@@ -8,6 +8,8 @@ from .layers import (
     MoEExpertsSm80,
     MoEExpertsSm90,
     experts_forward,
+    fp8_experts_forward,
+    fp8_unsupported_reason,
     unsupported_reason,
 )
 from .reference_experts import fused_experts_reference
@@ -36,6 +38,8 @@ __all__ = [
     "dequantize_blocks",
     "expand_to_fused",
     "experts_forward",
+    "fp8_experts_forward",
+    "fp8_unsupported_reason",
     "fused_experts",
     "fused_experts_fp8_reference",
     "fused_experts_reference",
