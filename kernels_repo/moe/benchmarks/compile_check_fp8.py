@@ -37,6 +37,21 @@ def fp8_gemm(cap: int, variant: str, epilogue: int, dtype: str) -> int | None:
     return cc.compile_one(kern._fp8_gemm_kernel, full, const, cap, tiles["num_warps"], tiles["num_stages"], label)
 
 
+def backward_gemm(cap: int, gather: bool) -> int | None:
+    """A launch of `_fp8_experts.backward` (W8A16 on every card): gathered 16-bit rows (x, dY) or the
+    fp32 d[gate | up] rows, fp32 out."""
+    tiles = fp8k._TILES["sm80"]
+    a_dtype = "bf16" if gather else "fp32"
+    sig = {"a_ptr": f"*{a_dtype}", "as_ptr": "*fp32", "b_ptr": "*u8", "bs_ptr": "*fp32", "c_ptr": "*fp32",
+           "cs_ptr": "*fp32", "rows_ptr": "*i32", "row_expert_ptr": "*i32"}
+    const = dict(EPILOGUE=0, GATHER_A=gather, TOPK=8, FP8_DOT=False, QUANT_A=False, QUANT_C=False, EMULATE=False,
+                 PRECISION="ieee" if a_dtype == "fp32" else None, SCALE_N=128, BLOCK_M=tiles["block_m"],
+                 BLOCK_N=tiles["BLOCK_N"], BLOCK_K=128)
+    full = {n: sig.get(n, "constexpr" if n in const else cc.I32) for n in kern._fp8_gemm_kernel.arg_names}
+    return cc.compile_one(kern._fp8_gemm_kernel, full, const, cap, tiles["num_warps"], tiles["num_stages"],
+                          f"fp8 backward gather={gather} a={a_dtype}")
+
+
 def main() -> None:
     fails = 0
     # every activation dtype of each variant on its main target; bf16 on the cards sharing it
@@ -45,6 +60,9 @@ def main() -> None:
         for dtype in dtypes:
             for epilogue in (1, 0):
                 fails += fp8_gemm(cap, variant, epilogue, dtype) is None
+    for cap in (90, 80):
+        for gather in (True, False):
+            fails += backward_gemm(cap, gather) is None
     print(f"failures: {fails}")
     sys.exit(1 if fails else 0)
 

@@ -237,16 +237,18 @@ def test_cpu_default_is_the_reference():
 
 # ---- gradients (x, topk_weights; the fp8 weights are frozen) ----
 
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("variant", ALL)
-def test_gradients_for_x_and_topk_weights_match_float64_loop(variant):
-    x, guq, dq, idx, w, scales = make_fp8(7, 200, 136, 4, 2, dtype=torch.float32, seed=19, drop=1)
-    dy = torch.randn(7, 200, generator=torch.Generator().manual_seed(20))
+def test_gradients_for_x_and_topk_weights_match_float64_loop(variant, dtype, tol):
+    """sm80/sm90: the Triton backward (W8A16 kernels); H, I not multiples of 128, a -1 id."""
+    x, guq, dq, idx, w, scales = make_fp8(7, 200, 136, 4, 2, dtype=dtype, seed=19, drop=1)
+    dy = torch.randn(7, 200, generator=torch.Generator().manual_seed(20)).to(dtype)
     xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
     moe.fused_experts(xs, guq, dq, idx, ws, variant=variant, **scales).backward(dy)
     xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
     oracle(xr, guq, dq, idx, wr, scales).backward(dy.double())
-    # sm90: the backward is the dequantized reference's (straight through the activation rounding)
-    assert rel(xs.grad, xr.grad) < 1e-5 and rel(ws.grad, wr.grad) < 1e-5
+    # sm90: the gradient of the dequantized-weight experts (straight through the activation rounding)
+    assert rel(xs.grad, xr.grad) < tol and rel(ws.grad, wr.grad) < tol
 
 
 @pytest.mark.parametrize("variant", ["sm80", "sm90"])
@@ -409,7 +411,8 @@ def test_fp8_kernels_compile_for_sm90_sm89_and_sm80_without_a_gpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900, env=env)
     assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
-    assert "failures: 0" in res.stdout and res.stdout.count("ok   sm90 fp8 sm90") == 4, res.stdout[-2000:]
+    out = res.stdout
+    assert "failures: 0" in out and out.count("ok   sm90 fp8 sm90") == 4 and out.count("fp8 backward") == 4, out[-2000:]
 
 
 # ---- GPU ----

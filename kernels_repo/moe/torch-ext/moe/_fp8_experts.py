@@ -6,10 +6,11 @@ fp8 with its scales), "sm80" W8A16 (weights converted in registers), "reference"
 dequantization (`reference_fp8`). Rows are aligned to experts by the same sync-free routing as
 the 16-bit path and combined by its fp32 combine kernel.
 
-Backward (gradients for x and topk_weights; the fp8 weights are frozen): through the torch
-reference on the dequantized weights, recomputed in backward (a straight-through estimate of the
-sm90 path's activation rounding). It reads the routed rows with `nonzero` (host syncs): correct,
-not fast; a Triton backward is future work.
+Backward (gradients for x and topk_weights; the fp8 weights are frozen; `backward`): the W8A16
+kernels recompute the pre-activations and dY @ Wd per row, torch elementwise ops on the rows make
+d[gate | up] and dL/dw, one more W8A16 GEMM and the combine make dx; no host sync. For sm90 this is
+the gradient of the dequantized-weight experts (straight through its activation rounding). The
+reference variant differentiates the torch reference.
 """
 
 from __future__ import annotations
@@ -49,22 +50,26 @@ def _index(t: torch.Tensor) -> int:
 
 
 def _gemm(a, a_scale, weight, scale_inv, out, out_scale, routing, tiles, *, n: int, k: int, epilogue: int,
-          gather_a: bool, topk: int, fp8_dot: bool) -> None:
-    """One grouped GEMM over the aligned rows: out[p, :n] from a[row(p), :k] and expert e(p)'s fp8 weight."""
+          gather_a: bool, topk: int, fp8_dot: bool, transposed: bool = False) -> None:
+    """One grouped GEMM over the aligned rows: out[p, :n] from a[row(p), :k] and expert e(p)'s fp8
+    weight [E, n, k] (transposed: the weight is [E, k, n] and so are its scale blocks, as the
+    backward reads the forward's weights)."""
     bm, bn = routing.block_m, tiles["BLOCK_N"]
     grid = (routing.num_rows // bm, launch.cdiv(n, bn))
     if grid[0] == 0 or grid[1] == 0:
         return
     # W8A16: the weights' bits as uint8 (Triton has no fp8e4nv pointers below sm89)
     w = weight if fp8_dot else weight.view(torch.uint8)
+    ws, ss = weight.stride(), scale_inv.stride()
+    if transposed:
+        ws, ss = (ws[0], ws[2], ws[1]), (ss[0], ss[2], ss[1])
     _gemm_launch.split(
         grid, _index(a),
         (a, a_scale if a_scale is not None else out, w, scale_inv, out, out_scale if out_scale is not None else out,
          routing.rows, routing.row_expert),
-        (routing.num_rows, n, k, weight.shape[1],
+        (routing.num_rows, n, k, weight.shape[2 if transposed else 1],
          a.stride(0), a.stride(1), a_scale.stride(0) if a_scale is not None else 0,
-         weight.stride(0), weight.stride(1), weight.stride(2),
-         scale_inv.stride(0), scale_inv.stride(1), scale_inv.stride(2),
+         ws[0], ws[1], ws[2], ss[0], ss[1], ss[2],
          out.stride(0), out.stride(1), out_scale.stride(0) if out_scale is not None else 0),
         Fp8GemmConstexprs(
             EPILOGUE=epilogue, GATHER_A=gather_a, TOPK=topk, FP8_DOT=fp8_dot,
@@ -102,9 +107,55 @@ def forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_scale, d
     return out
 
 
+def backward(dout, x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_scale, down_scale,
+             needs: tuple[bool, bool]):
+    """(dx or None, d topk_weights or None) by the W8A16 kernels (inside device_guard(x)), no host sync.
+
+    The fp8 weights are frozen: every variant differentiates the dequantized-weight experts (for
+    sm90 that is straight through its activation rounding). With g, u the pre-activations of row p
+    (recomputed), h = silu(g) * u, and dh = dY[t] @ Wd[e]: dL/dw[t, k] = dh . h,
+    d[g | u] = w * dh * [u * silu'(g) | silu(g)], dx[t] = sum_k d[g | u] @ Wgu[e]."""
+    T, H = x.shape
+    E, two_i, _ = gate_up_proj.shape
+    inter = two_i // 2
+    K = topk_idx.shape[1]
+    tiles = _TILES["interpret" if INTERPRET else "sm80"]
+    gate_up_scale, down_scale = (s if s.dtype == torch.float32 else s.float() for s in (gate_up_scale, down_scale))
+    routing = align_rows(topk_idx, E, tiles["block_m"])
+    P, dev = routing.num_rows, x.device
+    gu = torch.empty(P, two_i, device=dev, dtype=torch.float32)
+    _gemm(x, None, gate_up_proj, gate_up_scale, gu, None, routing, tiles, n=two_i, k=H, epilogue=0, gather_a=True,
+          topk=K, fp8_dot=False)
+    dh = torch.empty(P, inter, device=dev, dtype=torch.float32)
+    dy = dout.to(x.dtype)
+    _gemm(dy, None, down_proj, down_scale, dh, None, routing, tiles, n=inter, k=H, epilogue=0, gather_a=True,
+          topk=K, fp8_dot=False, transposed=True)
+    real = routing.rows >= 0  # rows past the used ones and padding rows hold garbage: masked out below
+    flat = routing.rows.clamp(min=0).long()
+    g, u = gu[:, :inter], gu[:, inter:]
+    sig = torch.sigmoid(g)
+    silu = g * sig
+    dx = dw = None
+    if needs[1]:
+        dw_rows = torch.where(real, (dh * silu * u).sum(1), 0.0)
+        pos = routing.token_topk_to_pos.long()
+        dw = torch.where(pos >= 0, dw_rows[pos.clamp(min=0)], 0.0).to(topk_weights.dtype)
+    if needs[0]:
+        wrow = torch.where(real, topk_weights.reshape(-1).float()[flat], 0.0)[:, None] * dh
+        dgu = torch.cat([wrow * u * sig * (1 + g * (1 - sig)), wrow * silu], dim=1)
+        dgu = torch.where(real[:, None], dgu, 0.0)  # (NaN-free: unused rows may hold any bits)
+        dx_rows = torch.empty(P, H, device=dev, dtype=torch.float32)
+        _gemm(dgu, None, gate_up_proj, gate_up_scale, dx_rows, None, routing, tiles, n=H, k=two_i, epilogue=0,
+              gather_a=False, topk=K, fp8_dot=False, transposed=True)
+        dx = torch.empty(T, H, device=dev, dtype=x.dtype)
+        launch.combine(dx_rows, routing.token_topk_to_pos, None, dx)
+    return dx, dw
+
+
 class FP8ExpertsFunction(torch.autograd.Function):
-    """Forward by the variant; backward (x, topk_weights) through the dequantized torch reference.
-    A gradient asked for a weight or scale raises (`refuse_weight_gradients`)."""
+    """Forward by the variant; backward (x, topk_weights) by the W8A16 kernels (`backward`; the
+    reference variant: torch autograd through the dequantized reference). A gradient asked for a
+    weight or scale raises (`refuse_weight_gradients`)."""
 
     @staticmethod
     def forward(ctx, x, topk_weights, gate_up_proj, down_proj, topk_idx, gate_up_scale, down_scale, variant,
@@ -116,7 +167,7 @@ class FP8ExpertsFunction(torch.autograd.Function):
             with device_guard(x):
                 out = forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_scale, down_scale, variant)
         ctx.save_for_backward(x, topk_weights, gate_up_proj, down_proj, topk_idx, gate_up_scale, down_scale)
-        ctx.block_size = block_size
+        ctx.block_size, ctx.variant = block_size, variant
         return out
 
     @staticmethod
@@ -127,6 +178,10 @@ class FP8ExpertsFunction(torch.autograd.Function):
         if dout.device != x.device:
             raise ValueError(f"{FN}: gradient must be on {x.device} like `x`, got {dout.device}")
         need_x, need_w = n[:2]
+        if ctx.variant != "reference":
+            with device_guard(x):
+                dx, dw = backward(dout, x, gate_up_proj, down_proj, topk_idx, topk_weights, gus, ds, (need_x, need_w))
+            return (dx, dw, None, None, None, None, None, None, None)
         with torch.enable_grad(), device_guard(x):
             xr = x.detach().requires_grad_(need_x)
             wr = topk_weights.detach().requires_grad_(need_w)
