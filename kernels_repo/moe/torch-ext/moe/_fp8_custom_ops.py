@@ -3,7 +3,7 @@
 As `_experts_custom_ops` does for the 16-bit path: the forward (any variant, resolved while
 tracing) is one opaque op, so Dynamo never traces the Triton launches (it cannot) or the
 reference's data-dependent `nonzero`; the backward (x, topk_weights; the fp8 weights are frozen)
-is a second op, the dequantized reference's vector-Jacobian product.
+is a second op: the Triton variants' W8A16 backward, or the reference's vector-Jacobian product.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv
 def fused_experts_fp8_backward_op(
     dout: torch.Tensor, x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_idx: torch.Tensor,
     topk_weights: torch.Tensor, gate_up_proj_scale_inv: torch.Tensor, down_proj_scale_inv: torch.Tensor,
-    block_size: list[int], needs: list[bool], weight_needs: list[bool],
+    block_size: list[int], needs: list[bool], weight_needs: list[bool], variant: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, d topk_weights, then the four weights' and scales' never-returned gradients); the first
     two by torch.func.vjp of the dequantized reference (a custom op's body runs
@@ -56,6 +56,12 @@ def fused_experts_fp8_backward_op(
     runs (AOT autograd traces the backward while compiling the forward, so raising in the autograd
     formula would fail every compiled forward of a module whose fp8 weights require grad)."""
     refuse_weight_gradients(tuple(weight_needs))
+    empty = tuple(t.new_empty(0) for t in (gate_up_proj, down_proj, gate_up_proj_scale_inv, down_proj_scale_inv))
+    if variant != "reference" and x.shape[0] > 0:  # the Triton backward (W8A16 kernels)
+        with torch.no_grad(), device_guard(x):
+            dx, dw = fp8.backward(dout, x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
+                                  down_proj_scale_inv, tuple(needs))
+        return (dx if needs[0] else x.new_empty(0), dw if needs[1] else topk_weights.new_empty(0)) + empty
     wanted = [t for t, need in zip((x, topk_weights), needs, strict=True) if need]
 
     def f(*args):
@@ -75,13 +81,12 @@ def fused_experts_fp8_backward_op(
                   for t, need in zip((x, topk_weights), needs, strict=True))
     # (the weights' slots exist so that a compiled backward uses this op's outputs where a weight
     # gradient is asked, and keeps the op that raises instead of dropping it as dead code)
-    return grads + tuple(t.new_empty(0) for t in (gate_up_proj, down_proj, gate_up_proj_scale_inv,
-                                                  down_proj_scale_inv))
+    return grads + empty
 
 
 @fused_experts_fp8_backward_op.register_fake
 def _(dout, x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv, down_proj_scale_inv,
-      block_size, needs, weight_needs):
+      block_size, needs, weight_needs, variant):
     return tuple(t.new_empty(t.shape) if need else t.new_empty(0)
                  for t, need in zip((x, topk_weights, gate_up_proj, down_proj, gate_up_proj_scale_inv,
                                      down_proj_scale_inv), needs + weight_needs, strict=True))
@@ -90,7 +95,7 @@ def _(dout, x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_sca
 def _setup(ctx, inputs, output) -> None:
     x, gate_up_proj, down_proj, topk_idx, topk_weights, gus, ds, variant, block_size, weight_needs = inputs
     ctx.save_for_backward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gus, ds)
-    ctx.block_size, ctx.weight_needs = block_size, weight_needs
+    ctx.block_size, ctx.weight_needs, ctx.variant = block_size, weight_needs, variant
 
 
 def _backward(ctx, dout):
@@ -100,7 +105,7 @@ def _backward(ctx, dout):
     weight_needs = [a or b for a, b in zip(ctx.weight_needs, (n[1], n[2], n[5], n[6]), strict=True)]
     dx, dw, dgu, ddn, dgus, dds = fused_experts_fp8_backward_op(dout, x, gate_up_proj, down_proj, topk_idx,
                                                                 topk_weights, gus, ds, ctx.block_size, needs,
-                                                                weight_needs)
+                                                                weight_needs, ctx.variant)
     wg = [g if need else None for g, need in zip((dgu, ddn, dgus, dds), weight_needs, strict=True)]
     return (dx if needs[0] else None, wg[0], wg[1], None, dw if needs[1] else None, wg[2], wg[3], None, None, None)
 
