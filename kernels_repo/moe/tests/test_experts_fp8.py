@@ -462,3 +462,21 @@ def test_gpu_fp8_decode_is_capturable_in_a_cuda_graph(variant):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, step())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["sm80", "sm90"])
+def test_gpu_fp8_gradients_for_x_and_topk_weights(variant):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if variant == "sm90" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 tensor cores need sm89+")
+    dev = torch.device("cuda")
+    x, guq, dq, idx, w, scales = make_fp8(37, 2048, 768, 16, 8, seed=33, drop=3)
+    dy = torch.randn(37, 2048, generator=torch.Generator().manual_seed(34)).bfloat16()
+    xs, ws = x.to(dev).requires_grad_(), w.to(dev).requires_grad_()
+    moe.fused_experts(xs, guq.to(dev), dq.to(dev), idx.to(dev), ws, variant=variant,
+                      **{k: v.to(dev) for k, v in scales.items()}).backward(dy.to(dev))
+    xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+    oracle(xr, guq, dq, idx, wr, scales).backward(dy.double())
+    assert rel(xs.grad.cpu(), xr.grad) < 2e-2 and rel(ws.grad.cpu(), wr.grad) < 2e-2
