@@ -25,9 +25,11 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 INNER_OFFSET_MAX = 2**31 - 1
 
 
-def validate_inputs(x, gate_up_proj, down_proj, topk_idx, topk_weights, check_indices: bool, fn: str = FN) -> None:
+def validate_inputs(x, gate_up_proj, down_proj, topk_idx, topk_weights, check_indices: bool, fn: str = FN,
+                    weight_dtype: torch.dtype | None = None) -> None:
     """Types, devices, dtypes and shapes of the five tensors; the ids' range if `check_indices`.
-    `fn`: the function named in the errors (`fused_experts_reference` checks the same way)."""
+    `fn`: the function named in the errors (`fused_experts_reference` checks the same way);
+    `weight_dtype`: the weights' dtype if not x's (float8_e4m3fn experts)."""
     named = (("x", x), ("gate_up_proj", gate_up_proj), ("down_proj", down_proj), ("topk_idx", topk_idx),
              ("topk_weights", topk_weights))
     for name, t in named:
@@ -42,7 +44,10 @@ def validate_inputs(x, gate_up_proj, down_proj, topk_idx, topk_weights, check_in
     if x.dtype not in (*TRITON_DTYPES, torch.float64):
         raise TypeError(f"{fn}: `x` must be float16/bfloat16/float32/float64, got {x.dtype}")
     for name, t in named[1:3]:
-        if t.dtype != x.dtype:
+        if weight_dtype is not None:
+            if t.dtype != weight_dtype:
+                raise TypeError(f"{fn}: `{name}` must be {weight_dtype}, got {t.dtype}")
+        elif t.dtype != x.dtype:
             raise TypeError(f"{fn}: `{name}` must have the dtype of `x` ({x.dtype}), got {t.dtype}")
     if topk_idx.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{fn}: `topk_idx` must be int32 or int64, got {topk_idx.dtype}")

@@ -17,9 +17,11 @@ from kernelhub.device import device_capability
 from . import _experts_eager as eager
 from ._experts_custom_ops import compiled_fused_experts
 from ._experts_validate import FN, VARIANTS, check_config, checked_variant, needs_grad, validate_inputs
+from ._fp8_validate import BLOCK, FP8, check_no_fp8_arguments
+from ._fp8_variants import auto_variant_fp8
 from ._variants import auto_variant
 
-__all__ = ["fused_experts", "select_variant", "VARIANTS"]
+__all__ = ["fused_experts", "select_variant", "select_variant_fp8", "VARIANTS"]
 
 
 def select_variant(device: torch.device) -> str:
@@ -27,10 +29,21 @@ def select_variant(device: torch.device) -> str:
     return auto_variant(device_capability(device) if device.type == "cuda" else None)
 
 
+def select_variant_fp8(device: torch.device) -> str:
+    """The variant for fp8 block-quantized weights on `device` (kernel.toml's [dispatch_fp8]): fp8
+    tensor cores ("sm90") from sm89, W8A16 ("sm80") on sm80-sm88, the reference on the CPU."""
+    return auto_variant_fp8(device_capability(device) if device.type == "cuda" else None)
+
+
 @torch.compiler.assume_constant_result
 def _traced_variant(device: torch.device) -> str:
     """`select_variant` run once while torch.compile traces (its device queries are not traced)."""
     return select_variant(device)
+
+
+@torch.compiler.assume_constant_result
+def _traced_variant_fp8(device: torch.device) -> str:
+    return select_variant_fp8(device)
 
 
 def fused_experts(
@@ -43,6 +56,9 @@ def fused_experts(
     variant: str | None = None,
     config: dict | None = None,
     check_indices: bool | None = None,
+    gate_up_proj_scale_inv: torch.Tensor | None = None,
+    down_proj_scale_inv: torch.Tensor | None = None,
+    block_size: tuple[int, int] = BLOCK,
 ) -> torch.Tensor:
     """Routed SwiGLU experts: sum_k w[t,k] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])).
 
@@ -64,6 +80,15 @@ def fused_experts(
             synchronisation and capturable. True checks every call (skipped while capturing a CUDA
             graph or compiling), False never. Unchecked, the kernels drop such ids like -1 rather
             than read out of bounds.
+        gate_up_proj_scale_inv, down_proj_scale_inv: fp8 experts (DeepSeek-V3 / transformers
+            `FP8Experts` layout): with float8_e4m3fn weights, their fp32 inverse scales per block,
+            [E, ceil(2I/bn), ceil(H/bk)] and [E, ceil(H/bn), ceil(I/bk)] (dequantized weight = value x
+            the scale of its block; power-of-two UE8M0 scales as fp32). Variants (default by
+            capability, kernel.toml [dispatch_fp8]): "sm90" fp8 tensor cores, activations quantized
+            per token and 128-column group; "sm80" weights dequantized in registers (W8A16);
+            "reference" torch. Gradients for x and topk_weights only (the fp8 weights are frozen).
+            `config` is not used on this path (its tiles are fixed for now).
+        block_size: (bn, bk) of the weight scale blocks; the Triton variants take (128, 128).
 
     Returns:
         [T, H] in x.dtype on x.device; differentiable in x, both weights and topk_weights.
@@ -74,6 +99,13 @@ def fused_experts(
     """
     if check_indices is not None and type(check_indices) is not bool:  # (checked on both paths)
         raise TypeError(f"{FN}: `check_indices` must be True, False or None, got {check_indices!r}")
+    # the fp8 path: scales given or fp8 weights (the 16-bit path pays these three identity checks)
+    if (gate_up_proj_scale_inv is not None or down_proj_scale_inv is not None
+            or getattr(gate_up_proj, "dtype", None) is FP8):
+        return _fused_experts_fp8(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
+                                  down_proj_scale_inv, block_size, variant, config, check_indices)
+    if block_size is not BLOCK:
+        check_no_fp8_arguments(block_size)
     # one opaque custom op per call (no graph breaks); under a torch.func transform the eager path
     # below runs (its default variant is then the reference, which the transforms trace)
     if torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active():
@@ -88,3 +120,29 @@ def fused_experts(
         variant = "reference"  # (vmap, grad, ...: batched tensors have no addresses for the kernels)
     return eager.run(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, config, check_indices,
                      select_variant)
+
+
+def _fused_experts_fp8(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
+                       down_proj_scale_inv, block_size, variant, config, check_indices):
+    """The fp8-weights path of `fused_experts` (imported on first use: the 16-bit path never loads it)."""
+    from . import _fp8_experts
+
+    check_config(config)
+    if torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active():
+        from . import _fp8_custom_ops, _fp8_validate
+
+        bs = _fp8_validate.validate_fp8_inputs(x, gate_up_proj, down_proj, topk_idx, topk_weights,
+                                               gate_up_proj_scale_inv, down_proj_scale_inv, block_size, False)
+        variant = checked_variant(x, _traced_variant_fp8(x.device) if variant is None else variant)
+        if variant != "reference" and bs != BLOCK:
+            raise ValueError(f"{FN}: variant {variant!r} supports fp8 `block_size` {BLOCK}, got {bs}")
+        grad = torch.is_grad_enabled()
+        weight_needs = [grad and t.requires_grad for t in (gate_up_proj, down_proj, gate_up_proj_scale_inv,
+                                                           down_proj_scale_inv)]
+        return _fp8_custom_ops.fused_experts_fp8_op(x, gate_up_proj, down_proj, topk_idx, topk_weights,
+                                                    gate_up_proj_scale_inv, down_proj_scale_inv, variant, list(bs),
+                                                    weight_needs)
+    if check_indices is None:
+        check_indices = not (isinstance(x, torch.Tensor) and x.is_cuda) or needs_grad(x, topk_weights)
+    return _fp8_experts.run(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
+                            down_proj_scale_inv, block_size, variant, check_indices, select_variant_fp8)

@@ -171,6 +171,61 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     return _run("experts_forward", self, hidden_states, top_k_index, top_k_weights, None, checked=True)
 
 
+def fp8_unsupported_reason(module: nn.Module) -> str | None:
+    """Why `fused_experts` cannot serve this transformers `FP8Experts` module, or None if it can:
+    float8_e4m3fn [gate; up] and down weights with 2-D block scales, dynamic activation scales,
+    plain SiLU-gated experts without bias."""
+    name = type(module).__name__
+    gu, dn = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not isinstance(gu, torch.Tensor) or not isinstance(dn, torch.Tensor):
+        return f"{name}: needs tensors `gate_up_proj` and `down_proj` (separate up_proj is not supported)"
+    if gu.dtype != torch.float8_e4m3fn or dn.dtype != torch.float8_e4m3fn:
+        return f"{name}: expert weights {gu.dtype}/{dn.dtype} are not float8_e4m3fn (e.g. fp4-packed)"
+    for attr in ("gate_up_proj_scale_inv", "down_proj_scale_inv"):
+        if not isinstance(getattr(module, attr, None), torch.Tensor):
+            return f"{name}: needs tensor `{attr}`"
+    block = getattr(module, "block_size", None)
+    if not isinstance(block, (tuple, list)) or len(block) != 2:
+        return f"{name}: block_size {block!r} is not a 2-D block (per-tensor/per-row scales are not supported)"
+    if getattr(module, "activation_scheme", "dynamic") != "dynamic":
+        return f"{name}: static activation scales are not supported (dynamic only)"
+    if getattr(module, "has_bias", False) or not getattr(module, "has_gate", True):
+        return f"{name}: expert biases and non-gated experts are not supported"
+    for attr in ("swiglu_alpha", "swiglu_limit", "limit", "gate_softcap", "up_softcap"):
+        if getattr(module, attr, None) is not None:
+            return f"{name}: `{attr}` (a modified SwiGLU) is not supported"
+    act_fn = getattr(module, "act_fn", None)
+    if not (isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
+            or act_fn is torch.nn.functional.silu):
+        return f"{name}: activation {type(act_fn).__name__} is not SiLU"
+    if gu.dim() != 3 or dn.dim() != 3 or gu.shape[1] != 2 * dn.shape[2] or gu.shape[2] != dn.shape[1]:
+        return f"{name}: weight shapes {tuple(gu.shape)}, {tuple(dn.shape)} are not [E, 2I, H], [E, H, I]"
+    return None
+
+
+def fp8_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                        top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers `FP8ExpertsInterface` implementation "kernelhub" for `FP8Experts` modules
+    (`FineGrainedFP8Config` or pre-quantized checkpoints), variant by the input device's capability
+    ([dispatch_fp8]). Register once, before `from_pretrained(..., experts_implementation="kernelhub")`:
+    `transformers.integrations.finegrained_fp8.ALL_FP8_EXPERTS_FUNCTIONS.register("kernelhub",
+    fp8_experts_forward)`. Modules it cannot serve run their eager forward."""
+    fn = "fp8_experts_forward"
+    reason = fp8_unsupported_reason(self)
+    if reason is not None:
+        eager = getattr(type(self).forward, "__wrapped__", None)
+        if eager is None:
+            raise ValueError(f"{fn}: {reason}; no eager forward to fall back to")
+        return eager(self, hidden_states, top_k_index, top_k_weights)
+    T, K = _check_inputs(fn, self, hidden_states, top_k_index, top_k_weights)
+    x = hidden_states.reshape(T, hidden_states.shape[-1])  # activations stay 16/32-bit (quantized in-kernel)
+    variant = "reference" if torch._C._are_functorch_transforms_active() else None
+    out = fused_experts(x, self.gate_up_proj, self.down_proj, top_k_index.reshape(T, K), top_k_weights.reshape(T, K),
+                        variant=variant, check_indices=False, gate_up_proj_scale_inv=self.gate_up_proj_scale_inv,
+                        down_proj_scale_inv=self.down_proj_scale_inv, block_size=tuple(self.block_size))
+    return out.view(hidden_states.shape)
+
+
 class MoEExperts(nn.Module):
     """fused_experts for a transformers `*Experts` module; variant by the input device's capability."""
 

@@ -1,0 +1,79 @@
+"""fp8_experts_forward: the "kernelhub" implementation of transformers' FP8ExpertsInterface, on real
+`FP8Experts` modules built from model configs (CPU: the reference variant, as [dispatch_fp8] says)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _experts_helpers import loop_reference, moe, restore_kernelhub
+
+transformers = pytest.importorskip("transformers")
+fp8_integration = pytest.importorskip("transformers.integrations.finegrained_fp8")
+from transformers.integrations.moe import use_experts_implementation  # noqa: E402
+
+CONFIGS = {
+    "deepseek_v3": ("DeepseekV3Config", dict(hidden_size=256, moe_intermediate_size=128, n_routed_experts=4,
+                                             num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(hidden_size=256, moe_intermediate_size=256, num_experts=5,
+                                         num_experts_per_tok=3)),
+}
+
+
+def build(model: str, seed: int = 0, **kwargs):
+    """An FP8Experts module as transformers' FineGrainedFP8 conversion builds it, with random weights
+    quantized to 128x128 blocks."""
+    cfg_name, cfg_kwargs = CONFIGS[model]
+    cfg = getattr(transformers, cfg_name)(**cfg_kwargs)
+    cls = use_experts_implementation(experts_class=fp8_integration.FP8Experts,
+                                     experts_interface=fp8_integration.ALL_FP8_EXPERTS_FUNCTIONS,
+                                     has_bias=False, has_gate=True)
+    m = cls(cfg, block_size=(128, 128), **kwargs)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n in ("gate_up_proj", "down_proj"):
+            q, s = moe.quantize_blocks(torch.randn(getattr(m, n).shape, generator=g) * getattr(m, n).shape[-1] ** -0.5)
+            getattr(m, n).data = q
+            getattr(m, n + "_scale_inv").data = s
+    return m
+
+
+@pytest.fixture
+def kernelhub_fp8():
+    interface = fp8_integration.ALL_FP8_EXPERTS_FUNCTIONS
+    previous = interface._global_mapping.get("kernelhub")
+    interface.register("kernelhub", moe.layers.fp8_experts_forward)
+    yield
+    restore_kernelhub(interface, previous)
+
+
+@pytest.mark.parametrize("model", list(CONFIGS))
+def test_fp8_experts_with_kernelhub_implementation_matches_float64_loop(model, kernelhub_fp8):
+    m = build(model)
+    assert m.gate_up_proj.requires_grad  # transformers allocates the fp8 weights as trainable Parameters
+    m.config._experts_implementation = "kernelhub"
+    E = m.gate_up_proj.shape[0]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 256, generator=g).bfloat16().requires_grad_()
+    idx = torch.randint(0, E + 1, (6, 2), generator=g)  # id E: transformers' skipped sentinel
+    w = torch.rand(6, 2, generator=g).bfloat16()
+    out = m(x.view(6, 256), idx, w)  # grad enabled, weights requiring grad: a forward still runs
+    wgu = moe.dequantize_blocks(m.gate_up_proj, m.gate_up_proj_scale_inv, dtype=torch.float64)
+    wd = moe.dequantize_blocks(m.down_proj, m.down_proj_scale_inv, dtype=torch.float64)
+    ref = loop_reference(x.detach().view(6, 256).double(), wgu, wd, torch.where(idx < E, idx, -1), w.double())
+    assert out.dtype == torch.bfloat16 and out.shape == (6, 256)
+    assert float((out.detach().double() - ref).norm() / ref.norm()) < 1e-2
+    m.gate_up_proj.requires_grad_(False)
+    m.down_proj.requires_grad_(False)
+    m.gate_up_proj_scale_inv.requires_grad_(False)
+    m.down_proj_scale_inv.requires_grad_(False)
+    m(x.view(6, 256), idx, w).float().sum().backward()  # frozen fp8 weights: gradients reach x
+    assert x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
+
+
+def test_unsupported_fp8_experts_are_named():
+    m = build("deepseek_v3")
+    assert moe.layers.fp8_unsupported_reason(m) is None
+    static = build("deepseek_v3", activation_scheme="static")
+    assert "static activation scales" in moe.layers.fp8_unsupported_reason(static)
+    m.block_size = None
+    assert "block_size None" in moe.layers.fp8_unsupported_reason(m)

@@ -1,0 +1,224 @@
+"""`fused_experts` on fp8 block-quantized expert weights: checks, variant, forward and autograd.
+
+Variants (kernel.toml [dispatch_fp8]): "sm90" fp8 tensor cores with activations quantized per
+token and 128-column group (x in the gate/up GEMM's load, h in its SwiGLU epilogue, stored as
+fp8 with its scales), "sm80" W8A16 (weights converted in registers), "reference" the torch
+dequantization (`reference_fp8`). Rows are aligned to experts by the same sync-free routing as
+the 16-bit path and combined by its fp32 combine kernel.
+
+Backward (gradients for x and topk_weights; the fp8 weights are frozen; `backward`): the W8A16
+kernels recompute the pre-activations and dY @ Wd per row, torch elementwise ops on the rows make
+d[gate | up] and dL/dw, one more W8A16 GEMM and the combine make dx; no host sync. For sm90 this is
+the gradient of the dequantized-weight experts (straight through its activation rounding). The
+reference variant differentiates the torch reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kernelhub.device import CachedLaunch, device_guard
+
+from . import _experts_launch as launch
+from ._constexpr_spec import constexpr_spec
+from ._experts_routing import align_rows
+from ._experts_validate import FN, INTERPRET, checked_variant, needs_grad
+from ._fp8_kernels import _fp8_gemm_kernel
+from ._fp8_validate import BLOCK, refuse_weight_gradients, validate_fp8_inputs
+from .reference_fp8 import fp8_reference_unchecked
+
+# Tiles: BLOCK_K is the scale block (128 columns); the gate/up GEMM's BLOCK_N is 128 on sm90 (one
+# quantization group of h per column tile). Untuned (tune_moe.py does not know fp8 yet).
+_TILES = {
+    "interpret": {"block_m": 16, "BLOCK_N": 128, "num_warps": 4, "num_stages": 1},
+    "sm90": {"block_m": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
+    "sm80": {"block_m": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
+}
+
+
+# A cached launcher (Triton's `kernel[grid](...)` costs tens of us of Python per launch) with the
+# constexprs by name, checked against the kernel's signature at import.
+_gemm_launch = CachedLaunch(_fp8_gemm_kernel)
+Fp8GemmConstexprs = constexpr_spec(_fp8_gemm_kernel, """EPILOGUE GATHER_A TOPK FP8_DOT QUANT_A QUANT_C EMULATE
+    PRECISION SCALE_N BLOCK_M BLOCK_N BLOCK_K""")
+
+
+def _index(t: torch.Tensor) -> int:
+    return t.get_device() if t.is_cuda else -1
+
+
+def _gemm(a, a_scale, weight, scale_inv, out, out_scale, routing, tiles, *, n: int, k: int, epilogue: int,
+          gather_a: bool, topk: int, fp8_dot: bool, transposed: bool = False) -> None:
+    """One grouped GEMM over the aligned rows: out[p, :n] from a[row(p), :k] and expert e(p)'s fp8
+    weight [E, n, k] (transposed: the weight is [E, k, n] and so are its scale blocks, as the
+    backward reads the forward's weights)."""
+    bm, bn = routing.block_m, tiles["BLOCK_N"]
+    grid = (routing.num_rows // bm, launch.cdiv(n, bn))
+    if grid[0] == 0 or grid[1] == 0:
+        return
+    # W8A16: the weights' bits as uint8 (Triton has no fp8e4nv pointers below sm89)
+    w = weight if fp8_dot else weight.view(torch.uint8)
+    ws, ss = weight.stride(), scale_inv.stride()
+    if transposed:
+        ws, ss = (ws[0], ws[2], ws[1]), (ss[0], ss[2], ss[1])
+    _gemm_launch.split(
+        grid, _index(a),
+        (a, a_scale if a_scale is not None else out, w, scale_inv, out, out_scale if out_scale is not None else out,
+         routing.rows, routing.row_expert),
+        (routing.num_rows, n, k, weight.shape[2 if transposed else 1],
+         a.stride(0), a.stride(1), a_scale.stride(0) if a_scale is not None else 0,
+         ws[0], ws[1], ws[2], ss[0], ss[1], ss[2],
+         out.stride(0), out.stride(1), out_scale.stride(0) if out_scale is not None else 0),
+        Fp8GemmConstexprs(
+            EPILOGUE=epilogue, GATHER_A=gather_a, TOPK=topk, FP8_DOT=fp8_dot,
+            QUANT_A=fp8_dot and a.dtype != torch.float8_e4m3fn, QUANT_C=out_scale is not None, EMULATE=INTERPRET,
+            PRECISION="ieee" if (INTERPRET or a.dtype == torch.float32) else None,
+            SCALE_N=BLOCK[0], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK[1]),
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
+    )
+
+
+def forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_scale, down_scale, variant: str):
+    """out [T, H] by the Triton kernels (inside device_guard(x)): routing, gate/up + SwiGLU, down, combine."""
+    T, H = x.shape
+    E, two_i, _ = gate_up_proj.shape
+    inter = two_i // 2
+    K = topk_idx.shape[1]
+    fp8_dot = variant == "sm90"
+    # UE8M0 scales (float8_e8m0fnu): the kernels read fp32 (exact: powers of two); a small copy
+    gate_up_scale, down_scale = (s if s.dtype == torch.float32 else s.float() for s in (gate_up_scale, down_scale))
+    tiles = _TILES["interpret" if INTERPRET else variant]
+    routing = align_rows(topk_idx, E, tiles["block_m"])
+    P, dev = routing.num_rows, x.device
+    if fp8_dot:  # h as fp8 with one scale per row and 128-column group
+        h = torch.empty(P, inter, device=dev, dtype=torch.float8_e4m3fn)
+        h_scale = torch.empty(P, launch.cdiv(inter, tiles["BLOCK_N"]), device=dev, dtype=torch.float32)
+    else:
+        h, h_scale = torch.empty(P, inter, device=dev, dtype=x.dtype), None
+    _gemm(x, None, gate_up_proj, gate_up_scale, h, h_scale, routing, tiles, n=inter, k=H, epilogue=1,
+          gather_a=True, topk=K, fp8_dot=fp8_dot)
+    y = torch.empty(P, H, device=dev, dtype=x.dtype)
+    _gemm(h, h_scale, down_proj, down_scale, y, None, routing, tiles, n=H, k=inter, epilogue=0, gather_a=False,
+          topk=K, fp8_dot=fp8_dot)
+    out = torch.empty(T, H, device=dev, dtype=x.dtype)
+    launch.combine(y, routing.token_topk_to_pos, topk_weights, out)
+    return out
+
+
+def backward(dout, x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_scale, down_scale,
+             needs: tuple[bool, bool]):
+    """(dx or None, d topk_weights or None) by the W8A16 kernels (inside device_guard(x)), no host sync.
+
+    The fp8 weights are frozen: every variant differentiates the dequantized-weight experts (for
+    sm90 that is straight through its activation rounding). With g, u the pre-activations of row p
+    (recomputed), h = silu(g) * u, and dh = dY[t] @ Wd[e]: dL/dw[t, k] = dh . h,
+    d[g | u] = w * dh * [u * silu'(g) | silu(g)], dx[t] = sum_k d[g | u] @ Wgu[e]."""
+    T, H = x.shape
+    E, two_i, _ = gate_up_proj.shape
+    inter = two_i // 2
+    K = topk_idx.shape[1]
+    tiles = _TILES["interpret" if INTERPRET else "sm80"]
+    gate_up_scale, down_scale = (s if s.dtype == torch.float32 else s.float() for s in (gate_up_scale, down_scale))
+    routing = align_rows(topk_idx, E, tiles["block_m"])
+    P, dev = routing.num_rows, x.device
+    gu = torch.empty(P, two_i, device=dev, dtype=torch.float32)
+    _gemm(x, None, gate_up_proj, gate_up_scale, gu, None, routing, tiles, n=two_i, k=H, epilogue=0, gather_a=True,
+          topk=K, fp8_dot=False)
+    dh = torch.empty(P, inter, device=dev, dtype=torch.float32)
+    dy = dout.to(x.dtype)
+    _gemm(dy, None, down_proj, down_scale, dh, None, routing, tiles, n=inter, k=H, epilogue=0, gather_a=True,
+          topk=K, fp8_dot=False, transposed=True)
+    real = routing.rows >= 0  # rows past the used ones and padding rows hold garbage: masked out below
+    flat = routing.rows.clamp(min=0).long()
+    g, u = gu[:, :inter], gu[:, inter:]
+    sig = torch.sigmoid(g)
+    silu = g * sig
+    dx = dw = None
+    if needs[1]:
+        dw_rows = torch.where(real, (dh * silu * u).sum(1), 0.0)
+        pos = routing.token_topk_to_pos.long()
+        dw = torch.where(pos >= 0, dw_rows[pos.clamp(min=0)], 0.0).to(topk_weights.dtype)
+    if needs[0]:
+        wrow = torch.where(real, topk_weights.reshape(-1).float()[flat], 0.0)[:, None] * dh
+        dgu = torch.cat([wrow * u * sig * (1 + g * (1 - sig)), wrow * silu], dim=1)
+        dgu = torch.where(real[:, None], dgu, 0.0)  # (NaN-free: unused rows may hold any bits)
+        dx_rows = torch.empty(P, H, device=dev, dtype=torch.float32)
+        _gemm(dgu, None, gate_up_proj, gate_up_scale, dx_rows, None, routing, tiles, n=H, k=two_i, epilogue=0,
+              gather_a=False, topk=K, fp8_dot=False, transposed=True)
+        dx = torch.empty(T, H, device=dev, dtype=x.dtype)
+        launch.combine(dx_rows, routing.token_topk_to_pos, None, dx)
+    return dx, dw
+
+
+class FP8ExpertsFunction(torch.autograd.Function):
+    """Forward by the variant; backward (x, topk_weights) by the W8A16 kernels (`backward`; the
+    reference variant: torch autograd through the dequantized reference). A gradient asked for a
+    weight or scale raises (`refuse_weight_gradients`)."""
+
+    @staticmethod
+    def forward(ctx, x, topk_weights, gate_up_proj, down_proj, topk_idx, gate_up_scale, down_scale, variant,
+                block_size):
+        if variant == "reference":
+            out = fp8_reference_unchecked(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_scale,
+                                          down_scale, block_size)
+        else:
+            with device_guard(x):
+                out = forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_scale, down_scale, variant)
+        ctx.save_for_backward(x, topk_weights, gate_up_proj, down_proj, topk_idx, gate_up_scale, down_scale)
+        ctx.block_size, ctx.variant = block_size, variant
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        n = ctx.needs_input_grad
+        refuse_weight_gradients((n[2], n[3], n[5], n[6]))
+        x, topk_weights, gate_up_proj, down_proj, topk_idx, gus, ds = ctx.saved_tensors
+        if dout.device != x.device:
+            raise ValueError(f"{FN}: gradient must be on {x.device} like `x`, got {dout.device}")
+        need_x, need_w = n[:2]
+        if ctx.variant != "reference":
+            with device_guard(x):
+                dx, dw = backward(dout, x, gate_up_proj, down_proj, topk_idx, topk_weights, gus, ds, (need_x, need_w))
+            return (dx, dw, None, None, None, None, None, None, None)
+        with torch.enable_grad(), device_guard(x):
+            xr = x.detach().requires_grad_(need_x)
+            wr = topk_weights.detach().requires_grad_(need_w)
+            out = fp8_reference_unchecked(xr, gate_up_proj.detach(), down_proj.detach(), topk_idx, wr, gus.detach(),
+                                          ds.detach(), ctx.block_size)
+            wanted = [t for t, need in ((xr, need_x), (wr, need_w)) if need]
+            grads = iter(torch.autograd.grad(out, wanted, dout, allow_unused=True))
+        dx = next(grads) if need_x else None
+        dw = next(grads) if need_w else None
+        zero = [g if g is not None else torch.zeros_like(t) for g, t in ((dx, x), (dw, topk_weights))]
+        return (zero[0] if need_x else None, zero[1] if need_w else None, None, None, None, None, None, None, None)
+
+
+def run(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv, down_proj_scale_inv,
+        block_size, variant: str | None, check_indices: bool, default_variant: Callable[[torch.device], str]):
+    """`fused_experts` on fp8 weights (eager): checks, variant, then the reference or the kernels."""
+    bs = validate_fp8_inputs(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
+                             down_proj_scale_inv, block_size, check_indices)
+    if variant is None and torch._C._are_functorch_transforms_active():
+        variant = "reference"
+    variant = checked_variant(x, default_variant(x.device) if variant is None else variant)
+    frozen_grad = needs_grad(gate_up_proj, down_proj, gate_up_proj_scale_inv, down_proj_scale_inv)
+    if variant == "reference" and not frozen_grad:  # plain autograd (double backward, torch.func)
+        return fp8_reference_unchecked(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
+                                       down_proj_scale_inv, bs)
+    if variant != "reference":
+        if bs != BLOCK:
+            raise ValueError(f"{FN}: variant {variant!r} supports fp8 `block_size` {BLOCK}, got {tuple(block_size)} "
+                             "(variant='reference' takes any)")
+        if torch._C._are_functorch_transforms_active():
+            raise ValueError(f"{FN}: torch.func transforms are not supported by variant {variant!r}; "
+                             "use variant='reference'")
+        if x.shape[0] == 0:  # nothing to route; zero gradients stay connected
+            return x.new_zeros(x.shape) + 0 * (x.sum() + topk_weights.sum()).to(x.dtype)
+    if frozen_grad or needs_grad(x, topk_weights):
+        return FP8ExpertsFunction.apply(x, topk_weights, gate_up_proj, down_proj, topk_idx, gate_up_proj_scale_inv,
+                                        down_proj_scale_inv, variant, bs)
+    with device_guard(x):
+        return forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
+                       down_proj_scale_inv, variant)

@@ -1,0 +1,157 @@
+"""Triton grouped GEMM of `fused_experts` on fp8 block-quantized expert weights.
+
+One kernel, two maths (rows: the expert-aligned buffer of `_experts_routing`, as the bf16 path):
+  W8A16 (sm80, no fp8 tensor cores): fp8 weight tile -> activation dtype in registers (exact: every
+    e4m3 value is a bf16/fp16 value), tl.dot with the 16-bit activations, then the K-block's
+    weight scales per output column: acc += dot(a, w) * s_w[None, :]. Triton refuses fp8e4nv
+    pointers below sm89, so these weights arrive as uint8 and are converted by bits (`_e4m3_bits`).
+  FP8 (sm89/sm90 fp8 tensor cores): activations quantized per row and 128-column group, either in
+    the load (QUANT_A: the gate/up GEMM reads x) or before (A_FP8: the down GEMM reads the h that
+    the gate/up epilogue stored as fp8 with its scales, QUANT_C), then
+    acc += dot(a_fp8, w_fp8) * s_a[:, None] * s_w[None, :] per K-block of 128.
+BLOCK_K is the scale block's 128 columns, so each K step has one weight scale per output column
+and one activation scale per row. EPILOGUE 1 (gate/up): h = silu(gate) * up in fp32, stored in
+the activation dtype or (QUANT_C, BLOCK_N = 128 columns = one group) as fp8 plus a scale per row.
+
+EMULATE (the CPU interpreter): triton 3.7.1's interpreter loads fp8 and converts fp8 -> wider
+types exactly, and its fp8 tl.dot is exact, but its fp32 -> fp8 conversion drops the carry of a
+round-up into the next binade (127.8 -> 64 instead of 128). There the quantization rounds to the
+e4m3 grid in fp32 bit arithmetic (`_round_e4m3`) and dots run on fp32 operands holding fp8 values
+(bf16 tl.dot is wrong in the interpreter too).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._experts_kernels import _to
+
+
+@triton.jit
+def _round_e4m3(v):
+    """fp32 v (|v| <= 448) rounded to the nearest e4m3fn value (ties to even), kept in fp32."""
+    bits = v.to(tl.uint32, bitcast=True)
+    # normal e4m3 (|v| >= 2**-6): 3 mantissa bits, round the other 20 away (a carry moves the exponent)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    # subnormal e4m3: multiples of 2**-9; adding 1.5 * 2**14 rounds there (fp32 spacing 2**-9)
+    magic = 24576.0
+    sub = (v + magic) - magic
+    return tl.where(tl.abs(v) < 0.015625, sub, normal)
+
+
+@triton.jit
+def _e4m3_bits(b):
+    """uint8 e4m3fn bits -> fp16 holding value / 256, exactly: the sign moved to bit 15 and the 7
+    exponent+mantissa bits to bits 7-13 (an fp16 exponent bias 8 above e4m3's; e4m3 subnormals land
+    on fp16 subnormals). NaN (0x7F) is not kept (checkpoints hold none). The caller scales by 256."""
+    h = b.to(tl.uint16)
+    return (((h & 0x80) << 8) | ((h & 0x7F) << 7)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _to_fp8(v, EMULATE: tl.constexpr):
+    if EMULATE:
+        return _round_e4m3(v)
+    return v.to(tl.float8e4nv)
+
+
+@triton.jit
+def _quantize_rows(v, EMULATE: tl.constexpr):
+    """(fp8 values, fp32 scale per row) of an fp32 [BM, 128] tile: one group per row. 448: e4m3fn's
+    largest value; 1e-4: the smallest amax (reference_fp8's AMAX_MIN: zeros get a finite scale)."""
+    amax = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-4)
+    return _to_fp8(v * (448.0 / amax)[:, None], EMULATE), amax / 448.0
+
+
+@triton.jit
+def _weight_tile(b_ptr, bs_ptr, e, offs_k, offs_n, k_blk, n_limit, K, stride_be, stride_bn, stride_bk,
+                 stride_bse, stride_bsn, stride_bsk, SCALE_N: tl.constexpr):
+    """fp8 (or its uint8 bits) tile [BLOCK_K, BLOCK_N] of expert e's weight [N, K] (zero outside) and
+    its scales per column."""
+    n_ok = offs_n < n_limit
+    ptrs = b_ptr + e * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    b = tl.load(ptrs, mask=(offs_k[:, None] < K) & n_ok[None, :], other=0.0)
+    s = tl.load(bs_ptr + e * stride_bse + (offs_n // SCALE_N) * stride_bsn + k_blk * stride_bsk, mask=n_ok, other=0.0)
+    return b, s
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, cs_ptr, rows_ptr, row_expert_ptr,
+    P, N, K, B_N_TOTAL,
+    stride_am, stride_ak, stride_asm, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
+    stride_cm, stride_cn, stride_csm,
+    EPILOGUE: tl.constexpr,   # 0: C = A @ B^T; 1: C = silu(A @ Bg^T) * (A @ Bu^T), Bu = rows N.. of B
+    GATHER_A: tl.constexpr,   # A row of buffer row p: rows[p] // TOPK (a token); else p
+    TOPK: tl.constexpr,
+    FP8_DOT: tl.constexpr,    # fp8 x fp8 products (activations quantized); else W8A16
+    QUANT_A: tl.constexpr,    # FP8_DOT: A is 16/32-bit, quantized per row and K-block in the load
+    QUANT_C: tl.constexpr,    # EPILOGUE 1: store h as fp8 with a scale per row and column tile
+    EMULATE: tl.constexpr,    # interpreter: fp8 casts rounded in fp32, dots on fp32 operands
+    PRECISION: tl.constexpr,
+    SCALE_N: tl.constexpr,    # rows of a weight scale block
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile: rows [pid_m * BLOCK_M, +BLOCK_M) (one expert's or padding)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    m0 = pid_m.to(tl.int64) * BLOCK_M
+    e = tl.load(row_expert_ptr + m0).to(tl.int64)
+    if e < 0:  # a block past the last used row
+        return
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < P
+    flat = tl.load(rows_ptr + offs_m, mask=m_mask, other=-1)
+    if GATHER_A:
+        row_ok = flat >= 0
+        a_rows = tl.where(row_ok, flat // TOPK, 0).to(tl.int64)
+    else:
+        row_ok = m_mask
+        a_rows = offs_m
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if EPILOGUE == 1:
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_blk = k0 // BLOCK_K
+        offs_k = k0 + offs_kk
+        a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                    mask=row_ok[:, None] & (offs_k[None, :] < K), other=0.0)
+        if FP8_DOT:
+            if QUANT_A:
+                a, a_s = _quantize_rows(a.to(tl.float32), EMULATE)
+            else:
+                a_s = tl.load(as_ptr + offs_m * stride_asm + k_blk, mask=m_mask, other=0.0)
+                if EMULATE:
+                    a = a.to(tl.float32)
+        elif EMULATE:
+            a = a.to(tl.float32)
+        b, s = _weight_tile(b_ptr, bs_ptr, e, offs_k, offs_n, k_blk, N, K, stride_be, stride_bn, stride_bk,
+                            stride_bse, stride_bsn, stride_bsk, SCALE_N)
+        if FP8_DOT:
+            b = b.to(a.dtype)  # (EMULATE: fp32 from fp8, exact; else fp8 stays fp8)
+            acc += tl.dot(a, b, input_precision=PRECISION) * (a_s[:, None] * s[None, :])
+        else:  # uint8 bits -> fp16 (value / 256) -> activation dtype, both exact
+            b = _e4m3_bits(b).to(a.dtype)
+            acc += tl.dot(a, b, input_precision=PRECISION) * (s * 256.0)[None, :]
+        if EPILOGUE == 1:
+            bu, su = _weight_tile(b_ptr, bs_ptr, e, offs_k, offs_n + N, k_blk, B_N_TOTAL, K, stride_be, stride_bn,
+                                  stride_bk, stride_bse, stride_bsn, stride_bsk, SCALE_N)
+            if FP8_DOT:
+                bu = bu.to(a.dtype)
+                acc_u += tl.dot(a, bu, input_precision=PRECISION) * (a_s[:, None] * su[None, :])
+            else:
+                bu = _e4m3_bits(bu).to(a.dtype)
+                acc_u += tl.dot(a, bu, input_precision=PRECISION) * (su * 256.0)[None, :]
+    c_mask = m_mask[:, None] & (offs_n[None, :] < N)
+    c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    if EPILOGUE == 1:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_u  # silu(gate) * up; columns past N are 0
+        if QUANT_C:  # BLOCK_N = 128: this tile's columns are one quantization group of h
+            q, q_s = _quantize_rows(acc, EMULATE)
+            tl.store(c_ptrs, q.to(c_ptr.dtype.element_ty), mask=c_mask)
+            tl.store(cs_ptr + offs_m * stride_csm + pid_n, q_s, mask=m_mask)
+            return
+    tl.store(c_ptrs, _to(acc, c_ptr.dtype.element_ty, EMULATE), mask=c_mask)
