@@ -403,3 +403,39 @@ def test_experts_implementation_checks_each_module_not_only_the_first_of_its_cla
     with torch.no_grad():
         got = integration.kernelhub_experts_forward(second, h, idx, w)
         torch.testing.assert_close(got, integration._eager_forward(second)(second, h, idx, w))
+
+
+def test_kernelhub_is_the_fp8_experts_implementation_too():
+    """transformers' FP8Experts (fp8 checkpoints) have their own experts interface: "kernelhub"
+    there runs the bundled moe kernel's fp8 path, also when that module is imported after kernelhub."""
+    import subprocess
+    import sys
+
+    from transformers.integrations import finegrained_fp8 as fp8
+    from transformers.integrations.moe import use_experts_implementation
+
+    from kernelhub.integrations.transformers import kernelhub_fp8_experts_forward
+
+    assert fp8.ALL_FP8_EXPERTS_FUNCTIONS.get("kernelhub") is kernelhub_fp8_experts_forward
+    code = ("import kernelhub, sys; assert 'transformers.integrations.finegrained_fp8' not in sys.modules; "
+            "from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS as f; "
+            "assert f.get('kernelhub').__name__ == 'kernelhub_fp8_experts_forward'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+    moe = kernelhub.get_local_kernel(kernelhub.default_mapping.bundled_kernels_dir() / "moe")
+    cfg = transformers.Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=128, num_experts=4,
+                                      num_experts_per_tok=2)
+    cls = use_experts_implementation(experts_class=fp8.FP8Experts, experts_interface=fp8.ALL_FP8_EXPERTS_FUNCTIONS,
+                                     has_bias=False, has_gate=True)
+    m = cls(cfg, block_size=(128, 128)).requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    for name in ("gate_up_proj", "down_proj"):
+        q, s = moe.quantize_blocks(torch.randn(getattr(m, name).shape, generator=g) / 16)
+        getattr(m, name).data, getattr(m, name + "_scale_inv").data = q, s
+    m.config._experts_implementation = "kernelhub"
+    x, w = torch.randn(5, 256, generator=g), torch.rand(5, 2, generator=g)
+    idx = torch.randint(0, 4, (5, 2), generator=g)
+    want = moe.fused_experts_fp8_reference(x, m.gate_up_proj, m.down_proj, idx, w,
+                                           gate_up_proj_scale_inv=m.gate_up_proj_scale_inv,
+                                           down_proj_scale_inv=m.down_proj_scale_inv)
+    torch.testing.assert_close(m(x, idx, w), want)

@@ -7,6 +7,10 @@ kernelize's: the kernel mapping in effect at the call (a `use_kernel_mapping` bl
 pins of `kernelhub.toml` / `[tool.kernelhub]` in the working directory, the layer's own checks; a
 kernel that cannot be loaded or used leaves that module eager, with a warning.
 
+transformers' `FP8Experts` (block-quantized fp8 checkpoints) have their own interface; "kernelhub"
+there runs the bundled moe kernel's fp8 path (its own `[dispatch_fp8]` choice per device), and
+modules it cannot serve run their eager forward.
+
 Importing transformers' MoE integration costs seconds, so `import kernelhub` does not do it: it
 registers at once if transformers is already imported and otherwise when it is imported.
 """
@@ -31,10 +35,16 @@ from kernelhub.layer import layer_problem
 from kernelhub.mode import Mode
 from kernelhub.registry import mapping_in_effect
 
-__all__ = ["EXPERTS_IMPLEMENTATION", "kernelhub_experts_forward", "register_experts_implementation"]
+__all__ = [
+    "EXPERTS_IMPLEMENTATION",
+    "kernelhub_experts_forward",
+    "kernelhub_fp8_experts_forward",
+    "register_experts_implementation",
+]
 
 EXPERTS_IMPLEMENTATION = "kernelhub"
 _MOE_MODULE = "transformers.integrations.moe"
+_FP8_MODULE = "transformers.integrations.finegrained_fp8"
 # (class, device, mode) -> (the mapping it was resolved under, layer class or None for eager)
 _cache: dict[tuple[type, torch.device, Mode], tuple[object, type[nn.Module] | None]] = {}
 _MAX_CACHED = 256  # each use_kernel_mapping block is a new mapping, so a new resolution
@@ -95,18 +105,44 @@ def kernelhub_experts_forward(
     return forward(self, hidden_states, top_k_index, top_k_weights)
 
 
+def kernelhub_fp8_experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """transformers FP8Experts forward: the bundled moe kernel's fp8 path, else eager."""
+    from kernelhub.default_mapping import bundled_kernels_dir
+    from kernelhub.hub import get_local_kernel
+
+    # loaded once per process (get_local_kernel caches the import by path)
+    return get_local_kernel(bundled_kernels_dir() / "moe").layers.fp8_experts_forward(
+        self, hidden_states, top_k_index, top_k_weights)
+
+
 def register_experts_implementation() -> None:
-    """Register "kernelhub" with transformers' ExpertsInterface (idempotent)."""
+    """Register "kernelhub" with transformers' ExpertsInterface, and with its FP8 experts interface
+    where this transformers has one (idempotent)."""
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(EXPERTS_IMPLEMENTATION, kernelhub_experts_forward)
+    if _FP8_MODULE in sys.modules:  # imported by transformers' quantizer when an FP8 model loads
+        _register_fp8()
+
+
+def _register_fp8() -> None:
+    try:
+        from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
+    except ImportError:  # a transformers without FP8 experts
+        return
+    ALL_FP8_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, kernelhub_fp8_experts_forward)
 
 
 class _RegisterOnImport(importlib.abc.MetaPathFinder):
-    """Runs `register_experts_implementation` right after transformers' MoE module is imported."""
+    """Registers right after `module` is imported (transformers' MoE or FP8 integration)."""
+
+    def __init__(self, module: str, register: Callable[[], None]):
+        self.module, self.register = module, register
 
     def find_spec(self, fullname: str, path: Any, target: types.ModuleType | None = None):
-        if fullname != _MOE_MODULE:
+        if fullname != self.module:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(fullname)
@@ -114,18 +150,20 @@ class _RegisterOnImport(importlib.abc.MetaPathFinder):
             return spec
         loader = spec.loader
         original_exec = loader.exec_module
+        register = self.register
 
         def exec_module(module: types.ModuleType) -> None:
             original_exec(module)
-            register_experts_implementation()
+            register()
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 
 
 def install() -> None:
-    """Register now if transformers' MoE integration is loaded, else as soon as it is."""
-    if _MOE_MODULE in sys.modules:
-        register_experts_implementation()
-    elif not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _RegisterOnImport())
+    """Register now where transformers' MoE / FP8 integrations are loaded, else as soon as they are."""
+    for module, register in ((_MOE_MODULE, register_experts_implementation), (_FP8_MODULE, _register_fp8)):
+        if module in sys.modules:
+            register()
+        elif not any(isinstance(f, _RegisterOnImport) and f.module == module for f in sys.meta_path):
+            sys.meta_path.insert(0, _RegisterOnImport(module, register))
