@@ -28,9 +28,12 @@ def kernel_toml() -> Path:
     raise FileNotFoundError(f"{here.parent.name}: no kernel.toml in {here.parent} or {here.parents[2]}")
 
 
-@functools.lru_cache(maxsize=1)
 def _table() -> dict:
-    path = kernel_toml()
+    return _parse(kernel_toml())
+
+
+@functools.lru_cache(maxsize=4)  # per file: the package's declarations, not a device property
+def _parse(path: Path) -> dict:
     data = tomllib.loads(path.read_text(encoding="utf-8"))
     dispatch, layers = data.get("dispatch"), data.get("layers")
     if not isinstance(dispatch, dict) or not isinstance(layers, dict):
