@@ -41,21 +41,24 @@ def _parse(path: Path) -> dict:
     return data
 
 
-_chosen: dict[int | None, str] = {}
+_chosen: dict[tuple[str, int | None], str] = {}
 
 
-def auto_variant(capability: int | None) -> str:
-    """The variant the automatic choice runs on a CUDA GPU of `capability` (None: on the CPU).
+def auto_variant(capability: int | None, table: str = "dispatch") -> str:
+    """The variant the automatic choice runs on a CUDA GPU of `capability` (None: on the CPU), as
+    kernel.toml's `table` declares it ([dispatch]; a kernel may declare more tables of that schema).
 
     Remembered per capability: an eager call pays one dict lookup, not a walk of the ranges."""
-    hit = _chosen.get(capability)
+    hit = _chosen.get((table, capability))
     if hit is None:
-        hit = _chosen[capability] = _lookup(capability)
+        hit = _chosen[table, capability] = _lookup(capability, table)
     return hit
 
 
-def _lookup(capability: int | None) -> str:
-    dispatch = _table()["dispatch"]
+def _lookup(capability: int | None, table: str) -> str:
+    dispatch = _table().get(table)
+    if not isinstance(dispatch, dict):
+        raise ValueError(f"{kernel_toml()}: needs a [{table}] table")
     key = "cpu"
     if capability is not None:
         for entry in dispatch.get("cuda", ()):
@@ -65,7 +68,7 @@ def _lookup(capability: int | None) -> str:
         key = "other_cuda"
     if not isinstance(dispatch.get(key), str):
         where = "the CPU" if capability is None else f"capability {capability}"
-        raise ValueError(f"{kernel_toml()}: [dispatch] needs `{key}` (the variant for {where})")
+        raise ValueError(f"{kernel_toml()}: [{table}] needs `{key}` (the variant for {where})")
     return dispatch[key]
 
 
