@@ -1,0 +1,114 @@
+"""Where a compiled fused_experts call spends its time, next to the eager call (GPU).
+
+For the Qwen3-30B-A3B experts module (E=128, H=2048, I=768, top-8, bf16), kernelized, at each T:
+eager, torch.compile default and reduce-overhead (fullgraph), the eager call replayed from a CUDA
+graph (its GPU time alone), and the custom op called directly. Then a torch.profiler table of
+each path (GPU kernels and host ops per call), so a slower compiled path shows whether it runs
+other kernels, more kernels, copies, or only more host time.
+
+Usage (repo root): PYTHONPATH=src python tools/diag_compiled.py   env: TOKENS=1,4096 PROFILE=1
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from torch import nn
+from triton.testing import do_bench
+
+from kernelhub import Mode, kernelize
+from kernelhub.default_mapping import bundled_kernels_dir
+from kernelhub.hub import get_local_kernel
+
+E, H, I, K = 128, 2048, 768, 8
+DEV = torch.device("cuda")
+
+
+class Experts(nn.Module):
+    """The transformers v5 `*Experts` layout, a forward kernelize replaces."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * I, H, device=DEV, dtype=torch.bfloat16) * 0.02)
+        self.down_proj = nn.Parameter(torch.randn(E, H, I, device=DEV, dtype=torch.bfloat16) * 0.02)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):  # pragma: no cover - replaced
+        raise RuntimeError("not kernelized")
+
+
+def inputs(T: int):
+    g = torch.Generator(device=DEV).manual_seed(0)
+    x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16, generator=g)
+    logits = torch.randn(T, E, device=DEV, generator=g)
+    w, idx = logits.softmax(-1).topk(K, dim=-1)
+    return x, idx, w.to(torch.bfloat16)
+
+
+def graphed(fn, args):
+    """fn(*args) captured once in a CUDA graph: replay = its GPU time without host overhead."""
+    fn(*args)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn(*args)
+    return g.replay
+
+
+def profile(name: str, fn, n: int = 20) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
+
+    fn()
+    torch.cuda.synchronize()
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    print(f"\n### {name}: {n} calls")
+    print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=70))
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    tokens = [int(t) for t in os.environ.get("TOKENS", "1,4096").split(",")]
+    module = kernelize(Experts(), mode=Mode.INFERENCE | Mode.TORCH_COMPILE, device="cuda")
+    print("bound:", type(module).forward)
+    moe = get_local_kernel(bundled_kernels_dir() / "moe", "moe")
+    compiled = torch.compile(module, fullgraph=True)
+    reduce = torch.compile(module, fullgraph=True, mode="reduce-overhead")
+    ops = sys.modules[moe.__name__ + "._experts_custom_ops"]
+    for T in tokens:
+        x, idx, w = inputs(T)
+        with torch.no_grad():
+            ref = module(x, idx, w)
+
+            def ro():
+                torch.compiler.cudagraph_mark_step_begin()
+                return reduce(x, idx, w)
+
+            paths = {
+                "eager": lambda: module(x, idx, w),
+                "compiled": lambda: compiled(x, idx, w),
+                "reduce-overhead": ro,
+                "op direct": lambda: ops.fused_experts_op(x, module.gate_up_proj, module.down_proj, idx, w,
+                                                          "sm90", ""),
+                "eager graph replay": graphed(lambda: module(x, idx, w), ()),
+            }
+            for name, fn in paths.items():
+                out = fn()
+                if isinstance(out, torch.Tensor):
+                    err = (out.float() - ref.float()).abs().max().item()
+                else:
+                    err = float("nan")
+                ms = do_bench(fn, warmup=50, rep=300)
+                print(f"T={T:6d} {name:20s} {ms * 1e3:9.1f} us   max|diff| vs eager {err:.3g}", flush=True)
+            if os.environ.get("PROFILE", "1") == "1":
+                for name in ("eager", "compiled", "reduce-overhead"):
+                    profile(f"T={T} {name}", paths[name])
+
+
+if __name__ == "__main__":
+    main()
