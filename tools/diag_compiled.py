@@ -2,9 +2,12 @@
 
 For the Qwen3-30B-A3B experts module (E=128, H=2048, I=768, top-8, bf16), kernelized, at each T:
 eager, torch.compile default and reduce-overhead (fullgraph), the eager call replayed from a CUDA
-graph (its GPU time alone), and the custom op called directly. Then a torch.profiler table of
-each path (GPU kernels and host ops per call), so a slower compiled path shows whether it runs
-other kernels, more kernels, copies, or only more host time.
+graph (its GPU time alone), and the custom op called directly. Then the floor: the same three
+modes for a module whose forward is one trivial custom op on the same five tensors (a clone), for
+a module calling only kernelhub's custom op, and for one calling `fused_experts`, so the time
+torch.compile adds to any call shows apart from what kernelhub adds. Then a torch.profiler table
+of each path (GPU kernels and host ops per call): whether a compiled path runs other kernels,
+more kernels, copies, or only more host time.
 
 Usage (repo root): PYTHONPATH=src python tools/diag_compiled.py   env: TOKENS=1,4096 PROFILE=1
 """
@@ -71,6 +74,88 @@ def profile(name: str, fn, n: int = 20) -> None:
     print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=70))
 
 
+@torch.library.custom_op("kernelhub_diag::clone5", mutates_args=())
+def _clone5(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, i: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@_clone5.register_fake
+def _(x, a, b, i, w):
+    return x.new_empty(x.shape)
+
+
+class _Floor(Experts):
+    def forward(self, x, idx, w):
+        return _clone5(x, self.gate_up_proj, self.down_proj, idx, w)
+
+
+class _OpOnly(Experts):
+    def __init__(self, op):
+        super().__init__()
+        self.op = op
+
+    def forward(self, x, idx, w):
+        return self.op(x, self.gate_up_proj, self.down_proj, idx, w, "sm90", "")
+
+
+class _FusedExperts(Experts):
+    def __init__(self, moe):
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x, idx, w):
+        return self.moe.fused_experts(x, self.gate_up_proj, self.down_proj, idx, w)
+
+
+def modes(module, x, idx, w) -> str:
+    """do_bench us of eager, compiled (default) and reduce-overhead calls of module(x, idx, w)."""
+    cells = []
+    for mode in ("eager", "default", "reduce-overhead"):
+        torch._dynamo.reset()
+        if mode == "eager":
+            def fn():
+                return module(x, idx, w)
+        else:
+            c = torch.compile(module, fullgraph=True, mode=None if mode == "default" else mode)
+
+            def fn(c=c, ro=mode != "default"):
+                if ro:
+                    torch.compiler.cudagraph_mark_step_begin()
+                return c(x, idx, w)
+        cells.append(f"{mode} {do_bench(fn, warmup=50, rep=300) * 1e3:7.1f}")
+    return "   ".join(cells)
+
+
+def point(T: int, module, compiled, reduce, moe, ops) -> None:
+    x, idx, w = inputs(T)
+    with torch.no_grad():
+        ref = module(x, idx, w)
+
+        def ro():
+            torch.compiler.cudagraph_mark_step_begin()
+            return reduce(x, idx, w)
+
+        paths = {
+            "eager": lambda: module(x, idx, w),
+            "compiled": lambda: compiled(x, idx, w),
+            "reduce-overhead": ro,
+            "op direct": lambda: ops.fused_experts_op(x, module.gate_up_proj, module.down_proj, idx, w, "sm90", ""),
+            "eager graph replay": graphed(lambda: module(x, idx, w), ()),
+        }
+        for name, fn in paths.items():
+            out = fn()
+            err = (out.float() - ref.float()).abs().max().item() if isinstance(out, torch.Tensor) else float("nan")
+            ms = do_bench(fn, warmup=50, rep=300)
+            print(f"T={T:6d} {name:20s} {ms * 1e3:9.1f} us   max|diff| vs eager {err:.3g}", flush=True)
+        floors = {"trivial op (floor)": _Floor(), "kernelhub op only": _OpOnly(ops.fused_experts_op),
+                  "fused_experts": _FusedExperts(moe), "kernelized": module}
+        for name, mod in floors.items():
+            print(f"T={T:6d} {name:20s} {modes(mod, x, idx, w)}", flush=True)
+        if os.environ.get("PROFILE", "1") == "1":
+            for name in ("eager", "compiled", "reduce-overhead"):
+                profile(f"T={T} {name}", paths[name])
+
+
 def main() -> None:
     torch.manual_seed(0)
     tokens = [int(t) for t in os.environ.get("TOKENS", "1,4096").split(",")]
@@ -81,33 +166,7 @@ def main() -> None:
     reduce = torch.compile(module, fullgraph=True, mode="reduce-overhead")
     ops = sys.modules[moe.__name__ + "._experts_custom_ops"]
     for T in tokens:
-        x, idx, w = inputs(T)
-        with torch.no_grad():
-            ref = module(x, idx, w)
-
-            def ro():
-                torch.compiler.cudagraph_mark_step_begin()
-                return reduce(x, idx, w)
-
-            paths = {
-                "eager": lambda: module(x, idx, w),
-                "compiled": lambda: compiled(x, idx, w),
-                "reduce-overhead": ro,
-                "op direct": lambda: ops.fused_experts_op(x, module.gate_up_proj, module.down_proj, idx, w,
-                                                          "sm90", ""),
-                "eager graph replay": graphed(lambda: module(x, idx, w), ()),
-            }
-            for name, fn in paths.items():
-                out = fn()
-                if isinstance(out, torch.Tensor):
-                    err = (out.float() - ref.float()).abs().max().item()
-                else:
-                    err = float("nan")
-                ms = do_bench(fn, warmup=50, rep=300)
-                print(f"T={T:6d} {name:20s} {ms * 1e3:9.1f} us   max|diff| vs eager {err:.3g}", flush=True)
-            if os.environ.get("PROFILE", "1") == "1":
-                for name in ("eager", "compiled", "reduce-overhead"):
-                    profile(f"T={T} {name}", paths[name])
+        point(T, module, compiled, reduce, moe, ops)
 
 
 if __name__ == "__main__":
