@@ -179,3 +179,34 @@ def test_stages_fit_the_shared_memory_of_smaller_cards():
     assert fitted["gate_up"]["num_stages"] == 2 and fitted["down"]["num_stages"] == 2
     assert fp8c.fit_fp8_shared_memory(big, 232448, 1) == big  # H100: 227 KB, 4 x 48 KB fits
     assert big["gate_up"]["num_stages"] == 4  # a copy
+
+
+@pytest.fixture(scope="module")
+def tune():
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "tune_moe.py"
+    spec = importlib.util.spec_from_file_location("tune_moe_fp8_under_test", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # defines the search space; runs nothing on a GPU
+    return module
+
+
+@pytest.mark.parametrize("w8a16", [False, True])
+@pytest.mark.parametrize(("block_m", "rows_per_expert"), [(16, 0.03), (32, 2), (32, 16), (64, 32), (64, 128),
+                                                          (128, 512)])
+def test_every_fp8_tune_candidate_is_a_valid_bucket(tune, block_m, rows_per_expert, w8a16):
+    """What `tune_moe.py --fp8` may write loads for both variants (sm90 fp8 math: 128-column gate/up
+    tiles), and every candidate keeps to the register rule the sm90 compiles follow."""
+    for stage in ("gate_up", "down"):
+        space = tune.fp8_stage_space(stage, block_m, rows_per_expert, w8a16)
+        assert space, (stage, block_m)
+        for c in space:
+            bucket = {"block_m": block_m, "gate_up": BASE["gate_up"], "down": BASE["down"], stage: c}
+            if w8a16:
+                bucket["w8a16"] = True
+            fp8c.check_fp8_bucket(bucket, f"candidate {c}", "sm90")
+            fp8c.check_fp8_bucket(bucket, f"candidate {c}", "sm80")
+            rows = c.get("BLOCK_M", block_m)
+            assert rows * c["BLOCK_N"] * (2 if stage == "gate_up" else 1) <= 64 * 32 * c["num_warps"]
