@@ -1,49 +1,79 @@
-"""fused_experts on fp8 block-quantized weights against kernelhub's bf16 path on the dequantized
-weights, with the dense bf16 and fp8 matmul rates measured in the same run (the ceilings).
+"""fused_experts on fp8 block-quantized weights against its ceilings and peers, all in one run.
 
 Usage (repo root, GPU): PYTHONPATH=src python kernels_repo/moe/benchmarks/bench_fp8.py
-  env: TOKENS=1,512,4096,16384. Prints one line per shape and T: the automatic fp8 variant, the
-  W8A16 (sm80) kernel, and bf16; ms (do_bench median), TFLOP/s of the useful FLOPs, and the relative
-  error against the bf16 path (the fp8 activations alone cost ~4-5%).
+  env: TOKENS=1,32,512,4096,16384  SHAPES=deepseek_v3,qwen3_30b_a3b  PEERS=0 (kernelhub only)
+Ceilings (same run): the dense fp8 matmul rate (`torch._scaled_mm`, 8192^3, bf16 out) and the
+copy bandwidth (a 2 GiB device copy). Per shape and T one line per implementation: ms (do_bench
+median), TFLOP/s of the useful FLOPs (2 * T * K * 3 * H * I), that rate over the fp8 matmul rate,
+the time of the weight bytes the call must read at copy bandwidth ("bw" = that bound / ms: 1.0 is
+the memory ceiling, what decode is bound by), the relative error against kernelhub's bf16 path on
+the dequantized weights, then kernelhub's fp8 against bf16 (speedup) and against the best peer.
+Implementations: kernelhub fp8 (automatic variant; "sm80" its W8A16 kernel), kernelhub bf16 on the
+dequantized weights, and the peers: transformers `FP8Experts` (eager loop, grouped_mm, batched_mm:
+each needs a Hub kernel, `finegrained-fp8` or `deep-gemm`; with no network or cache they are
+skipped with the reason printed) and `torch._scaled_grouped_mm` with row-wise scales (tokens
+sorted by expert; weights re-quantized per output row, activations per token: what torch offers,
+a looser quantization than 128-column groups).
 """
 
 from __future__ import annotations
 
 import os
-import sys
-from functools import partial
-from pathlib import Path
 
-import torch
-import triton
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the GPU machine has no network: fail fast, not on timeouts
 
-from kernelhub._loader import load_kernel_from_dir
+import sys  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+from functools import partial  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from kernelhub._loader import load_kernel_from_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
-SHAPES = {"qwen3_30b_a3b": (128, 2048, 768, 8), "deepseek_v3": (256, 7168, 2048, 8)}  # E, H, I, K
+# E, H, I, K ("tiny": a CPU smoke run of this script, TRITON_INTERPRET=1 SHAPES=tiny)
+SHAPES = {"deepseek_v3": (256, 7168, 2048, 8), "qwen3_30b_a3b": (128, 2048, 768, 8), "tiny": (8, 256, 128, 2)}
+FP8 = torch.float8_e4m3fn
 
 
 def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    """Median ms (do_bench on CUDA; a plain timer elsewhere, for a CPU smoke run)."""
+    if torch.cuda.is_available():
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
 
 
-def ceilings(dev: torch.device) -> None:
-    n = 8192
+def ceilings(dev: torch.device) -> tuple[float, float]:
+    """(dense fp8 matmul TFLOP/s, copy GB/s) of this device, measured now."""
+    n = 8192 if dev.type == "cuda" else 256
     a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     print(f"ceiling bf16 matmul {2 * n**3 / bench(partial(torch.matmul, a, b)) / 1e9:.0f} TFLOP/s")
-    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t().contiguous().t()
+    a8, b8 = a.to(FP8), b.to(FP8).t().contiguous().t()
     one = torch.ones((), device=dev)
-    ms = bench(partial(torch._scaled_mm, a8, b8, one, one, out_dtype=torch.bfloat16))
-    print(f"ceiling fp8 _scaled_mm {2 * n**3 / ms / 1e9:.0f} TFLOP/s")
+    fp8_rate = 2 * n**3 / bench(partial(torch._scaled_mm, a8, b8, one, one, out_dtype=torch.bfloat16)) / 1e9
+    print(f"ceiling fp8 _scaled_mm {fp8_rate:.0f} TFLOP/s")
+    del a, b, a8, b8
+    src = torch.empty(1 << (31 if dev.type == "cuda" else 24), device=dev, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    gbs = 2 * src.numel() / bench(partial(dst.copy_, src)) / 1e6  # read + write
+    print(f"ceiling copy bandwidth {gbs:.0f} GB/s")
+    del src, dst
+    return fp8_rate, gbs
 
 
 def quantized(ref, E: int, shape: tuple[int, int], dev, g) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(fp8 weights, block scales, the bf16 dequantized weights), 16 experts at a time (the fp32
     temporaries of all E experts do not fit beside the rest)."""
     q, s, d = [], [], []
-    for _ in range(0, E, 16):
-        w = torch.randn(16, *shape, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
+    for e in range(0, E, 16):
+        w = torch.randn(min(16, E - e), *shape, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
         wq, ws = ref.quantize_blocks(w)
         q.append(wq)
         s.append(ws)
@@ -51,35 +81,160 @@ def quantized(ref, E: int, shape: tuple[int, int], dev, g) -> tuple[torch.Tensor
     return torch.cat(q), torch.cat(s), torch.cat(d)
 
 
+# ---- peer: torch._scaled_grouped_mm with row-wise scales ----
+
+def rowwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., R, C] (16/32-bit) -> (fp8, fp32 scale [..., R]) per row over all C columns."""
+    amax = w.float().abs().amax(-1).clamp(min=1e-4)
+    return (w.float() * (448.0 / amax)[..., None]).to(FP8), amax / 448.0
+
+
+def rowwise_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 [E, N, K] -> (fp8 [E, K, N] column-major, as _scaled_grouped_mm takes it; scales [E, N])."""
+    q, s = [], []
+    for e in range(0, w.shape[0], 16):
+        a, b = rowwise(w[e:e + 16])
+        q.append(a)
+        s.append(b)
+    return torch.cat(q).transpose(1, 2), torch.cat(s)
+
+
+def scaled_grouped_forward(x, gu_t, gu_s, dn_t, dn_s, idx, w):
+    """out [T, H]: tokens sorted by expert, x and h quantized per row, two grouped fp8 GEMMs with
+    row-wise scales, SwiGLU and the weighted sum in torch (no host sync)."""
+    T, K = idx.shape
+    E = gu_t.shape[0]
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    ends = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    xs = x[order // K]
+    xq, xsc = rowwise(xs)
+    gu = torch._scaled_grouped_mm(xq, gu_t, xsc, gu_s, offs=ends, out_dtype=torch.bfloat16)
+    g, u = gu.chunk(2, dim=-1)
+    h = torch.nn.functional.silu(g) * u
+    hq, hsc = rowwise(h)
+    y = torch._scaled_grouped_mm(hq, dn_t, hsc, dn_s, offs=ends, out_dtype=torch.bfloat16)
+    y = y * w.reshape(-1)[order, None].to(y.dtype)
+    out = torch.zeros(T * K, x.shape[1], device=x.device, dtype=y.dtype)
+    out[order] = y
+    return out.view(T, K, -1).sum(1)
+
+
+# ---- peers: transformers FP8Experts ----
+
+def transformers_experts(E, H, I, guq, gus, dnq, dns):
+    """(FP8Experts module holding our fp8 weights, its module) or (None, reason)."""
+    try:
+        import transformers
+        from transformers.integrations import finegrained_fp8 as tf8
+
+        cfg = transformers.PretrainedConfig(hidden_size=H, intermediate_size=I, moe_intermediate_size=I,
+                                            num_local_experts=E, num_experts=E, hidden_act="silu")
+        with torch.device("meta"):
+            m = tf8.FP8Experts(cfg, block_size=(128, 128))
+        for name, t in (("gate_up_proj", guq), ("gate_up_proj_scale_inv", gus), ("down_proj", dnq),
+                        ("down_proj_scale_inv", dns)):
+            setattr(m, name, torch.nn.Parameter(t, requires_grad=False))
+        if not hasattr(m, "_is_expert_parallel"):
+            m._is_expert_parallel = False
+        return m.eval(), tf8
+    except Exception as e:  # noqa: BLE001 - another transformers version: say why and go on
+        return None, f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def transformers_paths(m, tf8) -> dict:
+    paths = {"tf_eager": lambda x, i, w: m.forward(x, i, w)}
+    for label, name in (("tf_grouped_mm", "fp8_grouped_mm_experts_forward"),
+                        ("tf_batched_mm", "fp8_batched_mm_experts_forward")):
+        fn = getattr(tf8, name, None)
+        if fn is not None:
+            paths[label] = partial(fn, m)
+    return paths
+
+
+def try_peer(label, run, want, skipped: dict) -> tuple[float, float] | None:
+    """(ms, relative error) of a peer, or None with the reason recorded once per peer."""
+    if label in skipped:
+        return None
+    try:
+        out = run()
+        err = ((out.float() - want).norm() / want.norm()).item()
+        return bench(run), err
+    except Exception as e:  # noqa: BLE001 - a peer that cannot run here (no Hub kernel offline, no sm90 ...)
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        if os.environ.get("BENCH_TRACE"):
+            traceback.print_exc()
+        skipped[label] = reason
+        print(f"skip {label}: {reason}", flush=True)
+        return None
+
+
 def main() -> None:
     moe = load_kernel_from_dir(ROOT / "kernels_repo" / "moe")
     ref = sys.modules[moe.__name__ + ".reference_fp8"]
-    dev = torch.device("cuda", 0)
-    ceilings(dev)
-    tokens = [int(t) for t in os.environ.get("TOKENS", "1,512,4096,16384").split(",")]
-    for name, (E, H, I, K) in SHAPES.items():
+    dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    fp8_rate, gbs = ceilings(dev)
+    tokens = [int(t) for t in os.environ.get("TOKENS", "1,32,512,4096,16384").split(",")]
+    shapes = [s for s in os.environ.get("SHAPES", "deepseek_v3,qwen3_30b_a3b").split(",") if s]
+    peers = os.environ.get("PEERS", "1") != "0"
+    for name in shapes:
+        E, H, I, K = SHAPES[name]
         g = torch.Generator(device=dev).manual_seed(0)
         guq, gus, gud = quantized(ref, E, (2 * I, H), dev, g)
         dnq, dns, dnd = quantized(ref, E, (H, I), dev, g)
+        skipped: dict[str, str] = {}
+        gu_t = gu_s = dn_t = dn_s = tf = None
+        if peers:
+            gu_t, gu_s = rowwise_weights(gud)
+            dn_t, dn_s = rowwise_weights(dnd)
+            tf, tf8 = transformers_experts(E, H, I, guq, gus, dnq, dns)
+            if tf is None:
+                print(f"skip transformers FP8Experts: {tf8}", flush=True)
         for T in tokens:
             x = torch.randn(T, H, device=dev, dtype=torch.bfloat16, generator=g)
             idx = torch.stack([torch.randperm(E, device=dev, generator=g)[:K] for _ in range(T)])
             w = torch.rand(T, K, device=dev, generator=g)
             flops = 2 * T * K * 3 * H * I
+            # weight bytes the call must read: every touched expert's fp8 weights once (+ scales)
+            touched = int(torch.unique(idx).numel())
+            bound_ms = touched * 3 * H * I / (gbs * 1e6)
             with torch.no_grad():
                 want = moe.fused_experts(x, gud, dnd, idx, w).float()
-                row = [f"fp8 {name} T={T}"]
-                for label, kw in (("auto", {}), ("sm80", {"variant": "sm80"})):
+                res: dict[str, tuple[float, float]] = {}
+                for label, kw in (("kernelhub_fp8", {}), ("kernelhub_fp8_w8a16", {"variant": "sm80"})):
                     run = partial(moe.fused_experts, x, guq, dnq, idx, w, gate_up_proj_scale_inv=gus,
                                   down_proj_scale_inv=dns, **kw)
-                    err = ((run().float() - want).norm() / want.norm()).item()
-                    ms = bench(run)
-                    row.append(f"{label}={ms:.4f}ms ({flops / ms / 1e9:.0f} TF/s, relerr {err:.3f})")
-                ms = bench(partial(moe.fused_experts, x, gud, dnd, idx, w))
-                row.append(f"bf16={ms:.4f}ms ({flops / ms / 1e9:.0f} TF/s)")
-            print("  ".join(row), flush=True)
-        del guq, gus, gud, dnq, dns, dnd
-        torch.cuda.empty_cache()
+                    r = try_peer(label, run, want, skipped)
+                    if r:
+                        res[label] = r
+                res["kernelhub_bf16"] = (bench(partial(moe.fused_experts, x, gud, dnd, idx, w)), 0.0)
+                if peers:
+                    r = try_peer("torch_scaled_grouped_mm", partial(scaled_grouped_forward, x, gu_t, gu_s, dn_t,
+                                                                    dn_s, idx, w), want, skipped)
+                    if r:
+                        res["torch_scaled_grouped_mm"] = r
+                    if tf is not None:
+                        for label, fn in transformers_paths(tf, tf8).items():
+                            r = try_peer(label, partial(fn, x, idx, w), want, skipped)
+                            if r:
+                                res[label] = r
+            for label, (ms, err) in res.items():
+                rate = flops / ms / 1e9
+                print(f"fp8 {name} T={T} {label}: {ms:.4f} ms  {rate:.0f} TF/s  {rate / fp8_rate:.2f} of fp8 rate  "
+                      f"bw {bound_ms / ms:.2f}  relerr {err:.3f}", flush=True)
+            ours = res.get("kernelhub_fp8")
+            peer_ms = [ms for k, (ms, _) in res.items() if not k.startswith("kernelhub")]
+            if ours:
+                bf16_ms = res["kernelhub_bf16"][0]
+                line = (f"fp8 {name} T={T} summary: kernelhub fp8 {ours[0]:.4f} ms, "
+                        f"{flops / ours[0] / 1e9 / fp8_rate:.2f} of fp8 rate, "
+                        f"{bf16_ms / ours[0]:.2f}x bf16 (time {ours[0] / bf16_ms:.2f}x)")
+                if peer_ms:
+                    line += f", {min(peer_ms) / ours[0]:.2f}x best peer"
+                print(line, flush=True)
+        del guq, gus, gud, dnq, dns, dnd, gu_t, gu_s, dn_t, dn_s, tf
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

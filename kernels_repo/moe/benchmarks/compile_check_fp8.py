@@ -1,68 +1,147 @@
-"""Compile the fp8-experts grouped GEMM for sm90, sm89 and sm80 without a GPU (Triton AOT to cubin).
+"""Compile the fp8-experts kernels for sm90, sm89 and sm80 without a GPU (Triton AOT to cubin).
 
-The kernel `_fp8_experts.py` launches, with the constexprs it passes per variant: "sm90" (fp8
-tl.dot, activations quantized in the load and in the SwiGLU epilogue) for sm90 and sm89, "sm80"
-(W8A16: fp8 weights converted in registers) for sm80, for each activation dtype. The interpreter
-never runs the GPU code path (EMULATE=False), so this is where its fp8 casts and dots are checked.
-Usage (repo root, TRITON_INTERPRET unset):
+Each bucket of configs/fp8_<variant>.json with the constexprs `_fp8_experts._gemm` passes for it:
+"sm90" (fp8 tl.dot; x by the quantize pass or quantized in the load; weights, and down's h where
+"A_TMA", by TMA descriptors; h quantized in the SwiGLU epilogue; "w8a16" buckets: the W8A16 math)
+for sm90 and sm89 (no TMA there, stages fitted to its shared memory), "sm80" (W8A16: fp8 weights
+as uint8 bits converted in registers) for sm80/sm86, plus the quantize pass and the backward's
+GEMMs. The interpreter never runs the GPU code path (EMULATE=False), so this is where its fp8
+casts, dots and descriptors are checked. Usage (repo root, TRITON_INTERPRET unset):
     PYTHONPATH=src python kernels_repo/moe/benchmarks/compile_check_fp8.py
+Each line: ok/FAIL, capability, label, shared memory bytes, registers and spill bytes (ptxas).
 """
 
 from __future__ import annotations
 
 import importlib
+import json
+import re
 import sys
 from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compile_check as cc  # noqa: E402  (pops TRITON_INTERPRET and loads the kernel package)
 
 fp8k = importlib.import_module(cc.moe.__name__ + "._fp8_experts")  # (imported on the first fp8 call)
 kern = importlib.import_module(cc.moe.__name__ + "._fp8_kernels")
+fp8c = importlib.import_module(cc.moe.__name__ + "._fp8_configs")
+SM89_SMEM = 101376  # shared memory per block (opt-in) of sm86/sm89
+_UNIT = ("stride_ak", "stride_bk", "stride_cn")  # unit strides the JIT specializes to constexpr 1
 
-def fp8_gemm(cap: int, variant: str, epilogue: int, dtype: str) -> int | None:
-    """One launch shape of `_fp8_experts._gemm`: gate/up (epilogue 1, gathers x) or down (epilogue 0)."""
-    tiles = fp8k._TILES[variant]
-    fp8_dot = variant == "sm90"
-    gate_up = epilogue == 1
-    a_dtype = dtype if (gate_up or not fp8_dot) else "fp8e4nv"  # sm90's down GEMM reads the fp8 h
-    c_dtype = ("fp8e4nv" if fp8_dot else dtype) if gate_up else dtype
-    sig = {"a_ptr": f"*{a_dtype}", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv" if fp8_dot else "*u8",  # (W8A16: bits)
-           "bs_ptr": "*fp32", "c_ptr": f"*{c_dtype}", "cs_ptr": "*fp32", "rows_ptr": "*i32", "row_expert_ptr": "*i32"}
-    const = dict(EPILOGUE=epilogue, GATHER_A=gate_up, TOPK=8, FP8_DOT=fp8_dot, QUANT_A=fp8_dot and gate_up,
-                 QUANT_C=fp8_dot and gate_up, EMULATE=False, PRECISION="ieee" if dtype == "fp32" else None,
-                 SCALE_N=128, BLOCK_M=tiles["block_m"], BLOCK_N=tiles["BLOCK_N"], BLOCK_K=128)
+
+def compile_report(fn, sig: dict, const: dict, cap: int, num_warps: int, num_stages: int, maxnreg=None) -> dict:
+    """{"smem", "regs", "spills"} of one AOT compile (raises on a compile error)."""
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if sig.get(n, "").startswith("*") or sig.get(n) == cc.I32}
+    opts = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg:
+        opts["maxnreg"] = maxnreg
+    k = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", cap, 32), options=opts)
+    rep = cc.ptxas_report(k.asm["ptx"], cap)
+    regs = re.search(r"regs=(\S+)", rep).group(1)
+    return {"smem": k.metadata.shared, "regs": int(regs) if regs.isdigit() else -1,
+            "spills": int(re.search(r"spill_bytes=(\d+)", rep).group(1))}
+
+
+def gemm_signature(cap: int, variant: str, bucket: dict, stage: str, dtype: str = "bf16",
+                   backward: str | None = None) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, stage tiles) of one `_fp8_experts._gemm` launch: the forward's
+    gate_up / down of `bucket`, or (backward="gather" / "rows") a backward GEMM (W8A16, fp32 out)."""
+    c = bucket[stage]
+    fp8_dot = variant == "sm90" and not bucket.get("w8a16", False) and backward is None
+    gate_up = stage == "gate_up" and backward is None
+    tma = variant == "sm90" and cap >= 90 and bucket.get("tma", True) and backward is None
+    if backward is not None:
+        a_dtype, c_dtype = ("bf16" if backward == "gather" else "fp32"), "fp32"
+    elif gate_up:
+        a_dtype = "fp8e4nv" if fp8_dot and bucket.get("quant_x", True) else dtype
+        c_dtype = "fp8e4nv" if fp8_dot else dtype
+    else:
+        a_dtype, c_dtype = ("fp8e4nv" if fp8_dot else dtype), dtype
+    w_dtype = "fp8e4nv" if fp8_dot else "u8"  # (W8A16: bits)
+    a_tma = tma and not gate_up and c.get("A_TMA", False)
+    sig = {"a_ptr": f"*{a_dtype}", "as_ptr": "*fp32", "b_ptr": f"*{w_dtype}", "bs_ptr": "*fp32",
+           "c_ptr": f"*{c_dtype}", "cs_ptr": "*fp32", "rows_ptr": "*i32", "row_expert_ptr": "*i32"}
+    const = {}
+    bm, bn = c.get("BLOCK_M", bucket["block_m"]), c["BLOCK_N"]
+    if tma:
+        sig["b_desc"] = f"tensordesc<{w_dtype}[1, {bn}, 128]>"
+    else:
+        const["b_desc"] = None
+    if a_tma:
+        sig["a_desc"] = f"tensordesc<{a_dtype}[{bm}, 128]>"
+    else:
+        const["a_desc"] = None
+    gather = gate_up or backward == "gather"
+    const.update(EPILOGUE=1 if gate_up else 0, GATHER_A=gather, TOPK=8, FP8_DOT=fp8_dot,
+                 QUANT_A=fp8_dot and gate_up and a_dtype != "fp8e4nv", QUANT_C=fp8_dot and gate_up, EMULATE=False,
+                 PRECISION="ieee" if a_dtype == "fp32" else None, SCALE_N=128, B_TMA=tma, A_TMA=a_tma,
+                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128)
+    for name in _UNIT if not (backward and stage == "down") else ("stride_ak", "stride_cn"):  # (transposed W)
+        const[name] = 1
     full = {n: sig.get(n, "constexpr" if n in const else cc.I32) for n in kern._fp8_gemm_kernel.arg_names}
-    label = f"fp8 {variant} {'gate_up' if gate_up else 'down'} x={dtype} {tiles}"
-    return cc.compile_one(kern._fp8_gemm_kernel, full, const, cap, tiles["num_warps"], tiles["num_stages"], label)
+    return full, const, c
 
 
-def backward_gemm(cap: int, gather: bool) -> int | None:
-    """A launch of `_fp8_experts.backward` (W8A16 on every card): gathered 16-bit rows (x, dY) or the
-    fp32 d[gate | up] rows, fp32 out."""
-    tiles = fp8k._TILES["sm80"]
-    a_dtype = "bf16" if gather else "fp32"
-    sig = {"a_ptr": f"*{a_dtype}", "as_ptr": "*fp32", "b_ptr": "*u8", "bs_ptr": "*fp32", "c_ptr": "*fp32",
-           "cs_ptr": "*fp32", "rows_ptr": "*i32", "row_expert_ptr": "*i32"}
-    const = dict(EPILOGUE=0, GATHER_A=gather, TOPK=8, FP8_DOT=False, QUANT_A=False, QUANT_C=False, EMULATE=False,
-                 PRECISION="ieee" if a_dtype == "fp32" else None, SCALE_N=128, BLOCK_M=tiles["block_m"],
-                 BLOCK_N=tiles["BLOCK_N"], BLOCK_K=128)
-    full = {n: sig.get(n, "constexpr" if n in const else cc.I32) for n in kern._fp8_gemm_kernel.arg_names}
-    return cc.compile_one(kern._fp8_gemm_kernel, full, const, cap, tiles["num_warps"], tiles["num_stages"],
-                          f"fp8 backward gather={gather} a={a_dtype}")
+def check_gemm(cap: int, variant: str, bucket: dict, stage: str, dtype: str = "bf16", backward: str | None = None,
+               label: str = "") -> dict | None:
+    """Compile one launch and print its line; the report, or None on a compile error."""
+    if cap < 90 and variant == "sm90":  # sm89: stages fitted to its shared memory, as the launcher does
+        bucket = fp8c.fit_fp8_shared_memory(bucket, SM89_SMEM, 1 if not bucket.get("w8a16", False) else 2)
+    sig, const, c = gemm_signature(cap, variant, bucket, stage, dtype, backward)
+    flags = [k for k in ("B_TMA", "A_TMA", "QUANT_A", "FP8_DOT") if const[k]]
+    text = (f"fp8 {variant} {backward + ' backward' if backward else stage} x={dtype} block_m={bucket['block_m']} "
+            f"{json.dumps(c, sort_keys=True)} {' '.join(flags)} {label}").rstrip()
+    try:
+        rep = compile_report(kern._fp8_gemm_kernel, sig, const, cap, c["num_warps"], c["num_stages"],
+                             c.get("maxnreg"))
+    except Exception as e:  # noqa: BLE001
+        print(f"FAIL sm{cap} {text}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+        return None
+    print(f"ok   sm{cap} {text} smem={rep['smem']} regs={rep['regs']} spill_bytes={rep['spills']}", flush=True)
+    return rep
+
+
+def check_quantize(cap: int, dtype: str = "bf16") -> dict | None:
+    fn = kern._quantize_x_kernel
+    sig = {"x_ptr": f"*{dtype}", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+    const = {"EMULATE": False, "BLOCK_T": fp8k._QUANT_ROWS, "GROUP": 128}
+    full = {n: sig.get(n, "constexpr" if n in const else cc.I32) for n in fn.arg_names}
+    try:
+        rep = compile_report(fn, full, const, cap, 4, None)
+    except Exception as e:  # noqa: BLE001
+        print(f"FAIL sm{cap} fp8 quantize x={dtype}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+        return None
+    print(f"ok   sm{cap} fp8 quantize x={dtype} smem={rep['smem']} regs={rep['regs']} spill_bytes={rep['spills']}",
+          flush=True)
+    return rep
+
+
+def shipped(variant: str) -> list[dict]:
+    data = json.loads((fp8c._DIR / f"fp8_{variant}.json").read_text())
+    return data["buckets"] + [b for bs in data.get("shapes", {}).values() for b in bs]
 
 
 def main() -> None:
     fails = 0
-    # every activation dtype of each variant on its main target; bf16 on the cards sharing it
     for cap, variant, dtypes in ((90, "sm90", ("bf16", "fp16")), (89, "sm90", ("bf16",)),
                                  (80, "sm80", ("bf16", "fp16", "fp32")), (86, "sm80", ("bf16",))):
-        for dtype in dtypes:
-            for epilogue in (1, 0):
-                fails += fp8_gemm(cap, variant, epilogue, dtype) is None
+        for b in shipped(variant):
+            for dtype in dtypes:
+                for stage in ("gate_up", "down"):
+                    fails += check_gemm(cap, variant, b, stage, dtype) is None
+        if variant == "sm90":  # the in-load quantization (a bucket's "quant_x": false)
+            b = shipped(variant)[-1]
+            fails += check_gemm(cap, variant, {**b, "quant_x": False}, "gate_up") is None
+            fails += check_quantize(cap) is None  # (sm90 variant only: fp8e4nv stores need sm89+)
     for cap in (90, 80):
-        for gather in (True, False):
-            fails += backward_gemm(cap, gather) is None
+        for b in shipped("sm80"):
+            for stage, mode in (("gate_up", "gather"), ("down", "gather"), ("down", "rows")):
+                fails += check_gemm(cap, "sm80", b, stage, "bf16", backward=mode) is None
     print(f"failures: {fails}")
     sys.exit(1 if fails else 0)
 

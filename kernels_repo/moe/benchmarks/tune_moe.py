@@ -18,6 +18,11 @@ the wgrad stage 42 on sm90, 28 on sm80, each timing both weight gradients), so o
 took about 3-5 minutes before the wgrad grid grew to this (not re-timed since: expect more); tune a
 few points per run (SHAPES=, TOKENS=, BLOCK_MS=).
 Then: KERNELHUB_MOE_CONFIG_DIR=DIR (or copy DIR/sm90.json over the package's configs/).
+--fp8: the fp8-weights path instead (`fp8_stage_space`, `fp8_tune_point`): DeepSeek-V3 and
+Qwen3-30B-A3B at T=1,32,512,4096,16384 (SHAPES=, TOKENS= as above), writing DIR/fp8_<variant>.json
+("shapes" buckets) and printing the best bucket per point at the end; about 80 distinct kernels
+to compile, sized for one GPU call of under 8 minutes (FP8_BUDGET_S, default 400: past it each
+stage keeps its best candidate so far). Each fp8 line: stage, block_m, config, ms.
 Each line printed is one measurement: stage, block_m, config, ms.
 """
 
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib
 import itertools
 import json
 import math
@@ -157,9 +163,17 @@ def timed(fn) -> float:
         return math.inf
 
 
+# --fp8: a wall-clock budget (FP8_BUDGET_S, seconds from the start): past it each stage keeps the
+# best candidate timed so far, so that one GPU call still ends with a written file.
+_DEADLINE = [math.inf]
+
+
 def best_of(label, run, space):
     best = (math.inf, None)
     for c in space:
+        if time.time() > _DEADLINE[0] and best[1] is not None:
+            print(f"  {label}: budget spent, keeping {best[1]}", flush=True)
+            break
         ms = timed(lambda c=c: run(c))
         print(f"  {label} {c} ms={ms:.4f}", flush=True)
         if ms < best[0]:
@@ -244,12 +258,175 @@ def tune_point(E, H, I, K, T, variant, full, training):
     return best_bucket
 
 
+# ---- fp8 block-quantized weights (--fp8): configs/fp8_<variant>.json ----
+
+FP8_SHAPES = ("deepseek_v3", "qwen3_30b_a3b")  # issue 31's shapes
+FP8_MAX_ACC = 64  # fp32 accumulator elements per thread (gate/up: both): above, the tile spills on sm90
+FP8_SMEM = 220 * 1024  # shared memory a candidate may use (227 KB per block on H100, some kept for the epilogue)
+
+
+def fp8_stage_space(stage: str, block_m: int, rows_per_expert: float, w8a16: bool) -> list[dict]:
+    """A short list per stage: tiles whose accumulators (plus the per-K-block product of the same
+    size) fit the registers - the rule the sm90 compiles follow (tools/compile_fp8_sm90.py) - and
+    whose stages fit shared memory. fp8 gate/up tiles are 128 columns (one quantization group of
+    h); 128-row stages may run 64-row tiles ("BLOCK_M")."""
+    gate_up = stage == "gate_up"
+    decode = rows_per_expert <= 4
+    if gate_up:
+        bns = ([32, 64, 128] if decode else [64, 128]) if w8a16 else [128]
+    else:
+        bns = [64, 128] if decode else [64, 128, 256]
+    heights = [block_m] + ([64] if block_m == 128 else [])
+    stages = [4] if decode else ([3, 4, 5] if gate_up else [3, 4])
+    space = []
+    for bm, bn, nw, ns in itertools.product(heights, bns, [4, 8], stages):
+        acc = bm * bn * (2 if gate_up else 1) // (32 * nw)
+        a_bytes = 2 if w8a16 else 1
+        if acc > FP8_MAX_ACC or acc < 8 or ns * (bm * a_bytes + (2 if gate_up else 1) * bn) * 128 > FP8_SMEM:
+            continue
+        c = {"BLOCK_N": bn, "num_warps": nw, "num_stages": ns}
+        if bm != block_m:
+            c["BLOCK_M"] = bm
+        if not gate_up and not decode:
+            c["A_TMA"] = True
+        space.append(c)
+    return space
+
+
+def fp8_weights(E: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 weights [E, n, k] (random normal values, 16 experts at a time) and plausible block scales:
+    timing needs the bytes and the shapes, not a quantized model."""
+    w = torch.empty(E, n, k, device=DEV, dtype=torch.float8_e4m3fn)
+    for e in range(0, E, 16):
+        w[e:e + 16] = torch.randn(min(16, E - e), n, k, device=DEV, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+    s = torch.rand(E, math.ceil(n / 128), math.ceil(k / 128), device=DEV) * 1e-3 + 1e-3
+    return w, s
+
+
+def fp8_tune_block_m(fp8x, variant, bm, x, gu, gus, dn, dns, idx, K, rpe, w8a16):
+    """(bucket, total ms of both GEMMs) at alignment bm: each stage's best tile."""
+    E, two_i, H = gu.shape
+    inter = two_i // 2
+    r = rt.align_rows(idx, E, bm)
+    fp8_dot = variant == "sm90" and not w8a16
+    tma = variant == "sm90"
+    P = r.num_rows
+    if fp8_dot:
+        xq, xs = fp8x.quantize_x(x)
+        h = torch.empty(P, inter, device=DEV, dtype=torch.float8_e4m3fn)
+        hs = torch.ones(P, math.ceil(inter / 128), device=DEV)
+    else:
+        xq, xs = x, None
+        h, hs = torch.empty(P, inter, device=DEV, dtype=x.dtype), None
+    y = torch.empty(P, H, device=DEV, dtype=x.dtype)
+    runs = {
+        "gate_up": lambda c: fp8x._gemm(xq, xs, gu, gus, h, hs, r, c, n=inter, k=H, epilogue=1, gather_a=True, topk=K,
+                                        fp8_dot=fp8_dot, tma=tma),
+        "down": lambda c: fp8x._gemm(h, hs, dn, dns, y, None, r, c, n=H, k=inter, epilogue=0, gather_a=False, topk=K,
+                                     fp8_dot=fp8_dot, tma=tma),
+    }
+    bucket = {"block_m": bm, "tma": tma}
+    if w8a16 and variant == "sm90":
+        bucket["w8a16"] = True
+    total = 0.0
+    for stage, run in runs.items():
+        if stage == "down":  # h as the gate/up GEMM leaves it (finite values and scales)
+            runs["gate_up"](bucket["gate_up"])
+        ms, c = best_of(f"fp8 {stage} block_m={bm}{' w8a16' if w8a16 else ''}", run,
+                        fp8_stage_space(stage, bm, rpe, w8a16 or variant != "sm90"))
+        if c is None:
+            return None, math.inf
+        bucket[stage] = c
+        total += ms
+    return bucket, total
+
+
+def fp8_tune_point(fp8x, variant, x, gu, gus, dn, dns, idx, w, K):
+    """The best bucket at one load: per block_m (and at decode, W8A16 or fp8 math) each stage's best
+    tile; then, end to end (routing, quantize pass, GEMMs, combine), x quantized by its own pass or
+    in the gate/up load."""
+    E, T = gu.shape[0], x.shape[0]
+    rpe = T * K / E
+    block_ms = [16, 32] if rpe <= 4 else ([32, 64] if rpe <= 48 else [64, 128])
+    # (W8A16 math: always on sm80; on sm90 a decode candidate, where weight bytes bound the time)
+    maths = [True] if variant == "sm80" else ([False, True] if rpe <= 4 else [False])
+    best_total, best = math.inf, None
+    for bm, w8a16 in itertools.product(block_ms, maths):
+        bucket, total = fp8_tune_block_m(fp8x, variant, bm, x, gu, gus, dn, dns, idx, K, rpe, w8a16)
+        print(f" fp8 block_m={bm} w8a16={w8a16} GEMMs {total:.4f} ms", flush=True)
+        if total < best_total:
+            best_total, best = total, bucket
+    if best is None:
+        return None
+
+    def e2e(b):
+        return timed(lambda: moe.fused_experts(x, gu, dn, idx, w, gate_up_proj_scale_inv=gus, down_proj_scale_inv=dns,
+                                               variant=variant, config=b))
+
+    if variant == "sm90" and not best.get("w8a16"):
+        ms = {q: e2e({**best, "quant_x": q}) for q in (True, False)}
+        print(f" fp8 T={T} end to end: quantize pass {ms[True]:.4f} ms, in-load {ms[False]:.4f} ms", flush=True)
+        best["quant_x"] = ms[True] <= ms[False]
+    else:
+        print(f" fp8 T={T} end to end: {e2e(best):.4f} ms", flush=True)
+    return best
+
+
+def main_fp8(out_dir: Path) -> None:
+    """Sweep the fp8 variant of this GPU (sm90 from sm89 up, else sm80) at issue 31's shapes and
+    tokens and write out_dir/fp8_<variant>.json ("shapes" buckets beside the shipped defaults)."""
+    fp8x = importlib.import_module(moe.__name__ + "._fp8_experts")
+    fp8c = importlib.import_module(moe.__name__ + "._fp8_configs")
+    variant = moe.select_variant_fp8(DEV)
+    if variant not in ("sm90", "sm80"):
+        raise SystemExit(f"no fp8 Triton variant on this device ({variant})")
+    path = out_dir / f"fp8_{variant}.json"
+    data = json.loads(path.read_text()) if path.exists() else json.loads((fp8c._DIR / path.name).read_text())
+    only = [s for s in os.environ.get("SHAPES", "").split(",") if s] or list(FP8_SHAPES)
+    tokens = sorted(int(t) for t in os.environ.get("TOKENS", "1,32,512,4096,16384").split(","))
+    summary = []
+    for name in only:
+        s = SHAPES[name]
+        E, H, I, K = s["E"], s["H"], s["I"], s["K"]
+        gu, gus = fp8_weights(E, 2 * I, H)
+        dn, dns = fp8_weights(E, H, I)
+        buckets = []
+        for i, T in enumerate(tokens):
+            t0 = time.time()
+            x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
+            w, idx = torch.topk(torch.softmax(torch.randn(T, E, device=DEV), -1), K, dim=-1)
+            b = fp8_tune_point(fp8x, variant, x, gu, gus, dn, dns, idx, w, K)
+            if b is None:
+                continue
+            nxt = tokens[i + 1] if i + 1 < len(tokens) else None
+            b["max_rows_per_expert"] = None if nxt is None else math.sqrt(T * nxt) * K / E
+            fp8c.check_fp8_bucket(b, f"tuned {name} T={T}", variant)
+            buckets.append(b)
+            summary.append(f"best fp8 {variant} {name} T={T}: {json.dumps(b, sort_keys=True)}")
+            print(f"== {summary[-1]} ({time.time() - t0:.0f}s)", flush=True)
+        if buckets:
+            buckets[-1]["max_rows_per_expert"] = None
+            data.setdefault("shapes", {})[cfgs.shape_key(E, H, I)] = buckets
+            path.write_text(json.dumps(data, indent=1) + "\n")
+            print(f"wrote {path}", flush=True)
+        del gu, gus, dn, dns
+        torch.cuda.empty_cache()
+    print("\n".join(summary), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp") + "/moe_configs")
     ap.add_argument("--full", action="store_true", help="a larger grid (about 6x the configs)")
     ap.add_argument("--forward-only", action="store_true", help="tune gate_up/down only (inference)")
+    ap.add_argument("--fp8", action="store_true", help="tune the fp8-weights path (configs/fp8_<variant>.json)")
     args = ap.parse_args()
+    if args.fp8:
+        _DEADLINE[0] = time.time() + float(os.environ.get("FP8_BUDGET_S", "400"))
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        main_fp8(out)
+        return
     variant = moe.select_variant(DEV)
     cap = 90 if variant == "sm90" else 80
     out_dir = Path(args.out)

@@ -18,6 +18,7 @@ kernel must stay within 1.25x of (issue 31).
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import subprocess
 import sys
@@ -36,6 +37,7 @@ variants = importlib.import_module(moe.__name__ + "._variants")
 fp8_variants = importlib.import_module(moe.__name__ + "._fp8_variants")
 FP8 = torch.float8_e4m3fn
 ALL = ["reference", "sm80", "sm90"]
+CONFIGS = Path(__file__).resolve().parents[1] / "torch-ext" / "moe" / "configs"
 
 
 def make_fp8(T, H, I, E, K, dtype=torch.bfloat16, seed=0, drop=0, experts_used=None, ue8m0=False):
@@ -412,7 +414,12 @@ def test_fp8_kernels_compile_for_sm90_sm89_and_sm80_without_a_gpu(tmp_path):
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900, env=env)
     assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
     out = res.stdout
-    assert "failures: 0" in out and out.count("ok   sm90 fp8 sm90") == 4 and out.count("fp8 backward") == 4, out[-2000:]
+    n90, n80 = (len(json.loads((CONFIGS / f"fp8_{v}.json").read_text())["buckets"]) for v in ("sm90", "sm80"))
+    # every shipped bucket: 2 stages x 2 dtypes (+ the in-load quantization) on sm90; 3 backward GEMMs x 2 cards
+    assert "failures: 0" in out and out.count("ok   sm90 fp8 sm90") == 4 * n90 + 1, out[-2000:]
+    assert out.count(" backward ") == 6 * n80 and out.count("ok   sm90 fp8 sm90 gate_up x=bf16") == n90 + 1, out[-2000:]
+    # the TMA path (weights, and down's h) is what sm90 compiles
+    assert out.count("B_TMA") >= 2 * n90 and "A_TMA FP8_DOT" in out, out[-2000:]
 
 
 # ---- GPU ----

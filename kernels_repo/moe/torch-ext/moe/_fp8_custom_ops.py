@@ -8,6 +8,8 @@ is a second op: the Triton variants' W8A16 backward, or the reference's vector-J
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from kernelhub.device import device_guard
@@ -23,9 +25,10 @@ _NS = "kernelhub_" + __name__.replace(".", "_")
 def fused_experts_fp8_op(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                          topk_idx: torch.Tensor, topk_weights: torch.Tensor, gate_up_proj_scale_inv: torch.Tensor,
                          down_proj_scale_inv: torch.Tensor, variant: str, block_size: list[int],
-                         weight_needs: list[bool]) -> torch.Tensor:
+                         weight_needs: list[bool], config: str = "") -> torch.Tensor:
     """`weight_needs`: which fp8 weights / scales required grad while tracing (read by `fused_experts`:
-    AOT autograd does not report an fp8 input's need in needs_input_grad), refused in backward."""
+    AOT autograd does not report an fp8 input's need in needs_input_grad), refused in backward.
+    `config`: a pinned bucket as JSON (`config_arg`; an op takes no dicts), "" for none."""
     with torch.no_grad():
         if variant == "reference":
             return fp8_reference_unchecked(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
@@ -34,13 +37,18 @@ def fused_experts_fp8_op(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj:
             return x.new_zeros(x.shape)
         with device_guard(x):
             return fp8.forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
-                               down_proj_scale_inv, variant)
+                               down_proj_scale_inv, variant, json.loads(config) if config else None)
 
 
 @fused_experts_fp8_op.register_fake
 def _(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv, down_proj_scale_inv, variant,
-      block_size, weight_needs):
+      block_size, weight_needs, config=""):
     return x.new_empty(x.shape)
+
+
+def config_arg(config: dict | None) -> str:
+    """A pinned bucket as the op's string argument (checked before: plain JSON values)."""
+    return "" if config is None else json.dumps(config, sort_keys=True)
 
 
 @torch.library.custom_op(f"{_NS}::fused_experts_fp8_backward", mutates_args=())
@@ -93,7 +101,7 @@ def _(dout, x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_sca
 
 
 def _setup(ctx, inputs, output) -> None:
-    x, gate_up_proj, down_proj, topk_idx, topk_weights, gus, ds, variant, block_size, weight_needs = inputs
+    x, gate_up_proj, down_proj, topk_idx, topk_weights, gus, ds, variant, block_size, weight_needs, _ = inputs
     ctx.save_for_backward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gus, ds)
     ctx.block_size, ctx.weight_needs, ctx.variant = block_size, weight_needs, variant
 
@@ -107,7 +115,8 @@ def _backward(ctx, dout):
                                                                 topk_weights, gus, ds, ctx.block_size, needs,
                                                                 weight_needs, ctx.variant)
     wg = [g if need else None for g, need in zip((dgu, ddn, dgus, dds), weight_needs, strict=True)]
-    return (dx if needs[0] else None, wg[0], wg[1], None, dw if needs[1] else None, wg[2], wg[3], None, None, None)
+    return (dx if needs[0] else None, wg[0], wg[1], None, dw if needs[1] else None, wg[2], wg[3], None, None, None,
+            None)
 
 
 fused_experts_fp8_op.register_autograd(_backward, setup_context=_setup)

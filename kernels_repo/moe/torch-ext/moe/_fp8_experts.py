@@ -1,10 +1,12 @@
 """`fused_experts` on fp8 block-quantized expert weights: checks, variant, forward and autograd.
 
 Variants (kernel.toml [dispatch_fp8]): "sm90" fp8 tensor cores with activations quantized per
-token and 128-column group (x in the gate/up GEMM's load, h in its SwiGLU epilogue, stored as
-fp8 with its scales), "sm80" W8A16 (weights converted in registers), "reference" the torch
-dequantization (`reference_fp8`). Rows are aligned to experts by the same sync-free routing as
-the 16-bit path and combined by its fp32 combine kernel.
+token and 128-column group (x by one quantize pass, or in the gate/up GEMM's load where the bucket
+says "quant_x": false; h in its SwiGLU epilogue, stored as fp8 with its scales), weights by TMA;
+"sm80" W8A16 (weights converted in registers), "reference" the torch dequantization
+(`reference_fp8`). Tiles: configs/fp8_<variant>.json by rows per expert (`_fp8_configs`). Rows
+are aligned to experts by the same sync-free routing as the 16-bit path and combined by its fp32
+combine kernel.
 
 Backward (gradients for x and topk_weights; the fp8 weights are frozen; `backward`): the W8A16
 kernels recompute the pre-activations and dY @ Wd per row, torch elementwise ops on the rows make
@@ -19,42 +21,96 @@ from collections.abc import Callable
 
 import torch
 
-from kernelhub.device import CachedLaunch, device_guard
+from kernelhub.device import CachedLaunch, device_capability, device_guard, device_properties
 
 from . import _experts_launch as launch
+from . import _experts_sm90 as sm90
 from ._constexpr_spec import constexpr_spec
 from ._experts_routing import align_rows
 from ._experts_validate import FN, INTERPRET, checked_variant, needs_grad
-from ._fp8_kernels import _fp8_gemm_kernel
+from ._fp8_configs import FP8_INTERPRETER_CONFIG, QUANT_GROUP, check_fp8_bucket, picked_fp8_config
+from ._fp8_kernels import _fp8_gemm_kernel, _quantize_x_kernel
 from ._fp8_validate import BLOCK, refuse_weight_gradients, validate_fp8_inputs
 from .reference_fp8 import fp8_reference_unchecked
-
-# Tiles: BLOCK_K is the scale block (128 columns); the gate/up GEMM's BLOCK_N is 128 on sm90 (one
-# quantization group of h per column tile). Untuned (tune_moe.py does not know fp8 yet).
-_TILES = {
-    "interpret": {"block_m": 16, "BLOCK_N": 128, "num_warps": 4, "num_stages": 1},
-    "sm90": {"block_m": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
-    "sm80": {"block_m": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2},
-}
-
 
 # A cached launcher (Triton's `kernel[grid](...)` costs tens of us of Python per launch) with the
 # constexprs by name, checked against the kernel's signature at import.
 _gemm_launch = CachedLaunch(_fp8_gemm_kernel)
+_quant_launch = CachedLaunch(_quantize_x_kernel)
 Fp8GemmConstexprs = constexpr_spec(_fp8_gemm_kernel, """EPILOGUE GATHER_A TOPK FP8_DOT QUANT_A QUANT_C EMULATE
-    PRECISION SCALE_N BLOCK_M BLOCK_N BLOCK_K""")
+    PRECISION SCALE_N B_TMA A_TMA BLOCK_M BLOCK_N BLOCK_K""")
+QuantConstexprs = constexpr_spec(_quantize_x_kernel, "EMULATE BLOCK_T GROUP")
+_capped: dict[int, CachedLaunch] = {}
+_QUANT_ROWS = 32  # tokens per program of the quantize pass
+
+
+def _launcher(cfg: dict) -> CachedLaunch:
+    """The GEMM launcher, or its twin compiled with the stage's "maxnreg" register cap."""
+    regs = cfg.get("maxnreg")
+    if regs is None:
+        return _gemm_launch
+    hit = _capped.get(regs)
+    if hit is None:
+        hit = _capped.setdefault(regs, CachedLaunch(_fp8_gemm_kernel, maxnreg=regs))
+    return hit
+
+
+def check_config(config: object, variant: str | None = None) -> None:
+    """A pinned `config` (a bucket of configs/fp8_*.json), checked on every variant (the reference
+    does not use it) so that a bad one fails on the CPU as it would on the GPU."""
+    if config is not None:
+        check_fp8_bucket(config, f"{FN}: `config`", variant if variant in ("sm90", "sm80") else None)
+
+
+def bucket(variant: str, x: torch.Tensor, E: int, H: int, inter: int, pairs: int, config: dict | None) -> dict:
+    """The tile bucket: a pinned `config` as given; else configs/fp8_<variant>.json's for this
+    shape and load, stages trimmed to this device's shared memory (sm89 runs the sm90 tiles)."""
+    if config is not None:
+        return config
+    if INTERPRET:
+        return FP8_INTERPRETER_CONFIG
+    smem = device_properties(x.device).shared_memory_per_block if x.is_cuda else None
+    return picked_fp8_config(variant, E, H, inter, pairs, smem)
+
+
+def _use_tma(cfg: dict, *weights: torch.Tensor) -> bool:
+    """sm90 TMA weight loads: the bucket's "tma" (default on), a device of capability >= 9.0 (the
+    sm90 variant also runs on sm89) or the interpreter, and TMA-compatible weights."""
+    if not cfg.get("tma", True):
+        return False
+    dev = weights[0].device
+    if dev.type == "cuda" and device_capability(dev) < 90:
+        return False
+    return all(sm90.tma_ok(w) for w in weights)
 
 
 def _index(t: torch.Tensor) -> int:
     return t.get_device() if t.is_cuda else -1
 
 
-def _gemm(a, a_scale, weight, scale_inv, out, out_scale, routing, tiles, *, n: int, k: int, epilogue: int,
-          gather_a: bool, topk: int, fp8_dot: bool, transposed: bool = False) -> None:
+def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 [T, H], fp32 scales [T, cdiv(H, 128)]): x quantized per token and 128-column group, one
+    pass (the gate/up GEMM then loads fp8 rows instead of quantizing x once per column tile)."""
+    T, H = x.shape
+    q = torch.empty(T, H, device=x.device, dtype=torch.float8_e4m3fn)
+    s = torch.empty(T, launch.cdiv(H, QUANT_GROUP), device=x.device, dtype=torch.float32)
+    grid = (launch.cdiv(T, _QUANT_ROWS), s.shape[1])
+    if T and H and x.stride(1) == 1:
+        _quant_launch.split(grid, _index(x), (x, q, s), (T, H, x.stride(0), q.stride(0), s.stride(0)),
+                            QuantConstexprs(EMULATE=INTERPRET, BLOCK_T=_QUANT_ROWS, GROUP=QUANT_GROUP), num_warps=4)
+    elif T and H:  # (a column-strided x: one contiguous copy first)
+        return quantize_x(x.contiguous())
+    return q, s
+
+
+def _gemm(a, a_scale, weight, scale_inv, out, out_scale, routing, stage: dict, *, n: int, k: int, epilogue: int,
+          gather_a: bool, topk: int, fp8_dot: bool, transposed: bool = False, tma: bool = False) -> None:
     """One grouped GEMM over the aligned rows: out[p, :n] from a[row(p), :k] and expert e(p)'s fp8
     weight [E, n, k] (transposed: the weight is [E, k, n] and so are its scale blocks, as the
-    backward reads the forward's weights)."""
-    bm, bn = routing.block_m, tiles["BLOCK_N"]
+    backward reads the forward's weights). `a` fp8 with `a_scale` (fp8_dot) or 16/32-bit (fp8_dot:
+    quantized in the load). tma (sm90, not transposed): weights and, where the stage says "A_TMA"
+    and A is not gathered, A through TMA descriptors."""
+    bm, bn = stage.get("BLOCK_M", routing.block_m), stage["BLOCK_N"]  # (a divisor of the alignment)
     grid = (routing.num_rows // bm, launch.cdiv(n, bn))
     if grid[0] == 0 or grid[1] == 0:
         return
@@ -63,7 +119,12 @@ def _gemm(a, a_scale, weight, scale_inv, out, out_scale, routing, tiles, *, n: i
     ws, ss = weight.stride(), scale_inv.stride()
     if transposed:
         ws, ss = (ws[0], ws[2], ws[1]), (ss[0], ss[2], ss[1])
-    _gemm_launch.split(
+    b_desc = a_desc = None
+    if tma and not transposed:
+        b_desc = sm90.weight_descriptor(w, bn, BLOCK[1])
+        if stage.get("A_TMA", False) and not gather_a and bm <= 256 and sm90.tma_ok(a):
+            a_desc = sm90.rows_descriptor(a, bm, BLOCK[1])
+    _launcher(stage).split(
         grid, _index(a),
         (a, a_scale if a_scale is not None else out, w, scale_inv, out, out_scale if out_scale is not None else out,
          routing.rows, routing.row_expert),
@@ -75,33 +136,40 @@ def _gemm(a, a_scale, weight, scale_inv, out, out_scale, routing, tiles, *, n: i
             EPILOGUE=epilogue, GATHER_A=gather_a, TOPK=topk, FP8_DOT=fp8_dot,
             QUANT_A=fp8_dot and a.dtype != torch.float8_e4m3fn, QUANT_C=out_scale is not None, EMULATE=INTERPRET,
             PRECISION="ieee" if (INTERPRET or a.dtype == torch.float32) else None,
-            SCALE_N=BLOCK[0], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=BLOCK[1]),
-        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
+            SCALE_N=BLOCK[0], B_TMA=b_desc is not None, A_TMA=a_desc is not None, BLOCK_M=bm, BLOCK_N=bn,
+            BLOCK_K=BLOCK[1]),
+        num_warps=stage["num_warps"], num_stages=stage["num_stages"], extras=(b_desc, a_desc),
     )
 
 
-def forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_scale, down_scale, variant: str):
-    """out [T, H] by the Triton kernels (inside device_guard(x)): routing, gate/up + SwiGLU, down, combine."""
+def forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_scale, down_scale, variant: str,
+            config: dict | None = None):
+    """out [T, H] by the Triton kernels (inside device_guard(x)): routing, (sm90: x quantized once),
+    gate/up + SwiGLU, down, combine. `config`: a pinned bucket (checked by the caller)."""
     T, H = x.shape
     E, two_i, _ = gate_up_proj.shape
     inter = two_i // 2
     K = topk_idx.shape[1]
-    fp8_dot = variant == "sm90"
+    cfg = bucket(variant, x, E, H, inter, T * K, config)
+    fp8_dot = variant == "sm90" and not cfg.get("w8a16", False)
+    tma = variant == "sm90" and _use_tma(cfg, gate_up_proj, down_proj)
     # UE8M0 scales (float8_e8m0fnu): the kernels read fp32 (exact: powers of two); a small copy
     gate_up_scale, down_scale = (s if s.dtype == torch.float32 else s.float() for s in (gate_up_scale, down_scale))
-    tiles = _TILES["interpret" if INTERPRET else variant]
-    routing = align_rows(topk_idx, E, tiles["block_m"])
+    routing = align_rows(topk_idx, E, cfg["block_m"])
     P, dev = routing.num_rows, x.device
-    if fp8_dot:  # h as fp8 with one scale per row and 128-column group
+    a, a_scale = x, None
+    if fp8_dot:  # h as fp8 with one scale per row and 128-column group (gate/up BLOCK_N = 128)
         h = torch.empty(P, inter, device=dev, dtype=torch.float8_e4m3fn)
-        h_scale = torch.empty(P, launch.cdiv(inter, tiles["BLOCK_N"]), device=dev, dtype=torch.float32)
+        h_scale = torch.empty(P, launch.cdiv(inter, QUANT_GROUP), device=dev, dtype=torch.float32)
+        if cfg.get("quant_x", True):
+            a, a_scale = quantize_x(x)
     else:
         h, h_scale = torch.empty(P, inter, device=dev, dtype=x.dtype), None
-    _gemm(x, None, gate_up_proj, gate_up_scale, h, h_scale, routing, tiles, n=inter, k=H, epilogue=1,
-          gather_a=True, topk=K, fp8_dot=fp8_dot)
+    _gemm(a, a_scale, gate_up_proj, gate_up_scale, h, h_scale, routing, cfg["gate_up"], n=inter, k=H, epilogue=1,
+          gather_a=True, topk=K, fp8_dot=fp8_dot, tma=tma)
     y = torch.empty(P, H, device=dev, dtype=x.dtype)
-    _gemm(h, h_scale, down_proj, down_scale, y, None, routing, tiles, n=H, k=inter, epilogue=0, gather_a=False,
-          topk=K, fp8_dot=fp8_dot)
+    _gemm(h, h_scale, down_proj, down_scale, y, None, routing, cfg["down"], n=H, k=inter, epilogue=0, gather_a=False,
+          topk=K, fp8_dot=fp8_dot, tma=tma)
     out = torch.empty(T, H, device=dev, dtype=x.dtype)
     launch.combine(y, routing.token_topk_to_pos, topk_weights, out)
     return out
@@ -114,21 +182,22 @@ def backward(dout, x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_s
     The fp8 weights are frozen: every variant differentiates the dequantized-weight experts (for
     sm90 that is straight through its activation rounding). With g, u the pre-activations of row p
     (recomputed), h = silu(g) * u, and dh = dY[t] @ Wd[e]: dL/dw[t, k] = dh . h,
-    d[g | u] = w * dh * [u * silu'(g) | silu(g)], dx[t] = sum_k d[g | u] @ Wgu[e]."""
+    d[g | u] = w * dh * [u * silu'(g) | silu(g)], dx[t] = sum_k d[g | u] @ Wgu[e].
+    Tiles: configs/fp8_sm80.json's bucket (gate_up's stage for the x @ Wgu GEMM, down's for the others)."""
     T, H = x.shape
     E, two_i, _ = gate_up_proj.shape
     inter = two_i // 2
     K = topk_idx.shape[1]
-    tiles = _TILES["interpret" if INTERPRET else "sm80"]
+    cfg = bucket("sm80", x, E, H, inter, T * K, None)
     gate_up_scale, down_scale = (s if s.dtype == torch.float32 else s.float() for s in (gate_up_scale, down_scale))
-    routing = align_rows(topk_idx, E, tiles["block_m"])
+    routing = align_rows(topk_idx, E, cfg["block_m"])
     P, dev = routing.num_rows, x.device
     gu = torch.empty(P, two_i, device=dev, dtype=torch.float32)
-    _gemm(x, None, gate_up_proj, gate_up_scale, gu, None, routing, tiles, n=two_i, k=H, epilogue=0, gather_a=True,
-          topk=K, fp8_dot=False)
+    _gemm(x, None, gate_up_proj, gate_up_scale, gu, None, routing, cfg["gate_up"], n=two_i, k=H, epilogue=0,
+          gather_a=True, topk=K, fp8_dot=False)
     dh = torch.empty(P, inter, device=dev, dtype=torch.float32)
     dy = dout.to(x.dtype)
-    _gemm(dy, None, down_proj, down_scale, dh, None, routing, tiles, n=inter, k=H, epilogue=0, gather_a=True,
+    _gemm(dy, None, down_proj, down_scale, dh, None, routing, cfg["down"], n=inter, k=H, epilogue=0, gather_a=True,
           topk=K, fp8_dot=False, transposed=True)
     real = routing.rows >= 0  # rows past the used ones and padding rows hold garbage: masked out below
     flat = routing.rows.clamp(min=0).long()
@@ -145,7 +214,7 @@ def backward(dout, x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_s
         dgu = torch.cat([wrow * u * sig * (1 + g * (1 - sig)), wrow * silu], dim=1)
         dgu = torch.where(real[:, None], dgu, 0.0)  # (NaN-free: unused rows may hold any bits)
         dx_rows = torch.empty(P, H, device=dev, dtype=torch.float32)
-        _gemm(dgu, None, gate_up_proj, gate_up_scale, dx_rows, None, routing, tiles, n=H, k=two_i, epilogue=0,
+        _gemm(dgu, None, gate_up_proj, gate_up_scale, dx_rows, None, routing, cfg["down"], n=H, k=two_i, epilogue=0,
               gather_a=False, topk=K, fp8_dot=False, transposed=True)
         dx = torch.empty(T, H, device=dev, dtype=x.dtype)
         launch.combine(dx_rows, routing.token_topk_to_pos, None, dx)
@@ -159,13 +228,14 @@ class FP8ExpertsFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, topk_weights, gate_up_proj, down_proj, topk_idx, gate_up_scale, down_scale, variant,
-                block_size):
+                block_size, config=None):
         if variant == "reference":
             out = fp8_reference_unchecked(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_scale,
                                           down_scale, block_size)
         else:
             with device_guard(x):
-                out = forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_scale, down_scale, variant)
+                out = forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_scale, down_scale, variant,
+                              config)
         ctx.save_for_backward(x, topk_weights, gate_up_proj, down_proj, topk_idx, gate_up_scale, down_scale)
         ctx.block_size, ctx.variant = block_size, variant
         return out
@@ -181,7 +251,7 @@ class FP8ExpertsFunction(torch.autograd.Function):
         if ctx.variant != "reference":
             with device_guard(x):
                 dx, dw = backward(dout, x, gate_up_proj, down_proj, topk_idx, topk_weights, gus, ds, (need_x, need_w))
-            return (dx, dw, None, None, None, None, None, None, None)
+            return (dx, dw, None, None, None, None, None, None, None, None)
         with torch.enable_grad(), device_guard(x):
             xr = x.detach().requires_grad_(need_x)
             wr = topk_weights.detach().requires_grad_(need_w)
@@ -192,17 +262,21 @@ class FP8ExpertsFunction(torch.autograd.Function):
         dx = next(grads) if need_x else None
         dw = next(grads) if need_w else None
         zero = [g if g is not None else torch.zeros_like(t) for g, t in ((dx, x), (dw, topk_weights))]
-        return (zero[0] if need_x else None, zero[1] if need_w else None, None, None, None, None, None, None, None)
+        return (zero[0] if need_x else None, zero[1] if need_w else None, None, None, None, None, None, None, None,
+                None)
 
 
 def run(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv, down_proj_scale_inv,
-        block_size, variant: str | None, check_indices: bool, default_variant: Callable[[torch.device], str]):
-    """`fused_experts` on fp8 weights (eager): checks, variant, then the reference or the kernels."""
+        block_size, variant: str | None, check_indices: bool, default_variant: Callable[[torch.device], str],
+        config: dict | None = None):
+    """`fused_experts` on fp8 weights (eager): checks, variant, then the reference or the kernels
+    (`config`: a pinned bucket of configs/fp8_<variant>.json, checked for the variant)."""
     bs = validate_fp8_inputs(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
                              down_proj_scale_inv, block_size, check_indices)
     if variant is None and torch._C._are_functorch_transforms_active():
         variant = "reference"
     variant = checked_variant(x, default_variant(x.device) if variant is None else variant)
+    check_config(config, variant)
     frozen_grad = needs_grad(gate_up_proj, down_proj, gate_up_proj_scale_inv, down_proj_scale_inv)
     if variant == "reference" and not frozen_grad:  # plain autograd (double backward, torch.func)
         return fp8_reference_unchecked(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
@@ -218,7 +292,7 @@ def run(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_i
             return x.new_zeros(x.shape) + 0 * (x.sum() + topk_weights.sum()).to(x.dtype)
     if frozen_grad or needs_grad(x, topk_weights):
         return FP8ExpertsFunction.apply(x, topk_weights, gate_up_proj, down_proj, topk_idx, gate_up_proj_scale_inv,
-                                        down_proj_scale_inv, variant, bs)
+                                        down_proj_scale_inv, variant, bs, config)
     with device_guard(x):
         return forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
-                       down_proj_scale_inv, variant)
+                       down_proj_scale_inv, variant, config)

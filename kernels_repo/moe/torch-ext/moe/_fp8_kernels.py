@@ -6,9 +6,11 @@ One kernel, two maths (rows: the expert-aligned buffer of `_experts_routing`, as
     weight scales per output column: acc += dot(a, w) * s_w[None, :]. Triton refuses fp8e4nv
     pointers below sm89, so these weights arrive as uint8 and are converted by bits (`_e4m3_bits`).
   FP8 (sm89/sm90 fp8 tensor cores): activations quantized per row and 128-column group, either in
-    the load (QUANT_A: the gate/up GEMM reads x) or before (A_FP8: the down GEMM reads the h that
-    the gate/up epilogue stored as fp8 with its scales, QUANT_C), then
-    acc += dot(a_fp8, w_fp8) * s_a[:, None] * s_w[None, :] per K-block of 128.
+    the load (QUANT_A: the gate/up GEMM reads x and quantizes each tile, once per column tile) or
+    before (fp8 A with its scales: x from `_quantize_x_kernel`, one pass per token; the down GEMM
+    reads the h that the gate/up epilogue stored as fp8 with its scales, QUANT_C), then
+    acc += dot(a_fp8, w_fp8) * s_a[:, None] * s_w[None, :] per K-block of 128 (fp32 accumulation of
+    each scaled K-block product). sm90: weights (B_TMA) and the down GEMM's h (A_TMA) by TMA.
 BLOCK_K is the scale block's 128 columns, so each K step has one weight scale per output column
 and one activation scale per row. EPILOGUE 1 (gate/up): h = silu(gate) * up in fp32, stored in
 the activation dtype or (QUANT_C, BLOCK_N = 128 columns = one group) as fp8 plus a scale per row.
@@ -65,20 +67,43 @@ def _quantize_rows(v, EMULATE: tl.constexpr):
 
 
 @triton.jit
-def _weight_tile(b_ptr, bs_ptr, e, offs_k, offs_n, k_blk, n_limit, K, stride_be, stride_bn, stride_bk,
-                 stride_bse, stride_bsn, stride_bsk, SCALE_N: tl.constexpr):
-    """fp8 (or its uint8 bits) tile [BLOCK_K, BLOCK_N] of expert e's weight [N, K] (zero outside) and
-    its scales per column."""
+def _weight_tile(b_ptr, bs_ptr, b_desc, e, offs_k, offs_n, n0, k0, k_blk, n_limit, K, stride_be, stride_bn,
+                 stride_bk, stride_bse, stride_bsn, stride_bsk, SCALE_N: tl.constexpr, B_TMA: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp8 (or its uint8 bits) tile [BLOCK_K, BLOCK_N] of expert e's weight [N, K] and its scales per
+    column (zero past n_limit). B_TMA: one TMA copy of the [1, BLOCK_N, BLOCK_K] box at (e, n0, k0);
+    out-of-box rows and columns read zero, rows of the next half (gate past N: up rows) only
+    where the caller's columns are discarded or multiplied by zero (see the kernel)."""
     n_ok = offs_n < n_limit
-    ptrs = b_ptr + e * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
-    b = tl.load(ptrs, mask=(offs_k[:, None] < K) & n_ok[None, :], other=0.0)
+    if B_TMA:
+        b = tl.trans(b_desc.load([e.to(tl.int32), n0, k0]).reshape(BLOCK_N, BLOCK_K))
+    else:
+        ptrs = b_ptr + e * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+        b = tl.load(ptrs, mask=(offs_k[:, None] < K) & n_ok[None, :], other=0.0)
     s = tl.load(bs_ptr + e * stride_bse + (offs_n // SCALE_N) * stride_bsn + k_blk * stride_bsk, mask=n_ok, other=0.0)
     return b, s
 
 
 @triton.jit
+def _quantize_x_kernel(x_ptr, q_ptr, s_ptr, T, H, stride_xt, stride_qt, stride_st,
+                       EMULATE: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr):
+    """x [T, H] -> fp8 [T, H] and fp32 scales [T, cdiv(H, GROUP)], per token and GROUP-column group:
+    the rounding of the GEMM's in-load quantization (`_quantize_rows`), done once per token instead
+    of once per column tile of the gate/up GEMM. Grid (cdiv(T, BLOCK_T), cdiv(H, GROUP))."""
+    offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    g = tl.program_id(1)
+    offs_h = g * GROUP + tl.arange(0, GROUP)
+    mask = (offs_t[:, None] < T) & (offs_h[None, :] < H)
+    v = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
+    q, s = _quantize_rows(v, EMULATE)
+    tl.store(q_ptr + offs_t[:, None] * stride_qt + offs_h[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + offs_t * stride_st + g, s, mask=offs_t < T)
+
+
+@triton.jit
 def _fp8_gemm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, cs_ptr, rows_ptr, row_expert_ptr,
+    b_desc, a_desc,  # after the pointers: CachedLaunch.split's order (tensors, extras, ints, constexprs)
     P, N, K, B_N_TOTAL,
     stride_am, stride_ak, stride_asm, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
     stride_cm, stride_cn, stride_csm,
@@ -91,6 +116,8 @@ def _fp8_gemm_kernel(
     EMULATE: tl.constexpr,    # interpreter: fp8 casts rounded in fp32, dots on fp32 operands
     PRECISION: tl.constexpr,
     SCALE_N: tl.constexpr,    # rows of a weight scale block
+    B_TMA: tl.constexpr,      # weights through b_desc (sm90), a TMA descriptor over [E, N, K]
+    A_TMA: tl.constexpr,      # A (not gathered, already fp8 or 16-bit) through a_desc over [P, K]
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile: rows [pid_m * BLOCK_M, +BLOCK_M) (one expert's or padding)."""
@@ -109,7 +136,8 @@ def _fp8_gemm_kernel(
     else:
         row_ok = m_mask
         a_rows = offs_m
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_kk = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if EPILOGUE == 1:
@@ -117,19 +145,22 @@ def _fp8_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         k_blk = k0 // BLOCK_K
         offs_k = k0 + offs_kk
-        a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
-                    mask=row_ok[:, None] & (offs_k[None, :] < K), other=0.0)
+        if A_TMA:
+            a = a_desc.load([m0.to(tl.int32), k0])
+        else:
+            a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
+                        mask=row_ok[:, None] & (offs_k[None, :] < K), other=0.0)
         if FP8_DOT:
             if QUANT_A:
                 a, a_s = _quantize_rows(a.to(tl.float32), EMULATE)
-            else:
-                a_s = tl.load(as_ptr + offs_m * stride_asm + k_blk, mask=m_mask, other=0.0)
+            else:  # fp8 A with one scale per row and K-block (x's quantize pass or the gate/up epilogue)
+                a_s = tl.load(as_ptr + a_rows * stride_asm + k_blk, mask=row_ok, other=0.0)
                 if EMULATE:
                     a = a.to(tl.float32)
         elif EMULATE:
             a = a.to(tl.float32)
-        b, s = _weight_tile(b_ptr, bs_ptr, e, offs_k, offs_n, k_blk, N, K, stride_be, stride_bn, stride_bk,
-                            stride_bse, stride_bsn, stride_bsk, SCALE_N)
+        b, s = _weight_tile(b_ptr, bs_ptr, b_desc, e, offs_k, offs_n, n0, k0, k_blk, N, K, stride_be, stride_bn,
+                            stride_bk, stride_bse, stride_bsn, stride_bsk, SCALE_N, B_TMA, BLOCK_N, BLOCK_K)
         if FP8_DOT:
             b = b.to(a.dtype)  # (EMULATE: fp32 from fp8, exact; else fp8 stays fp8)
             acc += tl.dot(a, b, input_precision=PRECISION) * (a_s[:, None] * s[None, :])
@@ -137,8 +168,11 @@ def _fp8_gemm_kernel(
             b = _e4m3_bits(b).to(a.dtype)
             acc += tl.dot(a, b, input_precision=PRECISION) * (s * 256.0)[None, :]
         if EPILOGUE == 1:
-            bu, su = _weight_tile(b_ptr, bs_ptr, e, offs_k, offs_n + N, k_blk, B_N_TOTAL, K, stride_be, stride_bn,
-                                  stride_bk, stride_bse, stride_bsn, stride_bsk, SCALE_N)
+            # (B_TMA: gate columns past N read up rows; those columns are never stored and their
+            # up columns read zero past 2N, so h is 0 there, as QUANT_C's amax needs)
+            bu, su = _weight_tile(b_ptr, bs_ptr, b_desc, e, offs_k, offs_n + N, n0 + N, k0, k_blk, B_N_TOTAL, K,
+                                  stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, SCALE_N,
+                                  B_TMA, BLOCK_N, BLOCK_K)
             if FP8_DOT:
                 bu = bu.to(a.dtype)
                 acc_u += tl.dot(a, bu, input_precision=PRECISION) * (a_s[:, None] * su[None, :])

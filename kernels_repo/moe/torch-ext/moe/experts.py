@@ -87,7 +87,8 @@ def fused_experts(
             capability, kernel.toml [dispatch_fp8]): "sm90" fp8 tensor cores, activations quantized
             per token and 128-column group; "sm80" weights dequantized in registers (W8A16);
             "reference" torch. Gradients for x and topk_weights only (the fp8 weights are frozen).
-            `config` is not used on this path (its tiles are fixed for now).
+            `config` here is a bucket of `configs/fp8_<variant>.json` (keys: `_fp8_configs.py`),
+            checked on every variant as above.
         block_size: (bn, bk) of the weight scale blocks; the Triton variants take (128, 128).
 
     Returns:
@@ -127,7 +128,7 @@ def _fused_experts_fp8(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_
     """The fp8-weights path of `fused_experts` (imported on first use: the 16-bit path never loads it)."""
     from . import _fp8_experts
 
-    check_config(config)
+    _fp8_experts.check_config(config)
     if torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active():
         from . import _fp8_custom_ops, _fp8_validate
 
@@ -137,12 +138,13 @@ def _fused_experts_fp8(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_
         if variant != "reference" and bs != BLOCK:
             raise ValueError(f"{FN}: variant {variant!r} supports fp8 `block_size` {BLOCK}, got {bs}")
         grad = torch.is_grad_enabled()
+        _fp8_experts.check_config(config, variant)
         weight_needs = [grad and t.requires_grad for t in (gate_up_proj, down_proj, gate_up_proj_scale_inv,
                                                            down_proj_scale_inv)]
         return _fp8_custom_ops.fused_experts_fp8_op(x, gate_up_proj, down_proj, topk_idx, topk_weights,
                                                     gate_up_proj_scale_inv, down_proj_scale_inv, variant, list(bs),
-                                                    weight_needs)
+                                                    weight_needs, _fp8_custom_ops.config_arg(config))
     if check_indices is None:
         check_indices = not (isinstance(x, torch.Tensor) and x.is_cuda) or needs_grad(x, topk_weights)
     return _fp8_experts.run(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
-                            down_proj_scale_inv, block_size, variant, check_indices, select_variant_fp8)
+                            down_proj_scale_inv, block_size, variant, check_indices, select_variant_fp8, config)

@@ -1,0 +1,212 @@
+"""fp8 experts' tiles as data (configs/fp8_<variant>.json, pinned `config=`), x's quantize pass and
+the sm90 TMA loads.
+
+CPU: the Triton variants run in the interpreter (TRITON_INTERPRET=1), which executes TMA tensor
+descriptors (out-of-box reads as zero, as on the GPU) and emulates the fp8 rounding as
+test_experts_fp8.py describes. Bitwise equalities below hold because the paths compared round the
+same values the same way (the quantize pass and the in-load quantization share `_quantize_rows`).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+
+import pytest
+import torch
+from _experts_helpers import moe
+from test_experts_fp8 import emulation, make_fp8, oracle, rel
+
+fp8x = importlib.import_module(moe.__name__ + "._fp8_experts")
+fp8c = importlib.import_module(moe.__name__ + "._fp8_configs")
+cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
+ref8 = importlib.import_module(moe.__name__ + ".reference_fp8")
+
+# H and I multiples of 16 (TMA-compatible strides) but not of 128 (edge blocks); -1 ids
+TMA_SHAPE = dict(T=9, H=272, I=144, E=5, K=2)
+BASE = {"block_m": 16, "gate_up": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 1},
+        "down": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1}}
+
+
+def _inputs(seed=21, **kw):
+    s = {**TMA_SHAPE, **kw}
+    return make_fp8(s["T"], s["H"], s["I"], s["E"], s["K"], seed=seed, drop=2)
+
+
+def _run(args, config, variant="sm90"):
+    x, guq, dq, idx, w, scales = args
+    return moe.fused_experts(x, guq, dq, idx, w, variant=variant, config=config, **scales)
+
+
+def _agree(q, want_q) -> None:
+    """fp8 values equal but for rare ties: the kernels compute 448 / amax by a division, torch by a
+    reciprocal, so a product on an exact e4m3 midpoint may round to either neighbour."""
+    a, b = q.float(), want_q.float()
+    differ = a != b
+    assert differ.float().mean() < 2e-3
+    assert ((a - b).abs() <= b.abs() / 8 + 1e-3)[differ].all()  # one e4m3 step
+
+
+def test_quantize_pass_matches_the_reference_rounding():
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(37, 200, generator=g) * 3).to(torch.bfloat16)
+    x[3] = 0  # an all-zero token: finite scales, zeros stay zeros
+    q, s = fp8x.quantize_x(x)
+    want_q, want_s = ref8.quantize_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (37, 2)
+    assert torch.equal(s, want_s) and not q[3].float().any()
+    _agree(q, want_q)
+    # a column-strided x is quantized the same
+    q2, s2 = fp8x.quantize_x(x.t().contiguous().t())
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s2, s)
+
+
+@pytest.mark.parametrize("tma", [True, False])
+def test_sm90_quantize_pass_and_in_load_quantization_give_the_same_output(tma):
+    args = _inputs()
+    assert fp8x.sm90.tma_ok(args[1]) and fp8x.sm90.tma_ok(args[2])  # the TMA path does run
+    outs = {q: _run(args, {**BASE, "tma": tma, "quant_x": q}) for q in (True, False)}
+    assert torch.equal(outs[True], outs[False])
+    ref, emu = oracle(*args), emulation(*args)
+    err_emu = rel(emu, ref)
+    assert rel(outs[True], ref) <= 1.25 * err_emu and rel(outs[True], emu) < 0.4 * err_emu
+
+
+@pytest.mark.parametrize("a_tma", [True, False])
+def test_sm90_tma_loads_equal_pointer_loads(a_tma):
+    """Weights (and down's h with "A_TMA") through descriptors: edge blocks read zero like masks;
+    the gate tile's columns past I, which read up rows through the descriptor, are never stored."""
+    args = _inputs(seed=22)
+    down = {**BASE["down"], "A_TMA": a_tma}
+    with_tma = _run(args, {**BASE, "down": down, "tma": True})
+    without = _run(args, {**BASE, "down": down, "tma": False})
+    assert torch.equal(with_tma, without)
+
+
+def test_w8a16_bucket_on_sm90_does_not_quantize_activations():
+    args = _inputs(seed=23)
+    ref = oracle(*args)
+    out = _run(args, {**BASE, "w8a16": True, "gate_up": {**BASE["gate_up"], "BLOCK_N": 32}})
+    assert rel(out, ref) < 0.25 * rel(emulation(*args), ref)
+    # the same config on the sm80 variant: the same W8A16 math
+    assert torch.equal(out, _run(args, {**BASE, "gate_up": {**BASE["gate_up"], "BLOCK_N": 32}}, "sm80"))
+
+
+def test_pinned_config_tiles_are_used():
+    """Another block_m and column tile give the same rows (each output element is one K loop)."""
+    args = _inputs(seed=24)
+    a = _run(args, BASE)
+    b = _run(args, {**BASE, "block_m": 32, "down": {**BASE["down"], "BLOCK_N": 32}})
+    assert torch.equal(a, b)
+    # a stage's own tile height under the alignment (32-row blocks, 16-row gate/up tiles)
+    c = _run(args, {**BASE, "block_m": 32, "gate_up": {**BASE["gate_up"], "BLOCK_M": 16}})
+    assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize(("patch", "err", "match"), [
+    ({"block_m": 24}, ValueError, r"`config`\['block_m'\] must be a power of two"),
+    ({"quant_x": 1}, TypeError, r"`config`\['quant_x'\] must be true or false"),
+    ({"wgrad": {}}, ValueError, r"`config`: unknown keys \['wgrad'\]"),
+    ({"down": {"BLOCK_N": 512, "num_warps": 4, "num_stages": 1}}, ValueError, r"\['down'\]\['BLOCK_N'\]"),
+    ({"down": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}}, ValueError,
+     r"\['down'\]\['BLOCK_M'\] must be a power of two in \[16, block_m=16\]"),
+    ({"gate_up": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 1, "A_TMA": True}}, ValueError, "a down key"),
+])
+@pytest.mark.parametrize("variant", ["sm90", "reference"])
+def test_bad_fp8_config_raises_naming_the_key(patch, err, match, variant):
+    with pytest.raises(err, match=match):
+        _run(_inputs(), {**BASE, **patch}, variant)
+
+
+def test_sm90_fp8_gate_up_tile_is_one_quantization_group_wide():
+    """h is quantized per 128 columns in the gate/up epilogue: sm90's fp8 math refuses another
+    width; the reference, sm80 and a "w8a16" bucket take it."""
+    args = _inputs()
+    cfg = {**BASE, "gate_up": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1}}
+    with pytest.raises(ValueError, match=r"fused_experts: `config`\['gate_up'\]\['BLOCK_N'\] must be 128 on "
+                                         r"variant 'sm90'"):
+        _run(args, cfg, "sm90")
+    want = _run(args, cfg, "sm80")
+    assert torch.equal(_run(args, {**cfg, "w8a16": True}, "sm90"), want)
+    assert rel(_run(args, cfg, "reference"), want) < 1e-2
+
+
+def test_a_16_bit_bucket_is_refused_on_the_fp8_path():
+    bucket = copy.deepcopy(cfgs.pick_config(90, 128, 2048, 768, 8))
+    with pytest.raises(ValueError, match=r"fused_experts: `config`: unknown keys"):
+        _run(_inputs(), bucket)
+
+
+@pytest.mark.parametrize("variant", ["sm90", "sm80"])
+def test_shipped_fp8_configs_are_valid_and_bucketed_by_rows_per_expert(variant):
+    data = json.loads((fp8c._DIR / f"fp8_{variant}.json").read_text())
+    for i, b in enumerate(data["buckets"]):
+        fp8c.check_fp8_bucket(b, f"buckets[{i}]", variant)
+    assert data["buckets"][-1].get("max_rows_per_expert") is None
+    # DeepSeek-V3 decode (T=1: 8/256 rows per expert) and prefill (T=16384: 512) differ
+    small = fp8c.pick_fp8_config(variant, 256, 7168, 2048, 8)
+    large = fp8c.pick_fp8_config(variant, 256, 7168, 2048, 16384 * 8)
+    assert small is data["buckets"][0] or small == data["buckets"][0]
+    assert large == data["buckets"][-1] and small != large
+
+
+def test_config_dir_fp8_file_and_shape_buckets(tmp_path, monkeypatch):
+    mine = {**BASE, "max_rows_per_expert": None, "block_m": 32}
+    shaped = {**BASE, "max_rows_per_expert": None, "block_m": 64}
+    (tmp_path / "fp8_sm90.json").write_text(json.dumps({"buckets": [mine], "shapes": {"E5_H272_I144": [shaped]}}))
+    monkeypatch.setenv("KERNELHUB_MOE_CONFIG_DIR", str(tmp_path))
+    cfgs.clear_config_cache()
+    try:
+        assert fp8c.pick_fp8_config("sm90", 5, 272, 144, 18) == shaped
+        assert fp8c.pick_fp8_config("sm90", 8, 272, 144, 18) == mine
+        # no fp8_sm80.json there: the shipped one
+        shipped = json.loads((fp8c._DIR / "fp8_sm80.json").read_text())["buckets"]
+        assert fp8c.pick_fp8_config("sm80", 8, 272, 144, 18) == shipped[0]  # 2.25 rows per expert
+        (tmp_path / "fp8_sm90.json").write_text(json.dumps({"buckets": [{**mine, "block_m": 20}]}))
+        cfgs.clear_config_cache()
+        with pytest.raises(ValueError, match=r"fp8_sm90.json: buckets\[0\]\['block_m'\]"):
+            fp8c.pick_fp8_config("sm90", 8, 272, 144, 18)
+    finally:
+        cfgs.clear_config_cache()
+
+
+def test_stages_fit_the_shared_memory_of_smaller_cards():
+    big = {"block_m": 128, "gate_up": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 4},
+           "down": {"BLOCK_N": 256, "num_warps": 8, "num_stages": 4}}
+    fitted = fp8c.fit_fp8_shared_memory(big, 101376, 1)  # sm89: 99 KB per block
+    # gate/up: (128 + 2 * 128) * 128 B = 48 KB per stage -> 2; down: (128 + 256) * 128 -> 2
+    assert fitted["gate_up"]["num_stages"] == 2 and fitted["down"]["num_stages"] == 2
+    assert fp8c.fit_fp8_shared_memory(big, 232448, 1) == big  # H100: 227 KB, 4 x 48 KB fits
+    assert big["gate_up"]["num_stages"] == 4  # a copy
+
+
+@pytest.fixture(scope="module")
+def tune():
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "tune_moe.py"
+    spec = importlib.util.spec_from_file_location("tune_moe_fp8_under_test", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # defines the search space; runs nothing on a GPU
+    return module
+
+
+@pytest.mark.parametrize("w8a16", [False, True])
+@pytest.mark.parametrize(("block_m", "rows_per_expert"), [(16, 0.03), (32, 2), (32, 16), (64, 32), (64, 128),
+                                                          (128, 512)])
+def test_every_fp8_tune_candidate_is_a_valid_bucket(tune, block_m, rows_per_expert, w8a16):
+    """What `tune_moe.py --fp8` may write loads for both variants (sm90 fp8 math: 128-column gate/up
+    tiles), and every candidate keeps to the register rule the sm90 compiles follow."""
+    for stage in ("gate_up", "down"):
+        space = tune.fp8_stage_space(stage, block_m, rows_per_expert, w8a16)
+        assert space, (stage, block_m)
+        for c in space:
+            bucket = {"block_m": block_m, "gate_up": BASE["gate_up"], "down": BASE["down"], stage: c}
+            if w8a16:
+                bucket["w8a16"] = True
+            fp8c.check_fp8_bucket(bucket, f"candidate {c}", "sm90")
+            fp8c.check_fp8_bucket(bucket, f"candidate {c}", "sm80")
+            rows = c.get("BLOCK_M", block_m)
+            assert rows * c["BLOCK_N"] * (2 if stage == "gate_up" else 1) <= 64 * 32 * c["num_warps"]

@@ -1,0 +1,172 @@
+"""Tile configs of `fused_experts` on fp8 weights as data: `configs/fp8_<variant>.json`.
+
+Why data, as for the 16-bit path (`_experts_configs`): the best tiles depend on the card and on
+rows per expert (T*K/E), and `benchmarks/tune_moe.py --fp8` rewrites them. Same file shape:
+"buckets" (applied while rows per expert <= "max_rows_per_expert", null = no limit) and
+"shapes" ({"E{E}_H{H}_I{I}": [buckets]}) overriding them; `KERNELHUB_MOE_CONFIG_DIR` is read too.
+
+A bucket: "block_m" (the routing alignment, power of two >= 16), "gate_up" and "down" stages
+{"BLOCK_N", "num_warps", "num_stages"} (+ "maxnreg"; "BLOCK_M": the stage's tile height, a
+divisor of block_m, default block_m: a 128-row gate/up tile holds two fp32 accumulators plus
+the per-K-block products and spills, where two 64-row tiles of 128-row-aligned rows do not; down
+also "A_TMA": h through a TMA descriptor), and optional flags: "tma" (sm90: weights through TMA
+descriptors, default true), "quant_x" (sm90: x quantized by its own pass before the gate/up GEMM, default true; false:
+quantized inside that GEMM's load, once per column tile), "w8a16" (sm90 variant: this bucket runs
+the W8A16 math, 16-bit activations, e.g. at decode where weight bytes bound the time).
+BLOCK_K is the 128-column scale block, not a tile choice. With fp8 activations the gate/up tile is
+128 columns wide (one quantization group of h per tile, quantized in its epilogue).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+from ._experts_configs import derived_cache, shape_key
+
+_DIR = Path(__file__).resolve().parent / "configs"
+_lock = threading.Lock()
+# (directory setting, variant) -> parsed file; (..., E, H, I, pairs, smem) -> bucket. Emptied by
+# `_experts_configs.clear_config_cache` (derived caches).
+_files: dict = derived_cache()
+_picked: dict = derived_cache()
+_MAX_PICKED = 4096
+
+# Interpreter (CPU tests): small tiles, every mask exercised, one stage.
+FP8_INTERPRETER_CONFIG = {
+    "block_m": 16,
+    "gate_up": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 1},
+    "down": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 1},
+}
+
+_STAGE_KEYS = ("BLOCK_N", "num_warps", "num_stages")
+_STAGE_OPTIONAL = {"maxnreg": int, "A_TMA": bool, "BLOCK_M": int}
+_FLAGS = ("tma", "quant_x", "w8a16")
+QUANT_GROUP = 128  # columns per activation scale (= the weights' scale block columns)
+
+
+def _bad_int(v: object, low: int) -> bool:
+    return not isinstance(v, int) or isinstance(v, bool) or v < low
+
+
+def check_fp8_bucket(bucket: object, where: str, variant: str | None = None) -> None:
+    """A bucket of configs/fp8_*.json (pinned `config=` or a file); `variant` adds its constraints:
+    the sm90 fp8 math needs gate_up BLOCK_N = 128 (its epilogue quantizes h per 128 columns)."""
+    if not isinstance(bucket, dict):
+        raise TypeError(f"{where} must be a dict (a bucket of configs/fp8_*.json), got {type(bucket).__name__}")
+    allowed = {"block_m", "gate_up", "down", "max_rows_per_expert", *_FLAGS}
+    unknown = sorted(set(bucket) - allowed)
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; allowed: {sorted(allowed)}")
+    for key in ("block_m", "gate_up", "down"):
+        if key not in bucket:
+            raise ValueError(f"{where}: missing key {key!r}")
+    bm = bucket["block_m"]
+    if _bad_int(bm, 16) or bm & (bm - 1):
+        raise ValueError(f"{where}['block_m'] must be a power of two >= 16, got {bm!r}")
+    limit = bucket.get("max_rows_per_expert")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit < 0):
+        raise ValueError(f"{where}['max_rows_per_expert'] must be a number >= 0 or null, got {limit!r}")
+    for flag in _FLAGS:
+        if flag in bucket and not isinstance(bucket[flag], bool):
+            raise TypeError(f"{where}[{flag!r}] must be true or false, got {bucket[flag]!r}")
+    for stage in ("gate_up", "down"):
+        c, at = bucket[stage], f"{where}[{stage!r}]"
+        if not isinstance(c, dict):
+            raise TypeError(f"{at} must be a dict, got {type(c).__name__}")
+        bad = sorted(set(c) - set(_STAGE_KEYS) - set(_STAGE_OPTIONAL))
+        if bad:
+            raise ValueError(f"{at}: unknown keys {bad}; allowed: {sorted({*_STAGE_KEYS, *_STAGE_OPTIONAL})}")
+        for key in _STAGE_KEYS:
+            if key not in c:
+                raise ValueError(f"{at}: missing key {key!r}")
+        bn = c["BLOCK_N"]
+        if _bad_int(bn, 16) or bn & (bn - 1) or bn > 256:
+            raise ValueError(f"{at}['BLOCK_N'] must be a power of two in [16, 256], got {bn!r}")
+        if c["num_warps"] not in (1, 2, 4, 8, 16) or isinstance(c["num_warps"], bool):
+            raise ValueError(f"{at}['num_warps'] must be 1, 2, 4, 8 or 16, got {c['num_warps']!r}")
+        if _bad_int(c["num_stages"], 1):
+            raise ValueError(f"{at}['num_stages'] must be an int >= 1, got {c['num_stages']!r}")
+        if "maxnreg" in c and (_bad_int(c["maxnreg"], 24) or c["maxnreg"] > 255):
+            raise ValueError(f"{at}['maxnreg'] must be an int in [24, 255], got {c['maxnreg']!r}")
+        if "BLOCK_M" in c and (_bad_int(c["BLOCK_M"], 16) or c["BLOCK_M"] & (c["BLOCK_M"] - 1)
+                               or c["BLOCK_M"] > bm):
+            raise ValueError(f"{at}['BLOCK_M'] must be a power of two in [16, block_m={bm}], got {c['BLOCK_M']!r}")
+        if "A_TMA" in c and not isinstance(c["A_TMA"], bool):
+            raise TypeError(f"{at}['A_TMA'] must be true or false, got {c['A_TMA']!r}")
+    if "A_TMA" in bucket["gate_up"]:
+        raise ValueError(f"{where}['gate_up']: 'A_TMA' is a down key (gate/up gathers its rows)")
+    if variant == "sm90" and not bucket.get("w8a16", False) and bucket["gate_up"]["BLOCK_N"] != QUANT_GROUP:
+        raise ValueError(f"{where}['gate_up']['BLOCK_N'] must be {QUANT_GROUP} on variant 'sm90' with fp8 "
+                         f"activations (one quantization group of h per tile), got {bucket['gate_up']['BLOCK_N']!r}; "
+                         "'w8a16': true lifts this")
+
+
+def _read(variant: str) -> dict:
+    env = os.environ.get("KERNELHUB_MOE_CONFIG_DIR")
+    key = (env, variant)
+    cfg = _files.get(key)
+    if cfg is not None:
+        return cfg
+    directory = Path(env) if env else _DIR
+    if not directory.is_dir():
+        raise ValueError(f"KERNELHUB_MOE_CONFIG_DIR={str(directory)!r} is not a directory "
+                         "(it should hold the fp8_<variant>.json files tune_moe.py --fp8 writes)")
+    path = directory / f"fp8_{variant}.json"
+    if not path.exists():  # a directory of 16-bit tiles only: the shipped fp8 tiles
+        path = _DIR / f"fp8_{variant}.json"
+    cfg = json.loads(path.read_text())
+    for i, bucket in enumerate(cfg["buckets"]):
+        check_fp8_bucket(bucket, f"{path}: buckets[{i}]", variant)
+    for name, buckets in cfg.get("shapes", {}).items():
+        for i, bucket in enumerate(buckets):
+            check_fp8_bucket(bucket, f"{path}: shapes[{name!r}][{i}]", variant)
+    with _lock:
+        _files[key] = cfg
+    return cfg
+
+
+def pick_fp8_config(variant: str, num_experts: int, hidden: int, intermediate: int, num_pairs: int) -> dict:
+    """The bucket of configs/fp8_<variant>.json for this shape and load (shape buckets first)."""
+    cfg = _read(variant)
+    buckets = cfg.get("shapes", {}).get(shape_key(num_experts, hidden, intermediate)) or cfg["buckets"]
+    rows_per_expert = num_pairs / max(num_experts, 1)
+    for bucket in buckets:
+        limit = bucket.get("max_rows_per_expert")
+        if limit is None or rows_per_expert <= limit:
+            return bucket
+    return buckets[-1]
+
+
+def fit_fp8_shared_memory(bucket: dict, smem_per_block: int, a_bytes: int) -> dict:
+    """A copy of `bucket` whose num_stages fit `smem_per_block` (never below 2): the sm90 tiles
+    also run on sm89 (~100 KB per block). Per stage: the A tile (a_bytes per element: 1 with fp8
+    activations, 2 for 16-bit) and the fp8 weight tiles (two for gate/up), all 128 deep."""
+    out = dict(bucket)
+    for stage, n_b in (("gate_up", 2), ("down", 1)):
+        c = dict(bucket[stage])
+        per_stage = (c.get("BLOCK_M", bucket["block_m"]) * a_bytes + n_b * c["BLOCK_N"]) * QUANT_GROUP
+        while c["num_stages"] > 2 and c["num_stages"] * per_stage > smem_per_block:
+            c["num_stages"] -= 1
+        out[stage] = c
+    return out
+
+
+def picked_fp8_config(variant: str, num_experts: int, hidden: int, intermediate: int, num_pairs: int,
+                      smem_per_block: int | None) -> dict:
+    """`pick_fp8_config` (stages fitted to `smem_per_block` bytes when given) behind one dict lookup."""
+    key = (os.environ.get("KERNELHUB_MOE_CONFIG_DIR"), variant, num_experts, hidden, intermediate, num_pairs,
+           smem_per_block)
+    cfg = _picked.get(key)
+    if cfg is None:
+        cfg = pick_fp8_config(variant, num_experts, hidden, intermediate, num_pairs)
+        if smem_per_block:
+            fp8_a = variant == "sm90" and not cfg.get("w8a16", False)
+            cfg = fit_fp8_shared_memory(cfg, smem_per_block, 1 if fp8_a else 2)
+        with _lock:
+            if len(_picked) >= _MAX_PICKED:
+                _picked.clear()
+            _picked[key] = cfg
+    return cfg
