@@ -30,13 +30,14 @@ for t in "${PEER_AUTOTUNE:-.peer_autotune}"/*.tgz; do [ -f "$t" ] && tar xzf "$t
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 bench_runs() { # VAR NAME=DIR...: bench_moe.py once per NAME=DIR argument, with env VAR=DIR (empty DIR:
-  # ours as shipped); JSON lines in $OUT/NAME/bench_moe.jsonl, every run's log in one file, $OUT/ab.log
+  # ours as shipped); JSON lines in $OUT/NAME/bench_moe.jsonl, every run's log in one file, $OUT/ab.log;
+  # eager only unless AB_COMPILE names compiled configurations (bench_moe.py's COMPILE)
   local var=$1; shift
   for arg in "$@"; do
     local run=${arg%%=*} dir=${arg#*=}
     mkdir -p "$OUT/$run"
     echo "=== $run (${dir:-shipped})" >> "$OUT/ab.log"
-    env ${dir:+$var=$dir} OUT="$OUT/$run" IMPLS=${IMPLS:-kernelhub} SHAPES=${SHAPES:-qwen3_30b_a3b,deepseek_v3} \
+    env ${dir:+$var=$dir} OUT="$OUT/$run" IMPLS=${IMPLS:-kernelhub} COMPILE=${AB_COMPILE:-none} SHAPES=${SHAPES:-qwen3_30b_a3b,deepseek_v3} \
       TOKENS=${TOKENS:-4096,16384} timeout ${MOE_TIMEOUT:-150} python3 kernels_repo/moe/benchmarks/bench_moe.py \
       2>&1 | tee -a "$OUT/ab.log" | grep -E "^kind=moe_(fwd|fwdbwd|stages)" | sed "s/^/$run /"
   done

@@ -56,22 +56,49 @@ def swiglu(data: list[dict]) -> None:
             print(f"| {'x'.join(map(str, sh))} | {p} | " + " | ".join(cells) + " |")
 
 
+def moe_config(r: dict) -> tuple[str, str]:
+    """(implementation, configuration) of a row; rows from before the compiled peers carry neither
+    field (`kernelhub_compiled` was kernelhub under torch.compile, `kernelhub_graph` its CUDA graph)."""
+    if "base" in r:
+        return r["base"], r["config"]
+    name = r["impl"]
+    if name == "kernelhub_compiled":
+        return "kernelhub", "compiled"
+    if name.endswith("_graph"):
+        return name[: -len("_graph")], "graph"
+    return name, "eager"
+
+
 def moe(data: list[dict]) -> None:
-    print("| shape | T | pass | kernelhub ms (floor frac) | best peer ms (which) | ratio |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    """One row per (shape, T, pass): kernelhub eager / compiled / reduce-overhead, kernelhub's best
+    configuration and the best peer configuration (the fastest of every peer, eager or compiled)."""
+    print("| shape | T | pass | kernelhub eager ms (floor frac) | compiled | reduce-overhead "
+          "| kernelhub best (which) | best peer ms (which) | best peer / kernelhub eager "
+          "| best peer / kernelhub best | slower compiled / eager |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     keys = sorted({(r["shape"], r["T"], r["kind"]) for r in data if r.get("kind") in ("moe_fwd", "moe_fwdbwd")},
                   key=lambda k: (k[0], k[1], k[2]))
     for shape, T, kind in keys:
         rs = [r for r in data if (r.get("shape"), r.get("T"), r.get("kind")) == (shape, T, kind)]
-        ours = next((r for r in rs if r["impl"] == "kernelhub"), None)
-        graph = next((r for r in rs if r["impl"] == "kernelhub_graph"), None)
-        peers = [r for r in rs if not r["impl"].startswith("kernelhub")]
-        if ours is None or not peers:
+        ours = [r for r in rs if moe_config(r)[0] == "kernelhub"]
+        by_config = {moe_config(r)[1]: r for r in ours}
+        eager = by_config.get("eager")
+        peers = [r for r in rs if moe_config(r)[0] != "kernelhub"]
+        if eager is None or not peers:
             continue
         best = min(peers, key=lambda r: r["ms"])
-        g = f"; graph {graph['ms']:.3f}" if graph else ""
-        print(f"| {shape} | {T} | {kind[4:]} | {ours['ms']:.3f} ({ours['frac_floor']:.2f}){g} | "
-              f"{best['ms']:.3f} ({best['impl']}) | {best['ms'] / ours['ms']:.2f}x |")
+        mine = min(ours, key=lambda r: r["ms"])
+
+        def cell(config: str, by_config: dict = by_config) -> str:
+            r = by_config.get(config)
+            return "-" if r is None else f"{r['ms']:.3f}"
+
+        worst_compiled = max((by_config[c]["ms"] for c in ("compiled", "reduce-overhead") if c in by_config),
+                             default=None)
+        ratio = "-" if worst_compiled is None else f"{worst_compiled / eager['ms']:.2f}"
+        print(f"| {shape} | {T} | {kind[4:]} | {eager['ms']:.3f} ({eager['frac_floor']:.2f}) | {cell('compiled')} | "
+              f"{cell('reduce-overhead')} | {mine['ms']:.3f} ({mine['impl']}) | {best['ms']:.3f} ({best['impl']}) | "
+              f"{best['ms'] / eager['ms']:.2f}x | {best['ms'] / mine['ms']:.2f}x | {ratio} |")
 
 
 if __name__ == "__main__":
