@@ -14,25 +14,46 @@ def rows(paths: list[str]) -> list[dict]:
     return [json.loads(line) for p in paths for line in open(p) if line.strip()]
 
 
+SWIGLU_IMPLS = ["ours", "ours_sm80", "ours_sm90", "ours[compiled]", "ours[reduce-overhead]", "eager", "compile",
+                "compile[reduce-overhead]", "liger", "liger[compiled]", "liger[reduce-overhead]"]
+
+
+def swiglu_peer(name: str) -> bool:
+    return not name.startswith("ours")
+
+
 def swiglu(data: list[dict]) -> None:
+    """Fraction of copy bandwidth per implementation, eager call / graph replay (reduce-overhead has
+    no graph column: it replays its own), then per call the fastest of ours and of every peer."""
     copy = next(r["value"] for r in data if r.get("what") == "d2d_copy_GBps") * 1e9
-    impls = ["ours", "ours_sm80", "ours_sm90", "eager", "compile", "liger"]
+    impls = SWIGLU_IMPLS
     print(f"copy bandwidth {copy / 1e9:.0f} GB/s\n")
     present = [i for i in impls if any(r.get("impl") == i for r in data)]
-    print("| T x I | pass | " + " | ".join(f"{i} eager / graph" for i in present) + " |")
-    print("| --- | --- |" + " --- |" * len(present))
-    for T, I in [(8192, 14336), (32768, 4096), (4096, 6144), (64, 14336)]:
+    print("| T x I | pass | " + " | ".join(f"{i} eager / graph" for i in present)
+          + " | ours best per call (which) | best peer per call (which) | speed-up |")
+    print("| --- | --- |" + " --- |" * (len(present) + 3))
+    shapes = dict.fromkeys((r["T"], r["I"]) for r in data if r.get("kind") == "swiglu")  # in run order
+    for T, I in shapes:
         for p, tensors in (("fwd", 3), ("fwdbwd", 8)):
-            cells = []
+            cells, timed = [], []
             for i in present:
                 r = next((r for r in data if r.get("kind") == "swiglu" and r["impl"] == i and r["T"] == T
                           and r["I"] == I and r["pass_"] == p), None)
                 if r is None:
                     cells.append("-")
                     continue
+                timed.append(r)
                 nbytes = tensors * T * I * 2
-                eager, graph = (nbytes / (r[k] * 1e-6) / copy for k in ("eager_us", "graph_us"))
-                cells.append(f"{eager:.2f} / {graph:.2f}")
+                eager, graph = (None if r.get(k) is None else nbytes / (r[k] * 1e-6) / copy
+                                for k in ("eager_us", "graph_us"))
+                cells.append(f"{eager:.2f} / " + ("-" if graph is None else f"{graph:.2f}"))
+            if not timed:
+                continue
+            ours = min((r for r in timed if not swiglu_peer(r["impl"])), key=lambda r: r["eager_us"], default=None)
+            peer = min((r for r in timed if swiglu_peer(r["impl"])), key=lambda r: r["eager_us"], default=None)
+            for r in (ours, peer):
+                cells.append("-" if r is None else f"{r['eager_us']:.1f} us ({r['impl']})")
+            cells.append("-" if ours is None or peer is None else f"{peer['eager_us'] / ours['eager_us']:.2f}x")
             print(f"| {T}x{I} | {p} | " + " | ".join(cells) + " |")
     print("\nhost time per eager call, T=1 x I=128 (us):",
           ", ".join(f"{r['impl']} {r['pass_']} {r['host_us']:.1f}" for r in data if r.get("kind") == "host_overhead"))
