@@ -2,6 +2,7 @@
 
     python benchmarks/summarize.py swiglu benchmarks/results/2026-12-05-s14-call6/swiglu_bench.jsonl
     python benchmarks/summarize.py moe benchmarks/results/2026-12-05-s13-call3/bench_moe.jsonl [more.jsonl]
+    python benchmarks/summarize.py slice $OUT/bench_model_slice.jsonl
 """
 
 from __future__ import annotations
@@ -122,5 +123,33 @@ def moe(data: list[dict]) -> None:
               f"{best['ms'] / eager['ms']:.2f}x | {best['ms'] / mine['ms']:.2f}x | {ratio} |")
 
 
+def model_slice(data: list[dict]) -> None:
+    """Per (model, T): kernelhub's best configuration against the best other one (bench_model_slice.py)."""
+    for r in data:
+        if r.get("kind") == "slice_model":
+            print(f"{r['model']}: layers {', '.join(r['layers'])}; {r['experts']} experts, top-{r['top_k']}, "
+                  f"{r['params_GB']:.1f} GB bf16; {r['decode']}")
+    print("\n| model | T | kernelhub eager | kernelhub compiled | kernelhub reduce-overhead | kernelhub best (which) "
+          "| best other ms (which) | hf_grouped_mm eager / compiled / reduce-overhead | best other / kernelhub best |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    timed = [r for r in data if r.get("kind") == "slice_fwd"]
+    for model, T in dict.fromkeys((r["model"], r["T"]) for r in timed):
+        rs = [r for r in timed if (r["model"], r["T"]) == (model, T)]
+        ours = [r for r in rs if r["base"] == "kernelhub"]
+        others = [r for r in rs if r["base"] != "kernelhub"]
+
+        def ms(base: str, config: str, rs: list[dict] = rs) -> str:
+            r = next((r for r in rs if (r["base"], r["config"]) == (base, config)), None)
+            return "-" if r is None else f"{r['ms']:.3f}"
+
+        mine = min(ours, key=lambda r: r["ms"], default=None)
+        best = min(others, key=lambda r: r["ms"], default=None)
+        hf = " / ".join(ms("hf_grouped_mm", c) for c in ("eager", "compiled", "reduce-overhead"))
+        cells = [ms("kernelhub", c) for c in ("eager", "compiled", "reduce-overhead")]
+        cells += ["-" if r is None else f"{r['ms']:.3f} ({r['impl']})" for r in (mine, best)]
+        cells += [hf, "-" if mine is None or best is None else f"{best['ms'] / mine['ms']:.2f}x"]
+        print(f"| {model} | {T} | " + " | ".join(cells) + " |")
+
+
 if __name__ == "__main__":
-    {"swiglu": swiglu, "moe": moe}[sys.argv[1]](rows(sys.argv[2:]))
+    {"swiglu": swiglu, "moe": moe, "slice": model_slice}[sys.argv[1]](rows(sys.argv[2:]))
