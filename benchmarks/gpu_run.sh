@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # One run on a GPU machine, from the repository root: versions, GPU tests, the demo, then the benchmarks.
-# Usage: bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [routing] [moe] [tune] [cfgab] [dirab]
+# Usage: bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [routing] [moe] [slice] [tune] [cfgab] [dirab]
 #   diagnostics (scripts in tools/): [tiles] [profile] [moehost] [diag] [compdiag] [graphdiag] [sweep] [persist] [moeprof] [flatcheck] [ncu] [pairab]
 # Env: OUT (logs and JSON lines; default /tmp/kernelhub-out), GPU_TESTS (pytest paths for `tests`), GPU_K (its -k
 # expression), CFG_A, CFG_B, AB_ROUNDS=2 (cfgab), MOE_OLD (dirab), TESTS_TIMEOUT, MOE_TIMEOUT, SWEEP_TIMEOUT,
-# PERSIST_TIMEOUT, TUNE_TIMEOUT, TUNE_ARGS, and the benchmarks' own (SHAPES, TOKENS, IMPLS, MODES...).
+# PERSIST_TIMEOUT, TUNE_TIMEOUT, TUNE_ARGS, and the benchmarks' own (SHAPES, TOKENS, IMPLS, MODES, COMPILE...).
+# Compiled peers: `swiglu`, `moe` and `slice` time every configuration eager and under torch.compile (default
+# and reduce-overhead; COMPILE=none: eager only). moe: one process per shape (SHAPES, default all three) with
+# TOKENS (default 1,4096,16384), each under MOE_TIMEOUT (default 160 s), then the table of $OUT/bench_moe.jsonl.
+# slice: bench_model_slice.py, one process per model (SLICE_MODELS, default qwen3_30b_a3b,deepseek_v3) at
+# SLICE_TOKENS (default 1,4096), each under SLICE_TIMEOUT (default 230 s). swiglu: SWIGLU_TIMEOUT (450 s).
 # Runs from the source tree (PYTHONPATH=src) on the machine's own torch/triton/transformers; wheels
 # in .whl/ are installed first: kernelhub's own pure-Python dependencies the GPU image lacks (pydantic,
 # with pydantic-core wheels for each Python) and Liger-Kernel, a peer.
@@ -30,13 +35,14 @@ for t in "${PEER_AUTOTUNE:-.peer_autotune}"/*.tgz; do [ -f "$t" ] && tar xzf "$t
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 bench_runs() { # VAR NAME=DIR...: bench_moe.py once per NAME=DIR argument, with env VAR=DIR (empty DIR:
-  # ours as shipped); JSON lines in $OUT/NAME/bench_moe.jsonl, every run's log in one file, $OUT/ab.log
+  # ours as shipped); JSON lines in $OUT/NAME/bench_moe.jsonl, every run's log in one file, $OUT/ab.log;
+  # eager only unless AB_COMPILE names compiled configurations (bench_moe.py's COMPILE)
   local var=$1; shift
   for arg in "$@"; do
     local run=${arg%%=*} dir=${arg#*=}
     mkdir -p "$OUT/$run"
     echo "=== $run (${dir:-shipped})" >> "$OUT/ab.log"
-    env ${dir:+$var=$dir} OUT="$OUT/$run" IMPLS=${IMPLS:-kernelhub} SHAPES=${SHAPES:-qwen3_30b_a3b,deepseek_v3} \
+    env ${dir:+$var=$dir} OUT="$OUT/$run" IMPLS=${IMPLS:-kernelhub} COMPILE=${AB_COMPILE:-none} SHAPES=${SHAPES:-qwen3_30b_a3b,deepseek_v3} \
       TOKENS=${TOKENS:-4096,16384} timeout ${MOE_TIMEOUT:-150} python3 kernels_repo/moe/benchmarks/bench_moe.py \
       2>&1 | tee -a "$OUT/ab.log" | grep -E "^kind=moe_(fwd|fwdbwd|stages)" | sed "s/^/$run /"
   done
@@ -47,7 +53,8 @@ for step in $steps; do
   case $step in
     tests) timeout ${TESTS_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short ${GPU_TESTS:-} ${GPU_K:+-k "$GPU_K"} > "$OUT/gpu_tests.log" 2>&1; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -30 ;;
     demo) timeout 120 python3 examples/demo.py 2>&1 | tee "$OUT/demo.log" | tail -40 ;;
-    swiglu) timeout 200 python3 kernels_repo/swiglu/benchmarks/bench_swiglu.py 2>&1 | tee "$OUT/bench_swiglu.log" | tail -3 ;;
+    swiglu) OUT="$OUT" timeout ${SWIGLU_TIMEOUT:-450} python3 kernels_repo/swiglu/benchmarks/bench_swiglu.py 2>&1 | tee "$OUT/bench_swiglu.log" | grep -E "^--|^kind=error"
+      python3 benchmarks/summarize.py swiglu "$OUT/swiglu_bench.jsonl" ;;
     tiles) timeout 150 python3 tools/sweep_tiles.py 2>&1 | tee "$OUT/sweep_tiles.log" | grep "^sweep" ;;
     profile) timeout 60 python3 tools/profile_swiglu_host.py 2>&1 | tee "$OUT/profile_swiglu.log" | head -45 ;;
     moehost) # MOEHOST_OLD: another copy of kernels_repo/moe, profiled first in the same run
@@ -59,7 +66,18 @@ for step in $steps; do
     sweep) timeout ${SWEEP_TIMEOUT:-240} python3 tools/sweep_backward.py 2>&1 | tee "$OUT/sweep_backward.log" | grep -v "^ " ;;
     tune) timeout ${TUNE_TIMEOUT:-400} python3 kernels_repo/moe/benchmarks/tune_moe.py ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune_moe.log" | grep -E "^==| block_m=|wrote" ;;
     routing) timeout 120 python3 benchmarks/bench_moe_routing.py 2>&1 | tee "$OUT/bench_routing.log" | tail -40 ;;
-    moe) timeout ${MOE_TIMEOUT:-300} python3 kernels_repo/moe/benchmarks/bench_moe.py 2>&1 | tee "$OUT/bench_moe.log" | tail -40 ;;
+    moe) # one process per shape: a shape cut by its timeout keeps the points it finished (rows are flushed per point)
+      for shape in $(echo "${SHAPES:-qwen3_30b_a3b,mixtral_8x7b,deepseek_v3}" | tr , ' '); do
+        OUT="$OUT" SHAPES=$shape TOKENS=${TOKENS:-1,4096,16384} timeout ${MOE_TIMEOUT:-160} \
+          python3 kernels_repo/moe/benchmarks/bench_moe.py 2>&1 | tee -a "$OUT/bench_moe.log" | grep -E "^-- .* took|^kind=moe_error"
+      done
+      python3 benchmarks/summarize.py moe "$OUT/bench_moe.jsonl" ;;
+    slice) # whole-model rows: one process per model slice
+      for model in $(echo "${SLICE_MODELS:-qwen3_30b_a3b,deepseek_v3}" | tr , ' '); do
+        OUT="$OUT" MODELS=$model TOKENS=${SLICE_TOKENS:-1,4096} timeout ${SLICE_TIMEOUT:-230} \
+          python3 benchmarks/bench_model_slice.py 2>&1 | tee -a "$OUT/bench_model_slice.log" | grep -E "^-- |^kind=slice_(error|model)"
+      done
+      python3 benchmarks/summarize.py slice "$OUT/bench_model_slice.jsonl" ;;
     moeprof) timeout ${PROF_TIMEOUT:-150} python3 tools/profile_moe.py 2>&1 | tee "$OUT/profile_moe.log" | grep -E "^==|^  " | head -${PROF_LINES:-80} ;;
     persist) timeout ${PERSIST_TIMEOUT:-300} python3 tools/sweep_persistent.py 2>&1 | tee "$OUT/sweep_persistent.log" | grep -E "^(==|persist|sum)|skip|Error" ;;
     flatcheck) timeout ${FLAT_TIMEOUT:-200} python3 tools/check_flat_wgrad.py 2>&1 | tee "$OUT/check_flat_wgrad.log" | tail -40 ;;

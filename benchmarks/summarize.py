@@ -2,6 +2,7 @@
 
     python benchmarks/summarize.py swiglu benchmarks/results/2026-12-05-s14-call6/swiglu_bench.jsonl
     python benchmarks/summarize.py moe benchmarks/results/2026-12-05-s13-call3/bench_moe.jsonl [more.jsonl]
+    python benchmarks/summarize.py slice $OUT/bench_model_slice.jsonl
 """
 
 from __future__ import annotations
@@ -14,25 +15,46 @@ def rows(paths: list[str]) -> list[dict]:
     return [json.loads(line) for p in paths for line in open(p) if line.strip()]
 
 
+SWIGLU_IMPLS = ["ours", "ours_sm80", "ours_sm90", "ours[compiled]", "ours[reduce-overhead]", "eager", "compile",
+                "compile[reduce-overhead]", "liger", "liger[compiled]", "liger[reduce-overhead]"]
+
+
+def swiglu_peer(name: str) -> bool:
+    return not name.startswith("ours")
+
+
 def swiglu(data: list[dict]) -> None:
+    """Fraction of copy bandwidth per implementation, eager call / graph replay (reduce-overhead has
+    no graph column: it replays its own), then per call the fastest of ours and of every peer."""
     copy = next(r["value"] for r in data if r.get("what") == "d2d_copy_GBps") * 1e9
-    impls = ["ours", "ours_sm80", "ours_sm90", "eager", "compile", "liger"]
+    impls = SWIGLU_IMPLS
     print(f"copy bandwidth {copy / 1e9:.0f} GB/s\n")
     present = [i for i in impls if any(r.get("impl") == i for r in data)]
-    print("| T x I | pass | " + " | ".join(f"{i} eager / graph" for i in present) + " |")
-    print("| --- | --- |" + " --- |" * len(present))
-    for T, I in [(8192, 14336), (32768, 4096), (4096, 6144), (64, 14336)]:
+    print("| T x I | pass | " + " | ".join(f"{i} eager / graph" for i in present)
+          + " | ours best per call (which) | best peer per call (which) | speed-up |")
+    print("| --- | --- |" + " --- |" * (len(present) + 3))
+    shapes = dict.fromkeys((r["T"], r["I"]) for r in data if r.get("kind") == "swiglu")  # in run order
+    for T, I in shapes:
         for p, tensors in (("fwd", 3), ("fwdbwd", 8)):
-            cells = []
+            cells, timed = [], []
             for i in present:
                 r = next((r for r in data if r.get("kind") == "swiglu" and r["impl"] == i and r["T"] == T
                           and r["I"] == I and r["pass_"] == p), None)
                 if r is None:
                     cells.append("-")
                     continue
+                timed.append(r)
                 nbytes = tensors * T * I * 2
-                eager, graph = (nbytes / (r[k] * 1e-6) / copy for k in ("eager_us", "graph_us"))
-                cells.append(f"{eager:.2f} / {graph:.2f}")
+                eager, graph = (None if r.get(k) is None else nbytes / (r[k] * 1e-6) / copy
+                                for k in ("eager_us", "graph_us"))
+                cells.append(f"{eager:.2f} / " + ("-" if graph is None else f"{graph:.2f}"))
+            if not timed:
+                continue
+            ours = min((r for r in timed if not swiglu_peer(r["impl"])), key=lambda r: r["eager_us"], default=None)
+            peer = min((r for r in timed if swiglu_peer(r["impl"])), key=lambda r: r["eager_us"], default=None)
+            for r in (ours, peer):
+                cells.append("-" if r is None else f"{r['eager_us']:.1f} us ({r['impl']})")
+            cells.append("-" if ours is None or peer is None else f"{peer['eager_us'] / ours['eager_us']:.2f}x")
             print(f"| {T}x{I} | {p} | " + " | ".join(cells) + " |")
     print("\nhost time per eager call, T=1 x I=128 (us):",
           ", ".join(f"{r['impl']} {r['pass_']} {r['host_us']:.1f}" for r in data if r.get("kind") == "host_overhead"))
@@ -56,23 +78,78 @@ def swiglu(data: list[dict]) -> None:
             print(f"| {'x'.join(map(str, sh))} | {p} | " + " | ".join(cells) + " |")
 
 
+def moe_config(r: dict) -> tuple[str, str]:
+    """(implementation, configuration) of a row; rows from before the compiled peers carry neither
+    field (`kernelhub_compiled` was kernelhub under torch.compile, `kernelhub_graph` its CUDA graph)."""
+    if "base" in r:
+        return r["base"], r["config"]
+    name = r["impl"]
+    if name == "kernelhub_compiled":
+        return "kernelhub", "compiled"
+    if name.endswith("_graph"):
+        return name[: -len("_graph")], "graph"
+    return name, "eager"
+
+
 def moe(data: list[dict]) -> None:
-    print("| shape | T | pass | kernelhub ms (floor frac) | best peer ms (which) | ratio |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    """One row per (shape, T, pass): kernelhub eager / compiled / reduce-overhead, kernelhub's best
+    configuration and the best peer configuration (the fastest of every peer, eager or compiled)."""
+    print("| shape | T | pass | kernelhub eager ms (floor frac) | compiled | reduce-overhead "
+          "| kernelhub best (which) | best peer ms (which) | best peer / kernelhub eager "
+          "| best peer / kernelhub best | slower compiled / eager |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     keys = sorted({(r["shape"], r["T"], r["kind"]) for r in data if r.get("kind") in ("moe_fwd", "moe_fwdbwd")},
                   key=lambda k: (k[0], k[1], k[2]))
     for shape, T, kind in keys:
         rs = [r for r in data if (r.get("shape"), r.get("T"), r.get("kind")) == (shape, T, kind)]
-        ours = next((r for r in rs if r["impl"] == "kernelhub"), None)
-        graph = next((r for r in rs if r["impl"] == "kernelhub_graph"), None)
-        peers = [r for r in rs if not r["impl"].startswith("kernelhub")]
-        if ours is None or not peers:
+        ours = [r for r in rs if moe_config(r)[0] == "kernelhub"]
+        by_config = {moe_config(r)[1]: r for r in ours}
+        eager = by_config.get("eager")
+        peers = [r for r in rs if moe_config(r)[0] != "kernelhub"]
+        if eager is None or not peers:
             continue
         best = min(peers, key=lambda r: r["ms"])
-        g = f"; graph {graph['ms']:.3f}" if graph else ""
-        print(f"| {shape} | {T} | {kind[4:]} | {ours['ms']:.3f} ({ours['frac_floor']:.2f}){g} | "
-              f"{best['ms']:.3f} ({best['impl']}) | {best['ms'] / ours['ms']:.2f}x |")
+        mine = min(ours, key=lambda r: r["ms"])
+
+        def cell(config: str, by_config: dict = by_config) -> str:
+            r = by_config.get(config)
+            return "-" if r is None else f"{r['ms']:.3f}"
+
+        worst_compiled = max((by_config[c]["ms"] for c in ("compiled", "reduce-overhead") if c in by_config),
+                             default=None)
+        ratio = "-" if worst_compiled is None else f"{worst_compiled / eager['ms']:.2f}"
+        print(f"| {shape} | {T} | {kind[4:]} | {eager['ms']:.3f} ({eager['frac_floor']:.2f}) | {cell('compiled')} | "
+              f"{cell('reduce-overhead')} | {mine['ms']:.3f} ({mine['impl']}) | {best['ms']:.3f} ({best['impl']}) | "
+              f"{best['ms'] / eager['ms']:.2f}x | {best['ms'] / mine['ms']:.2f}x | {ratio} |")
+
+
+def model_slice(data: list[dict]) -> None:
+    """Per (model, T): kernelhub's best configuration against the best other one (bench_model_slice.py)."""
+    for r in data:
+        if r.get("kind") == "slice_model":
+            print(f"{r['model']}: layers {', '.join(r['layers'])}; {r['experts']} experts, top-{r['top_k']}, "
+                  f"{r['params_GB']:.1f} GB bf16; {r['decode']}")
+    print("\n| model | T | kernelhub eager | kernelhub compiled | kernelhub reduce-overhead | kernelhub best (which) "
+          "| best other ms (which) | hf_grouped_mm eager / compiled / reduce-overhead | best other / kernelhub best |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    timed = [r for r in data if r.get("kind") == "slice_fwd"]
+    for model, T in dict.fromkeys((r["model"], r["T"]) for r in timed):
+        rs = [r for r in timed if (r["model"], r["T"]) == (model, T)]
+        ours = [r for r in rs if r["base"] == "kernelhub"]
+        others = [r for r in rs if r["base"] != "kernelhub"]
+
+        def ms(base: str, config: str, rs: list[dict] = rs) -> str:
+            r = next((r for r in rs if (r["base"], r["config"]) == (base, config)), None)
+            return "-" if r is None else f"{r['ms']:.3f}"
+
+        mine = min(ours, key=lambda r: r["ms"], default=None)
+        best = min(others, key=lambda r: r["ms"], default=None)
+        hf = " / ".join(ms("hf_grouped_mm", c) for c in ("eager", "compiled", "reduce-overhead"))
+        cells = [ms("kernelhub", c) for c in ("eager", "compiled", "reduce-overhead")]
+        cells += ["-" if r is None else f"{r['ms']:.3f} ({r['impl']})" for r in (mine, best)]
+        cells += [hf, "-" if mine is None or best is None else f"{best['ms'] / mine['ms']:.2f}x"]
+        print(f"| {model} | {T} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
-    {"swiglu": swiglu, "moe": moe}[sys.argv[1]](rows(sys.argv[2:]))
+    {"swiglu": swiglu, "moe": moe, "slice": model_slice}[sys.argv[1]](rows(sys.argv[2:]))

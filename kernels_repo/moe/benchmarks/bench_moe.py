@@ -1,20 +1,39 @@
 """Benchmark fused_experts against its peers on one GPU, in one run.
 
-Peers (each as a user calls it, eager): transformers experts `eager`, `grouped_mm`,
-`batched_mm`, and Liger-Kernel's fused MoE when importable. Shapes Qwen3-30B-A3B, Mixtral 8x7B,
-DeepSeek-V3; T in 1, 32, 512, 4096, 16384; forward (no_grad) and forward+backward.
-Floor = max(FLOPs / measured bf16 matmul rate, touched-weight bytes / measured copy rate), with
-touched experts = distinct ids in topk_idx. Also prints peak memory of forward+backward and the
-tile config chosen, so `tune_moe.py` knows where to look.
+Peers: transformers experts `eager`, `grouped_mm`, `batched_mm` and Liger-Kernel's fused MoE (when
+importable), each as a user calls it (eager) and compiled: `torch.compile(fullgraph=True)` in the
+default mode (`[compiled]`) and with CUDA graphs (`[reduce-overhead]`). kernelhub likewise: its eager
+call, the kernelized module compiled both ways, and at decode a replayed CUDA graph (`kernelhub_graph`).
+Shapes Qwen3-30B-A3B, Mixtral 8x7B, DeepSeek-V3; T in 1, 32, 512, 4096, 16384; forward (no_grad) and
+forward+backward. The best peer of a point is the fastest of all peer configurations, named with its
+configuration (`hf_grouped_mm[reduce-overhead]`). Floor = max(FLOPs / measured bf16 matmul rate,
+touched-weight bytes / measured copy rate), with touched experts = distinct ids in topk_idx. Also
+prints peak memory of forward+backward and the tile config chosen, so `tune_moe.py` knows where to look.
+
+Compiled configurations are compiled once per (implementation, shape, T, pass) with static shapes,
+after `torch.compiler.reset()` (so no configuration pays guard checks of another's cache entries); the
+first calls (compile, CUDA-graph warm-up and recording) are timed apart as `compile_s` and excluded.
+Under `reduce-overhead` every call is preceded by `torch.compiler.cudagraph_mark_step_begin()`.
 
 Usage (repo root): PYTHONPATH=src python kernels_repo/moe/benchmarks/bench_moe.py
   env: SHAPES=qwen3_30b_a3b,mixtral_8x7b,deepseek_v3  TOKENS=1,32,512,4096,16384
-       IMPLS=kernelhub,hf_grouped_mm,...  MODES=fwd,fwdbwd  STAGES=1 (per-stage kernelhub times; 0: off)
-       (IMPLS may also name kernelhub_compiled: torch.compile of the same call; never run by default)
+       IMPLS=kernelhub,hf_grouped_mm,...: a base name selects all its configurations, a full name
+         (hf_grouped_mm[reduce-overhead]) one; kernelhub_compiled means kernelhub[compiled]
+       COMPILE=default,reduce-overhead: the compiled configurations (none: eager only)
+       COMPILE_IMPLS=kernelhub,hf_grouped_mm,hf_batched_mm,liger: which get them (hf_eager compiles a
+         loop over the experts with data-dependent shapes: only when named here)
+       KH_COMPILED=kernelize|function: kernelhub compiled as a kernelized experts module
+         (Mode.INFERENCE / Mode.TRAINING | Mode.TORCH_COMPILE; the default) or fused_experts under
+         torch.compile (always with MOE_DIR, which kernelize would not load)
+       MODES=fwd,fwdbwd  STAGES=1 (per-stage kernelhub times; 0: off)
        OUT=/tmp (appends $OUT/bench_moe.jsonl)  MOE_DIR=DIR (the kernel repository to time; default ours)
        SKEW=s: skewed routing, as a trained router's hot experts: expert logits get a bias of
          -s * log(1 + rank) over a random ranking of the experts (0, the default: uniform); rows
          then carry skew=s and the "--" line the hottest expert's load over the mean
+       DEVICE=cpu: smoke test without a GPU, same code path (default SHAPES=tiny, TOKENS=1,8; CPU
+         wall-clock timing instead of do_bench; no CUDA graphs, stages or peak memory)
+  Rows: impl (full name), base (implementation), config (eager, compiled, reduce-overhead, graph),
+  compile_s (first calls, excluded from ms), recompiles (graphs compiled while timing; should be 0).
   Liger-Kernel autotunes its MoE kernels on first use of a shape, for minutes at Mixtral and
   DeepSeek-V3 sizes: give such a run a long timeout, or keep the tuning between runs
   (benchmarks/README.md).
@@ -22,49 +41,79 @@ Usage (repo root): PYTHONPATH=src python kernels_repo/moe/benchmarks/bench_moe.p
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import statistics
 import sys
 import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from triton.testing import do_bench
+import torch._dynamo
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "src"))
 from kernelhub._loader import load_kernel_from_dir  # noqa: E402
 
 # MOE_DIR: another copy of the kernel repository (an older commit, say), for an A/B in one call
-moe = load_kernel_from_dir(Path(os.environ.get("MOE_DIR", ROOT / "kernels_repo" / "moe")))
-DEV = torch.device("cuda")
+MOE_DIR = os.environ.get("MOE_DIR")
+moe = load_kernel_from_dir(Path(MOE_DIR or ROOT / "kernels_repo" / "moe"))
+DEV = torch.device(os.environ.get("DEVICE", "cuda"))
+CUDA = DEV.type == "cuda"
 OUT = os.environ.get("OUT", "/tmp")
 LOG = open(os.path.join(OUT, "bench_moe.jsonl"), "a")
 SHAPES = {
     "qwen3_30b_a3b": dict(E=128, H=2048, I=768, K=8),
     "mixtral_8x7b": dict(E=8, H=4096, I=14336, K=2),
     "deepseek_v3": dict(E=256, H=7168, I=2048, K=8),
+    "tiny": dict(E=8, H=64, I=32, K=2),  # the CPU smoke test's; never run unless named (or DEVICE=cpu)
 }
+# transformers' experts dispatch calls lru_cache'd version checks, which dynamo warns about on every compile
+warnings.filterwarnings("ignore", message=".*functools.lru_cache.*", category=UserWarning)
+COMPILE_MODES = {"default": "compiled", "reduce-overhead": "reduce-overhead"}
+ROWS: list[dict] = []  # this run's rows, for the closing table
 
 
 def emit(**row) -> None:
     if SKEW and row.get("kind", "").startswith("moe_"):
         row["skew"] = SKEW
+    ROWS.append(row)
     LOG.write(json.dumps(row) + "\n")
     LOG.flush()
     text = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
     print(text, flush=True)
 
 
+def sync() -> None:
+    if CUDA:
+        torch.cuda.synchronize()
+
+
 def bench(fn, grad_to_none=None) -> float:
-    return do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
+    """Median ms of fn: do_bench on a GPU; on the CPU (smoke test) a few wall-clock calls."""
+    if CUDA:
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=25, rep=100, grad_to_none=grad_to_none, return_mode="median")
+    times = []
+    for _ in range(5):
+        for p in grad_to_none or ():
+            p.grad = None
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
 
 
 def ceilings() -> tuple[float, float]:
-    src = torch.randn(1 << 29, device=DEV, dtype=torch.bfloat16)
+    n, m = (1 << 29, 8192) if CUDA else (1 << 20, 256)
+    src = torch.randn(n, device=DEV, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     copy_bw = 2 * src.numel() * 2 / (bench(lambda: dst.copy_(src)) * 1e-3)
-    m = 8192
     lhs = torch.randn(m, m, device=DEV, dtype=torch.bfloat16)
     rhs = torch.randn(m, m, device=DEV, dtype=torch.bfloat16)
     mm = 2 * m**3 / (bench(lambda: lhs @ rhs) * 1e-3)
@@ -78,10 +127,24 @@ def hf_experts(E, H, I, K):
 
     cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=K)
     cfg._experts_implementation = "grouped_mm"
-    mod = Qwen3MoeExperts(cfg).to(DEV, torch.bfloat16)
+    with torch.device("meta"):  # bf16 storage straight on the device (no fp32 copy on the host)
+        mod = Qwen3MoeExperts(cfg).to(torch.bfloat16)
+    mod = mod.to_empty(device=DEV)
     with torch.no_grad():
         for p in mod.parameters():
             p.normal_(0, 0.02)
+    return mod
+
+
+def experts_view(base, impl: str):
+    """Another experts module of base's class on base's weights (shared, not copied) with its own
+    config, so each configuration is its own module (own compiled code, own kernelize binding)."""
+    cfg = copy.copy(base.config)
+    with torch.device("meta"):
+        mod = type(base)(cfg)
+    mod.gate_up_proj = base.gate_up_proj
+    mod.down_proj = base.down_proj
+    mod.config._experts_implementation = impl
     return mod
 
 
@@ -117,44 +180,121 @@ def graphed(fn, base, T, H):
     return run
 
 
-def impls_for(base, T, E, H, I, K, idx, w, wanted):
-    """name -> fn(x) for every implementation that applies at this size."""
-    out = {}
+@dataclass
+class Impl:
+    """One configuration to time: `fwd` / `fwdbwd` map x to the output (None: pass not run)."""
+
+    name: str  # e.g. hf_grouped_mm[reduce-overhead]
+    base: str  # e.g. hf_grouped_mm
+    config: str  # eager, compiled, reduce-overhead, graph
+    fwd: Callable | None
+    fwdbwd: Callable | None
+
+
+def compile_fn(target, config: str) -> Callable:
+    """torch.compile(target, fullgraph=True) with static shapes; under reduce-overhead every call
+    first marks a new CUDA-graph step (outputs of the previous replay may be overwritten)."""
+    if config == "compiled":
+        return torch.compile(target, fullgraph=True, dynamic=False)
+    fn = torch.compile(target, fullgraph=True, dynamic=False, mode="reduce-overhead")
+
+    def stepped(*args):
+        torch.compiler.cudagraph_mark_step_begin()
+        return fn(*args)
+
+    return stepped
+
+
+def kernelhub_compiled(base, idx, w, config: str) -> tuple[Callable, Callable]:
+    """(forward, forward+backward) of kernelhub under torch.compile in `config`."""
+    if MOE_DIR or os.environ.get("KH_COMPILED", "kernelize") == "function":
+        def kh(xx):
+            return moe.fused_experts(xx, base.gate_up_proj, base.down_proj, idx, w)
+
+        fn = compile_fn(kh, config)
+        return fn, fn
+    from kernelhub import Mode, kernelize, kernelize_report
+
+    fns = []
+    for mode in (Mode.INFERENCE | Mode.TORCH_COMPILE, Mode.TRAINING | Mode.TORCH_COMPILE):
+        mod = experts_view(base, "grouped_mm")
+        kernelize(mod, mode=mode)
+        entry = kernelize_report(mod).entries[0]
+        if entry.fallback_reason is not None:
+            raise RuntimeError(f"kernelize({mode}) left the experts eager: {entry.fallback_reason}")
+        cm = compile_fn(mod, config)
+        fns.append(lambda xx, cm=cm: cm(xx, idx, w))
+    return fns[0], fns[1]
+
+
+def impls_for(base, T, E, H, I, K, idx, w, wanted, configs, compiled_bases) -> list[Impl]:
+    """Every configuration that applies at this size and is selected (built lazily: only those)."""
+    out: list[Impl] = []
+
+    def selected(name: str, base_name: str) -> bool:
+        return not wanted or name in wanted or base_name in wanted
+
+    def add(base_name: str, config: str, build: Callable[[], tuple[Callable, Callable | None]]) -> None:
+        name = base_name if config == "eager" else f"{base_name}[{config}]"
+        if config == "graph":  # (selected by its own name only, as before configurations had names)
+            name = base_name + "_graph"
+        if not selected(name, name if config == "graph" else base_name):
+            return
+        try:
+            fwd, fwdbwd = build()
+        except Exception as e:  # noqa: BLE001
+            emit(kind="moe_error", impl=name, T=T, error=f"{type(e).__name__}: {str(e)[:300]}")
+            return
+        out.append(Impl(name, base_name, config, fwd, fwdbwd))
 
     def kh(xx):
         # check_indices=False: what the layer / kernelize path calls (no host sync per call).
         return moe.fused_experts(xx, base.gate_up_proj, base.down_proj, idx, w, check_indices=False)
 
-    out["kernelhub"] = kh
-    if "kernelhub_compiled" in wanted:  # torch.compile'd (the custom-op path), only when asked for
-        out["kernelhub_compiled"] = torch.compile(kh, fullgraph=True)
-    if T <= 64:
+    add("kernelhub", "eager", lambda: (kh, kh))
+    for config in configs if "kernelhub" in compiled_bases else ():
+        add("kernelhub", config, lambda config=config: kernelhub_compiled(base, idx, w, config))
+    if T <= 64 and CUDA:
         # Decode is launch-bound in eager mode; the replayed CUDA graph shows the GPU-side time
         # (how serving engines run decode). Forward only.
-        try:
-            out["kernelhub_graph"] = graphed(kh, base, T, H)
-        except Exception as e:  # noqa: BLE001
-            emit(kind="moe_error", impl="kernelhub_graph", T=T, error=f"{type(e).__name__}: {str(e)[:300]}")
+        add("kernelhub", "graph", lambda: (graphed(kh, base, T, H), None))
     for impl in ("eager", "grouped_mm", "batched_mm"):
         if impl == "batched_mm" and T * K * H * I > 2**33:
             continue
         if impl == "eager" and T >= 16384 and E >= 128:
             continue
+        mod = experts_view(base, impl)
 
-        def hf(xx, impl=impl):
-            base.config._experts_implementation = impl
-            return base(xx, idx, w)
+        def hf(xx, mod=mod):
+            return mod(xx, idx, w)
 
-        out["hf_" + impl] = hf
+        add("hf_" + impl, "eager", lambda hf=hf: (hf, hf))
+        for config in configs if "hf_" + impl in compiled_bases else ():
+            def build(impl=impl, config=config):
+                cm = compile_fn(experts_view(base, impl), config)
+                fn = lambda xx: cm(xx, idx, w)  # noqa: E731
+                return fn, fn
+
+            add("hf_" + impl, config, build)
     try:
         from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
-
-        idx32 = idx.to(torch.int32)
-        out["liger"] = lambda xx: LigerFusedMoEFunction.apply(xx, base.gate_up_proj, base.down_proj, idx32, w)
     except Exception as e:  # noqa: BLE001
         if T == 1:
             print("liger unavailable:", e)
-    return {k: v for k, v in out.items() if not wanted or k in wanted}
+    else:
+        idx32 = idx.to(torch.int32)
+
+        def liger(xx):
+            return LigerFusedMoEFunction.apply(xx, base.gate_up_proj, base.down_proj, idx32, w)
+
+        add("liger", "eager", lambda: (liger, liger))
+        for config in configs if "liger" in compiled_bases else ():
+            add("liger", config, lambda config=config: (compile_fn(liger, config),) * 2)
+    # eager configurations first (no compile), then each compiled mode with kernelhub next to its
+    # closest peers: a point cut short by a timeout still holds comparable pairs
+    config_rank = {"eager": 0, "graph": 1, "compiled": 2, "reduce-overhead": 3}
+    base_rank = {"kernelhub": 0, "hf_grouped_mm": 1, "liger": 2, "hf_batched_mm": 3, "hf_eager": 4}
+    return sorted(out, key=lambda i: (config_rank[i.config], base_rank.get(i.base, 5)))
 
 
 def stage_breakdown(base, x, idx, w, dy, sname, T, variant) -> None:
@@ -205,33 +345,79 @@ def stage_breakdown(base, x, idx, w, dy, sname, T, variant) -> None:
          **{f"{k}_ms": v for k, v in times.items()})
 
 
-def measure(name, fn, x, dy, ref, base, modes, sname, T, flops, floor_ms) -> None:
-    if "fwd" in modes:
+def unique_graphs() -> int:
+    """Graphs dynamo has compiled so far in this process (a count that grows on every recompile)."""
+    try:
+        from torch._dynamo.utils import counters
+
+        return int(counters["stats"]["unique_graphs"])
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def fields(impl: Impl) -> dict:
+    return dict(impl=impl.name, base=impl.base, config=impl.config)
+
+
+def measure(impl: Impl, x, dy, ref, base, modes, sname, T, flops, floor_ms) -> None:
+    warm = 1 if impl.config == "eager" else 3  # compile; CUDA-graph trees: warm-up run, record, replay
+    if "fwd" in modes and impl.fwd is not None:
+        fn = impl.fwd
+        if impl.config in ("compiled", "reduce-overhead"):
+            torch.compiler.reset()
         with torch.no_grad():
-            err = ((fn(x).float() - ref).norm() / ref.norm()).item()
+            t0 = time.perf_counter()
+            for _ in range(warm):
+                y = fn(x)
+            err = ((y.float() - ref).norm() / ref.norm()).item()  # (read before the next replay)
+            sync()
+            compile_s = time.perf_counter() - t0
+            graphs = unique_graphs()
             ms = bench(lambda: fn(x))
-        emit(kind="moe_fwd", shape=sname, impl=name, T=T, ms=ms, TFLOPs=flops / (ms * 1e-3) / 1e12,
-             floor_ms=floor_ms, frac_floor=floor_ms / ms, relerr=err)
-    if "fwdbwd" in modes and not name.endswith("_graph"):
+        emit(kind="moe_fwd", shape=sname, T=T, ms=ms, TFLOPs=flops / (ms * 1e-3) / 1e12, floor_ms=floor_ms,
+             frac_floor=floor_ms / ms, relerr=err, compile_s=compile_s, recompiles=unique_graphs() - graphs,
+             **fields(impl))
+    if "fwdbwd" in modes and impl.fwdbwd is not None:
+        fn = impl.fwdbwd
+        if impl.config in ("compiled", "reduce-overhead"):
+            torch.compiler.reset()
         xx = x.clone().requires_grad_()
         params = [xx, base.gate_up_proj, base.down_proj]
 
         def fb():
             fn(xx).backward(dy)
 
+        def clear():
+            for p in params:
+                p.grad = None
+
+        t0 = time.perf_counter()
+        for _ in range(warm):
+            clear()
+            fb()
+        sync()
+        compile_s = time.perf_counter() - t0
+        clear()
+        graphs = unique_graphs()
         ms = bench(fb, grad_to_none=params)
-        for p in params:
-            p.grad = None
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        fb()
-        torch.cuda.synchronize()
-        peak = (torch.cuda.max_memory_allocated() - before) / 2**20
-        for p in params:
-            p.grad = None
-        emit(kind="moe_fwdbwd", shape=sname, impl=name, T=T, ms=ms, TFLOPs=3 * flops / (ms * 1e-3) / 1e12,
-             floor_ms=3 * floor_ms, frac_floor=3 * floor_ms / ms, peak_extra_MiB=peak)
+        recompiles = unique_graphs() - graphs
+        clear()
+        peak = None
+        if CUDA:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            fb()
+            torch.cuda.synchronize()
+            peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+            clear()
+        emit(kind="moe_fwdbwd", shape=sname, T=T, ms=ms, TFLOPs=3 * flops / (ms * 1e-3) / 1e12,
+             floor_ms=3 * floor_ms, frac_floor=3 * floor_ms / ms, peak_extra_MiB=peak, compile_s=compile_s,
+             recompiles=recompiles, **fields(impl))
+
+
+def env_list(name: str, default: str) -> list[str]:
+    return [s for s in os.environ.get(name, default).split(",") if s]
 
 
 def main() -> None:
@@ -239,16 +425,29 @@ def main() -> None:
     import triton
 
     print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__,
-          torch.cuda.get_device_name(), torch.cuda.get_device_capability(), flush=True)
+          torch.cuda.get_device_name() if CUDA else "cpu", torch.cuda.get_device_capability() if CUDA else "",
+          flush=True)
+    # every (configuration, pass) compiles after a reset; the limits only guard against surprises
+    for knob in ("cache_size_limit", "recompile_limit"):
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
     copy_bw, mm = ceilings()
-    only = [s for s in os.environ.get("SHAPES", "").split(",") if s]
-    tokens = [int(t) for t in os.environ.get("TOKENS", "1,32,512,4096,16384").split(",")]
-    wanted = [s for s in os.environ.get("IMPLS", "").split(",") if s]
-    modes = os.environ.get("MODES", "fwd,fwdbwd").split(",")
+    only = env_list("SHAPES", "" if CUDA else "tiny")
+    tokens = [int(t) for t in env_list("TOKENS", "1,32,512,4096,16384" if CUDA else "1,8")]
+    wanted = ["kernelhub[compiled]" if s == "kernelhub_compiled" else s for s in env_list("IMPLS", "")]
+    modes = env_list("MODES", "fwd,fwdbwd")
+    configs = []
+    for c in env_list("COMPILE", "default,reduce-overhead"):
+        if c == "none":
+            continue
+        if c not in COMPILE_MODES:
+            raise SystemExit(f"bench_moe.py: COMPILE takes {', '.join(COMPILE_MODES)} or none, got {c!r}")
+        configs.append(COMPILE_MODES[c])
+    compiled_bases = env_list("COMPILE_IMPLS", "kernelhub,hf_grouped_mm,hf_batched_mm,liger")
     variant = moe.select_variant(DEV)
     cfgs = __import__(moe.__name__ + "._experts_configs", fromlist=["pick_config"])
     for sname, s in SHAPES.items():
-        if only and sname not in only:
+        if (only and sname not in only) or (not only and sname == "tiny"):
             continue
         E, H, I, K = s["E"], s["H"], s["I"], s["K"]
         base = hf_experts(E, H, I, K)
@@ -260,30 +459,44 @@ def main() -> None:
             touched = int(torch.unique(idx).numel())
             flops = 6 * T * K * H * I
             floor_ms = max(flops / mm, (touched * 3 * H * I * 2 + 2 * T * H * 2) / copy_bw) * 1e3
-            bucket = cfgs.pick_config(90 if variant == "sm90" else 80, E, H, I, T * K)
             load = torch.bincount(idx.reshape(-1), minlength=E).float()
+            tiles = ""
+            if CUDA:
+                bucket = cfgs.pick_config(90 if variant == "sm90" else 80, E, H, I, T * K)
+                tiles = f" block_m={bucket['block_m']} gate_up={bucket['gate_up']} down={bucket['down']}"
             print(f"-- {sname} T={T} touched={touched} hottest/mean={float(load.max() / load.mean()):.2f} "
-                  f"variant={variant} block_m={bucket['block_m']} "
-                  f"gate_up={bucket['gate_up']} down={bucket['down']}", flush=True)
-            base.config._experts_implementation = "grouped_mm"
+                  f"variant={variant}{tiles}", flush=True)
             with torch.no_grad():
                 ref = moe.fused_experts_reference(x, base.gate_up_proj, base.down_proj, idx, w).float()
-            if os.environ.get("STAGES", "1") == "1" and (not wanted or "kernelhub" in wanted):
+            if CUDA and os.environ.get("STAGES", "1") == "1" and (not wanted or "kernelhub" in wanted):
                 try:
                     stage_breakdown(base, x, idx, w, dy, sname, T, variant)
                 except Exception as e:  # noqa: BLE001
                     emit(kind="moe_error", shape=sname, impl="kernelhub_stages", T=T,
                          error=f"{type(e).__name__}: {str(e)[:300]}")
-            for name, fn in impls_for(base, T, E, H, I, K, idx, w, wanted).items():
+            for impl in impls_for(base, T, E, H, I, K, idx, w, wanted, configs, compiled_bases):
                 try:
-                    measure(name, fn, x, dy, ref, base, modes, sname, T, flops, floor_ms)
+                    measure(impl, x, dy, ref, base, modes, sname, T, flops, floor_ms)
                 except Exception as e:  # noqa: BLE001
-                    emit(kind="moe_error", shape=sname, impl=name, T=T,
+                    emit(kind="moe_error", shape=sname, impl=impl.name, T=T,
                          error=f"{type(e).__name__}: {str(e)[:300]}")
-                torch.cuda.empty_cache()
+                if impl.config in ("compiled", "reduce-overhead"):
+                    torch.compiler.reset()  # (frees its CUDA-graph pool before the next configuration)
+                if CUDA:
+                    torch.cuda.empty_cache()
+            torch.compiler.reset()  # (frees the CUDA-graph pools of this point's compiled configurations)
             print(f"-- {sname} T={T} took {time.time() - t0:.1f}s", flush=True)
         del base
-        torch.cuda.empty_cache()
+        if CUDA:
+            torch.cuda.empty_cache()
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import summarize
+
+        print()
+        summarize.moe(ROWS)
+    except Exception as e:  # noqa: BLE001
+        print("summary table failed:", type(e).__name__, e)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,14 @@
 """SwiGLU on one GPU: kernelhub (sm90 and sm80 variants) vs torch eager, torch.compile and Liger.
 
 `ours` is the variant the device's capability selects (sm90 on an H200); `ours_sm80` forces the
-other one. Each (shape, pass, implementation) is timed two ways:
+other one. Compiled configurations (`torch.compile(fullgraph=True)`, static shapes): `compile` (the
+eager expression, default mode) and `compile[reduce-overhead]` (CUDA graphs), `liger[compiled]`,
+`liger[reduce-overhead]`, `ours[compiled]`, `ours[reduce-overhead]` (kernelhub's custom ops traced).
+Compiled code is reset per shape (each shape compiles once per pass and layout, and no shape pays
+guard checks of another's); under reduce-overhead every call first marks a CUDA-graph step and the
+`graph` timing is not taken (a CUDA graph cannot be captured inside another). Rows carry `base`
+(implementation) and `config` (eager, compiled, reduce-overhead). Each (shape, pass, implementation)
+is timed two ways:
   eager  N back-to-back calls as a user makes them (host overhead included), CUDA events around
          the loop; `host_us` is the CPU time to issue one call (perf_counter, before the sync).
   graph  the same calls captured in a CUDA graph and replayed: the kernels alone.
@@ -12,8 +19,12 @@ gate, up; write d gate, d up). A tiny shape (1 x 128) measures pure host overhea
 Usage (from the repository root, on the GPU machine):
   PYTHONPATH=src python kernels_repo/swiglu/benchmarks/bench_swiglu.py
 Env: OUT (JSON lines go to $OUT/swiglu_bench.jsonl, default /tmp), SHAPES="8192x14336,..." to
-narrow, IMPLS="ours,liger,..." to narrow, ROUNDS (default 5: interleaved rounds of the per-eager-call
-timing at the host-bound shapes, see `interleaved_eager`). Liger-Kernel is optional (import guarded).
+narrow, IMPLS="ours,liger,..." to narrow (full names: "ours[reduce-overhead]"), COMPILE=default,
+reduce-overhead (the compiled configurations of liger and ours, and compile[reduce-overhead]; none:
+only the eager ones and `compile`), ROUNDS (default 5: interleaved rounds of the per-eager-call timing
+at the host-bound shapes, see `interleaved_eager`). Liger-Kernel is optional (import guarded).
+DEVICE=cpu: smoke test without a GPU, same code path: tiny shapes (default SHAPES=64x256,8x128),
+wall-clock timing, few repetitions, no graph timing, no `ours_sm80`.
 """
 
 from __future__ import annotations
@@ -34,7 +45,37 @@ OUT = os.environ.get("OUT", "/tmp")
 _log = None  # $OUT/swiglu_bench.jsonl, opened on the first row (importers of time_eager write none)
 SHAPES = [(8192, 14336), (32768, 4096), (4096, 6144), (64, 14336)]
 HOST_SHAPE = (1, 128)
-DEV = torch.device("cuda", 0)
+DEV = torch.device(os.environ.get("DEVICE", "cuda:0"))
+CUDA = DEV.type == "cuda"
+COMPILE_MODES = {"default": "compiled", "reduce-overhead": "reduce-overhead"}
+
+
+def reps(n: int) -> int:
+    """n timed calls on a GPU; a few on the CPU (smoke test: the code path, not the numbers)."""
+    return n if CUDA else max(3, n // 200)
+
+
+def config_of(name: str) -> tuple[str, str]:
+    """(implementation, configuration) of an implementation's name."""
+    if name == "compile":
+        return "eager", "compiled"
+    if name.endswith("]"):
+        base, config = name[:-1].split("[")
+        return ("eager" if base == "compile" else base), config
+    return name, "eager"
+
+
+def compiled(fn, config: str):
+    """torch.compile(fn, fullgraph=True) with static shapes; reduce-overhead marks a step per call."""
+    if config == "compiled":
+        return torch.compile(fn, fullgraph=True, dynamic=False)
+    graphed = torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
+
+    def stepped(g, u):
+        torch.compiler.cudagraph_mark_step_begin()
+        return graphed(g, u)
+
+    return stepped
 
 
 def emit(**row) -> None:
@@ -54,18 +95,42 @@ def implementations() -> tuple[dict, object]:
     k = get_local_kernel(REPO)
     # one compile per shape and grad mode must not exhaust dynamo's recompile limit (eager fallback)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    impls = {
-        "ours": lambda g, u: k.swiglu(g, u),
-        "ours_sm80": lambda g, u: k.swiglu(g, u, impl="sm80"),
-        "eager": lambda g, u: F.silu(g) * u,
-        "compile": torch.compile(lambda g, u: F.silu(g) * u),
-    }
+    if hasattr(torch._dynamo.config, "recompile_limit"):  # (newer torch's name; cache_size_limit its alias)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    configs = []
+    for c in (c for c in os.environ.get("COMPILE", "default,reduce-overhead").split(",") if c):
+        if c == "none":
+            continue
+        if c not in COMPILE_MODES:
+            raise SystemExit(f"bench_swiglu.py: COMPILE takes {', '.join(COMPILE_MODES)} or none, got {c!r}")
+        configs.append(COMPILE_MODES[c])
+
+    def ours(g, u):
+        return k.swiglu(g, u)
+
+    def torch_swiglu(g, u):
+        return F.silu(g) * u
+
+    impls = {"ours": ours, "ours_sm80": lambda g, u: k.swiglu(g, u, impl="sm80"), "eager": torch_swiglu,
+             "compile": compiled(torch_swiglu, "compiled")}
+    if not CUDA:
+        del impls["ours_sm80"]  # (a Triton variant forced onto CPU tensors)
     try:
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
         impls["liger"] = LigerSiLUMulFunction.apply
     except Exception as e:  # noqa: BLE001
         print("liger unavailable:", type(e).__name__, e, flush=True)
+    for config in configs:
+        # each its own function (own code object): one compiled cache per configuration
+        if config == "reduce-overhead":
+            impls["compile[reduce-overhead]"] = compiled(lambda g, u: F.silu(g) * u, config)
+        if "liger" in impls:
+            impls[f"liger[{config}]"] = compiled(
+                (lambda g, u: LigerSiLUMulFunction.apply(g, u)) if config == "compiled"
+                else (lambda g, u: LigerSiLUMulFunction.apply(g, u)), config)
+        impls[f"ours[{config}]"] = compiled(
+            (lambda g, u: k.swiglu(g, u)) if config == "compiled" else (lambda g, u: k.swiglu(g, u)), config)
     only = os.environ.get("IMPLS")
     if only:
         impls = {n: f for n, f in impls.items() if n in only.split(",")}
@@ -83,6 +148,12 @@ def time_eager(call, n: int) -> tuple[float, float]:
     """(GPU-inclusive ms per call, host us per call) over n back-to-back calls."""
     for _ in range(3):
         call()
+    if not CUDA:  # smoke test: wall clock
+        t0 = time.perf_counter()
+        for _ in range(n):
+            call()
+        host = (time.perf_counter() - t0) / n * 1e6
+        return host / 1e3, host
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -95,8 +166,11 @@ def time_eager(call, n: int) -> tuple[float, float]:
     return start.elapsed_time(end) / n, host
 
 
-def time_graph(call, per_graph: int, replays: int) -> float:
-    """ms per call: `per_graph` calls captured once, the graph replayed `replays` times."""
+def time_graph(call, per_graph: int, replays: int) -> float | None:
+    """ms per call: `per_graph` calls captured once, the graph replayed `replays` times (None without
+    CUDA)."""
+    if not CUDA:
+        return None
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up off the default stream, as torch.cuda.graph asks
@@ -122,14 +196,25 @@ def time_graph(call, per_graph: int, replays: int) -> float:
 def copy_bandwidth() -> float:
     # As ../shared/bench/peers.py measures it: 1 GiB copied by torch's copy kernel, do_bench median.
     # (A graph-captured copy_ becomes a memcpy node, which measured only ~2.7 TB/s on the H200.)
-    from triton.testing import do_bench
-
-    a = torch.randn(1 << 29, device=DEV, dtype=torch.bfloat16)
+    a = torch.randn(1 << 29 if CUDA else 1 << 20, device=DEV, dtype=torch.bfloat16)
     b = torch.empty_like(a)
-    ms = do_bench(lambda: b.copy_(a), warmup=25, rep=100, return_mode="median")
+    if CUDA:
+        from triton.testing import do_bench
+
+        ms = do_bench(lambda: b.copy_(a), warmup=25, rep=100, return_mode="median")
+    else:
+        ms = time_eager(lambda: b.copy_(a), 5)[0]
     bw = 2 * a.numel() * a.element_size() / (ms * 1e-3)
     emit(kind="ceiling", what="d2d_copy_GBps", value=bw / 1e9)
     return bw
+
+
+def frac_copy(nbytes: int, ms: float | None, copy_bw: float) -> float | None:
+    return None if ms is None else nbytes / (ms * 1e-3) / copy_bw
+
+
+def us(ms: float | None) -> float | None:
+    return None if ms is None else ms * 1e3
 
 
 def relerr(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -163,17 +248,17 @@ def bench_packed(kernel, T: int, I: int, copy_bw: float, host_only: bool = False
         return kernel.swiglu_packed(x)
 
     if host_only:
-        ms, host = time_eager(call, 2000)
+        ms, host = time_eager(call, reps(2000))
         emit(kind="host_overhead", impl="ours_packed", pass_="fwd", T=T, I=I, us_per_call=ms * 1e3,
              host_us=host)
         return
     nbytes = 3 * T * I * 2
-    reps = max(50, min(2000, int(2e10 / nbytes)))
-    eager_ms, host = time_eager(call, reps)
-    graph_ms = time_graph(call, 5, max(10, reps // 5))
+    n = reps(max(50, min(2000, int(2e10 / nbytes))))
+    eager_ms, host = time_eager(call, n)
+    graph_ms = time_graph(call, 5, max(10, n // 5))
     emit(kind="swiglu", impl="ours_packed", pass_="fwd", T=T, I=I, eager_us=eager_ms * 1e3,
-         graph_us=graph_ms * 1e3, host_us=host, frac_copy_eager=nbytes / (eager_ms * 1e-3) / copy_bw,
-         frac_copy_graph=nbytes / (graph_ms * 1e-3) / copy_bw)
+         graph_us=us(graph_ms), host_us=host, frac_copy_eager=frac_copy(nbytes, eager_ms, copy_bw),
+         frac_copy_graph=frac_copy(nbytes, graph_ms, copy_bw), base="ours", config="eager")
 
 
 def interleaved_eager(impls: dict, shapes, rounds: int, copy_bw: float) -> None:
@@ -185,8 +270,10 @@ def interleaved_eager(impls: dict, shapes, rounds: int, copy_bw: float) -> None:
     each implementation would get a different host. The median over the rounds is emitted as
     kind=swiglu_interleaved (eager only: under graph replay the host does not matter). Each shape
     twice: [T, I] and [1, T, I], the layout a model's MLP passes (leading dims take another path).
+    Compiled code is reset per shape and layout: each compiles its own static graphs.
     """
     for (T, I), lead in itertools.product(shapes, ((), (1,))):
+        torch.compiler.reset()
         # lead (1,): [1, T, I], the layout a model's MLP hands over (batch, sequence, features)
         g = torch.randn(*lead, T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
         u = torch.randn(*lead, T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
@@ -197,27 +284,31 @@ def interleaved_eager(impls: dict, shapes, rounds: int, copy_bw: float) -> None:
             times: dict[str, list[float]] = {name: [] for name in calls}
             for _ in range(rounds):
                 for name, call in calls.items():
-                    times[name].append(time_eager(call, 300)[0])
+                    times[name].append(time_eager(call, reps(300))[0])
             for name, ms in times.items():
                 median = sorted(ms)[len(ms) // 2]
                 emit(kind="swiglu_interleaved", impl=name, pass_="fwdbwd" if backward else "fwd", T=T, I=I,
                      shape=list(g.shape), rounds=rounds, eager_us=median * 1e3, eager_us_min=min(ms) * 1e3,
-                     eager_us_max=max(ms) * 1e3, frac_copy_eager=tensors * T * I * 2 / (median * 1e-3) / copy_bw)
+                     eager_us_max=max(ms) * 1e3, frac_copy_eager=tensors * T * I * 2 / (median * 1e-3) / copy_bw,
+                     **dict(zip(("base", "config"), config_of(name))))
         del g, u, dy
 
 
 def main() -> None:
     import triton
 
-    print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(),
-          torch.cuda.get_device_capability(), flush=True)
+    print("torch", torch.__version__, "triton", triton.__version__,
+          torch.cuda.get_device_name() if CUDA else "cpu", torch.cuda.get_device_capability() if CUDA else "",
+          flush=True)
     t_start = time.time()
     impls, kernel = implementations()
-    torch.cuda.set_device(DEV)
+    if CUDA:
+        torch.cuda.set_device(DEV)
     probe = torch.empty(1, 8, device=DEV, dtype=torch.bfloat16)
-    print("ours resolves to", kernel._dispatch._resolve("bench", probe, None)[0], flush=True)
+    resolved = kernel._dispatch._resolve("bench", probe, None)  # (None on the CPU: the reference)
+    print("ours resolves to", resolved[0] if resolved else "reference", flush=True)
     copy_bw = copy_bandwidth()
-    shapes = SHAPES
+    shapes = SHAPES if CUDA else [(64, 256), (8, 128)]
     if os.environ.get("SHAPES"):
         shapes = [tuple(int(v) for v in s.split("x")) for s in os.environ["SHAPES"].split(",")]
 
@@ -229,13 +320,14 @@ def main() -> None:
     for name, fn in impls.items():
         for backward in (False, True):
             gg, uu = (g, u) if backward else (g.detach(), u.detach())
-            ms, host = time_eager(call_fn(fn, gg, uu, dy, backward), 2000)
+            ms, host = time_eager(call_fn(fn, gg, uu, dy, backward), reps(2000))
             emit(kind="host_overhead", impl=name, pass_="fwdbwd" if backward else "fwd", T=T, I=I,
-                 us_per_call=ms * 1e3, host_us=host)
+                 us_per_call=ms * 1e3, host_us=host, **dict(zip(("base", "config"), config_of(name))))
     bench_packed(kernel, T, I, copy_bw, host_only=True)
 
     for T, I in shapes:
         n = T * I
+        torch.compiler.reset()  # compiled code of the earlier shapes: no guard checks across shapes
         for name, fn in impls.items():
             try:
                 errs = check(name, fn, T, I)
@@ -250,14 +342,16 @@ def main() -> None:
                     gg, uu = (g, u) if backward else (g.detach(), u.detach())
                     call = call_fn(fn, gg, uu, dy, backward)
                     # >= ~5 ms of work per measurement (25 calls at 4096x6144 read 1-3% noisy)
-                    reps = max(50, min(2000, int(2e10 / (tensors * n * 2))))
-                    eager_ms, host = time_eager(call, reps)
-                    graph_ms = time_graph(call, 5, max(10, reps // 5))
+                    calls = reps(max(50, min(2000, int(2e10 / (tensors * n * 2)))))
+                    eager_ms, host = time_eager(call, calls)
+                    base, config = config_of(name)
+                    # (reduce-overhead replays its own CUDA graphs: none is captured around them)
+                    graph_ms = None if config == "reduce-overhead" else time_graph(call, 5, max(10, calls // 5))
                     nbytes = tensors * n * 2
                     emit(kind="swiglu", impl=name, pass_="fwdbwd" if backward else "fwd", T=T, I=I,
-                         eager_us=eager_ms * 1e3, graph_us=graph_ms * 1e3, host_us=host,
-                         frac_copy_eager=nbytes / (eager_ms * 1e-3) / copy_bw,
-                         frac_copy_graph=nbytes / (graph_ms * 1e-3) / copy_bw, **errs)
+                         eager_us=eager_ms * 1e3, graph_us=us(graph_ms), host_us=host,
+                         frac_copy_eager=frac_copy(nbytes, eager_ms, copy_bw),
+                         frac_copy_graph=frac_copy(nbytes, graph_ms, copy_bw), base=base, config=config, **errs)
                 del g, u, dy
             except Exception as e:  # noqa: BLE001
                 emit(kind="error", impl=name, T=T, I=I, error=f"{type(e).__name__}: {str(e)[:300]}")
