@@ -27,7 +27,12 @@ CAPABILITIES = range(70, 121)
 QWEN2_MOE = {"model_type": "qwen2_moe", "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 24,
              "shared_expert_intermediate_size": 40, "num_experts": 4, "num_experts_per_tok": 2,
              "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 64}
-REPORTED = {"SwiGLUMLP": "swiglu", "MoEExperts": "moe"}  # layer -> its repository (rows of the report)
+# ... and the same model as an fp8 checkpoint declares it: transformers loads its experts as FP8Experts
+QWEN2_MOE_FP8 = {**QWEN2_MOE, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                                      "activation_scheme": "dynamic"}}
+# the layers whose rows the report shows, per model config
+REPORTED = {"qwen2_moe": ({"SwiGLUMLP", "MoEExperts"}, QWEN2_MOE),
+            "qwen2_moe_fp8": ({"SwiGLUMLP", "MoEExpertsFP8"}, QWEN2_MOE_FP8)}
 
 
 def _copy_kernels(dst: Path) -> Path:
@@ -38,43 +43,49 @@ def _copy_kernels(dst: Path) -> Path:
 
 
 def _report_kernels(root: Path, tmp_path: Path, capsys) -> dict[object, dict[str, set[str]]]:
-    """{capability (None: cpu): {layer: kernels the report shows}} from `kernelhub report`."""
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(QWEN2_MOE))
+    """{capability (None: cpu): {layer: kernels the report shows}} from `kernelhub report` on each
+    model config of REPORTED."""
     pins = tmp_path / "kernelhub.toml"
     pins.write_text("")  # no pins: the mapping alone decides (not the working directory's config)
-    argv = ["report", "--config", str(config), "--kernelhub-config", str(pins)]
     caps = [a for c in CAPABILITIES for a in ("--capability", f"{c // 10}.{c % 10}")]
     shown: dict[object, dict[str, set[str]]] = {}
-    with use_kernel_mapping(default_kernel_mapping(root), inherit_mapping=False):
-        for args in (caps, ["--device", "cpu"]):
-            capsys.readouterr()
-            assert main([*argv, *args]) == 0
-            where = None
-            for line in capsys.readouterr().out.splitlines():
-                if line.startswith("=="):
-                    where = None if "cpu" in line else round(float(line.split()[-2]) * 10)
-                    shown[where] = {layer: set() for layer in REPORTED}
-                cells = line.split()
-                if len(cells) > 5 and cells[2] in REPORTED:
-                    shown[where][cells[2]].add(cells[5])
+    for name, (layers, model_config) in REPORTED.items():
+        config = tmp_path / f"{name}.json"
+        config.write_text(json.dumps(model_config))
+        argv = ["report", "--config", str(config), "--kernelhub-config", str(pins)]
+        with use_kernel_mapping(default_kernel_mapping(root), inherit_mapping=False):
+            for args in (caps, ["--device", "cpu"]):
+                capsys.readouterr()
+                assert main([*argv, *args]) == 0
+                where = None
+                for line in capsys.readouterr().out.splitlines():
+                    if line.startswith("=="):
+                        where = None if "cpu" in line else round(float(line.split()[-2]) * 10)
+                        shown.setdefault(where, {}).update({layer: set() for layer in layers})
+                    cells = line.split()
+                    if len(cells) > 5 and cells[2] in layers:
+                        shown[where][cells[2]].add(cells[5])
     return shown
 
 
 def _automatic(kernels: dict, fake_gpus, capability: int | None, monkeypatch) -> dict[str, str]:
-    """{repository: the variant its own automatic choice runs} on a (fake) GPU of `capability`."""
-    dispatch = kernels["swiglu"]._dispatch
+    """{layer: the variant its kernel's own automatic choice runs} on a (fake) GPU of `capability`."""
+    dispatch, moe = kernels["swiglu"]._dispatch, kernels["moe"]
     if capability is None:  # the CPU outside the test's Triton interpreter
         with monkeypatch.context() as m:
             m.setattr(dispatch, "_INTERPRET", False)
             swiglu = dispatch._resolve("swiglu", torch.ones(2, 8), None)
-        return {"swiglu": "reference" if swiglu is None else swiglu[0].name,
-                "moe": kernels["moe"].select_variant(torch.device("cpu"))}
-    fake_gpus.specs[0]["capability"] = capability
-    clear_device_caches()
-    swiglu = dispatch._resolve("swiglu", fake_cuda_tensor((2, 8), 0), None)
-    return {"swiglu": "reference" if swiglu is None else swiglu[0].name,
-            "moe": kernels["moe"].select_variant(torch.device("cuda", 0))}
+        device = torch.device("cpu")
+    else:
+        fake_gpus.specs[0]["capability"] = capability
+        clear_device_caches()
+        swiglu = dispatch._resolve("swiglu", fake_cuda_tensor((2, 8), 0), None)
+        device = torch.device("cuda", 0)
+    swiglu = "reference" if swiglu is None else swiglu[0].name
+    # fused_experts' own choices: 16-bit weights, and fp8 weights, by the table its fp8 layer names
+    fp8 = moe.select_variant_fp8(device)
+    assert fp8 == moe._variants.auto_variant(capability, moe._variants.layer_table("MoEExpertsFP8"))
+    return {"SiluAndMul": swiglu, "SwiGLUMLP": swiglu, "MoEExperts": moe.select_variant(device), "MoEExpertsFP8": fp8}
 
 
 def _assert_agreement(root: Path, fake_gpus, tmp_path: Path, capsys, monkeypatch) -> dict:
@@ -85,25 +96,28 @@ def _assert_agreement(root: Path, fake_gpus, tmp_path: Path, capsys, monkeypatch
     mapping = default_kernel_mapping(root)
     shown = _report_kernels(root, tmp_path, capsys)
     assert set(shown) == {*CAPABILITIES, None}
+    reported = {layer for layers, _ in REPORTED.values() for layer in layers}
+    assert kernels["moe"]._variants.layer_table("MoEExpertsFP8") == tables["moe"].dispatch_of("MoEExpertsFP8")
     chosen = {}
     for capability in [*CAPABILITIES, None]:
         auto = _automatic(kernels, fake_gpus, capability, monkeypatch)
         device = torch.device("cpu") if capability is None else torch.device("cuda", 0)
         chosen[capability] = {}
-        for repo, table in tables.items():
+        for table in tables.values():
             for layer in table.layers:
                 with use_kernel_mapping(mapping, inherit_mapping=False):
                     repository = resolve_repository(layer, device, capability, Mode.INFERENCE).repository
-                where = (repo, layer, capability)
+                where = (layer, capability)
                 if repository is None:  # no range declares it: kernelize keeps the module, impl=None still runs
-                    assert capability is not None and table.variant_for(capability) == table.other_cuda, where
-                    assert auto[repo] == table.other_cuda, where
+                    other_cuda = table.ranges_for(layer).other_cuda
+                    assert capability is not None and table.variant_for(capability, layer) == other_cuda, where
+                    assert auto[layer] == other_cuda, where
                     mapped = None
                 else:
                     mapped = table.variant_of(repository.layer_name)
-                    assert mapped == auto[repo] == table.variant_for(capability), where
+                    assert mapped == auto[layer] == table.variant_for(capability, layer), where
                 chosen[capability][layer] = mapped
-                if layer in REPORTED:
+                if layer in reported:
                     want = {"eager"} if mapped is None else {repository.layer_name}
                     assert shown[capability][layer] == want, where
     return chosen
@@ -113,11 +127,14 @@ def test_mapping_automatic_choice_and_report_agree_for_every_capability(fake_gpu
     pytest.importorskip("transformers")
     chosen = _assert_agreement(bundled_kernels_dir(), fake_gpus, tmp_path, capsys, monkeypatch)
     # what kernel.toml declares today, spelled out once
-    assert chosen[75] == {"SiluAndMul": None, "SwiGLUMLP": None, "MoEExperts": None}
-    assert chosen[86] == {"SiluAndMul": "sm80", "SwiGLUMLP": "sm80", "MoEExperts": "sm80"}
-    assert chosen[90] == {"SiluAndMul": "sm80", "SwiGLUMLP": "sm80", "MoEExperts": "sm90"}
-    assert chosen[100] == {"SiluAndMul": "sm80", "SwiGLUMLP": "sm80", "MoEExperts": "sm80"}
-    assert chosen[None] == {"SiluAndMul": "reference", "SwiGLUMLP": "reference", "MoEExperts": "reference"}
+    # (the fp8 layer from [dispatch_fp8]: fp8 tensor cores from sm89, where 16-bit experts run sm80)
+    assert chosen[75] == {"SiluAndMul": None, "SwiGLUMLP": None, "MoEExperts": None, "MoEExpertsFP8": None}
+    assert chosen[86] == {"SiluAndMul": "sm80", "SwiGLUMLP": "sm80", "MoEExperts": "sm80", "MoEExpertsFP8": "sm80"}
+    assert chosen[89] == {"SiluAndMul": "sm80", "SwiGLUMLP": "sm80", "MoEExperts": "sm80", "MoEExpertsFP8": "sm90"}
+    assert chosen[90] == {"SiluAndMul": "sm80", "SwiGLUMLP": "sm80", "MoEExperts": "sm90", "MoEExpertsFP8": "sm90"}
+    assert chosen[100] == {"SiluAndMul": "sm80", "SwiGLUMLP": "sm80", "MoEExperts": "sm80", "MoEExpertsFP8": "sm90"}
+    assert chosen[None] == {"SiluAndMul": "reference", "SwiGLUMLP": "reference", "MoEExperts": "reference",
+                            "MoEExpertsFP8": "reference"}
 
 
 def test_which_kernel_sm90_gets_is_one_line_of_kernel_toml(fake_gpus, tmp_path, capsys, monkeypatch):
