@@ -155,6 +155,21 @@ def test_which_kernel_sm90_gets_is_one_line_of_kernel_toml(fake_gpus, tmp_path, 
     assert get_local_kernel(bundled_kernels_dir() / "swiglu")._dispatch._AUTO_SM90 == "sm80"
 
 
+def test_the_fp8_layer_follows_its_own_table_and_the_16_bit_one_stays(fake_gpus, tmp_path, capsys, monkeypatch):
+    """Moving sm89 from fp8 tensor cores to W8A16 is two lines of [dispatch_fp8]: the fp8 layer's
+    mapping, fused_experts' fp8 choice and the report follow; MoEExperts ([dispatch]) does not move."""
+    pytest.importorskip("transformers")
+    root = _copy_kernels(tmp_path / "kernels_repo")
+    toml = root / "moe" / "kernel.toml"
+    text = toml.read_text()
+    fp8 = text.index("[dispatch_fp8]")
+    toml.write_text(text[:fp8] + text[fp8:].replace("[80, 88]", "[80, 89]", 1).replace("[89, 129]", "[90, 129]", 1))
+    chosen = _assert_agreement(root, fake_gpus, tmp_path, capsys, monkeypatch)
+    assert chosen[89]["MoEExpertsFP8"] == "sm80" and chosen[90]["MoEExpertsFP8"] == "sm90"
+    assert chosen[89]["MoEExperts"] == "sm80" and chosen[90]["MoEExperts"] == "sm90"
+    assert chosen[100]["MoEExperts"] == "sm80" and chosen[100]["MoEExpertsFP8"] == "sm90"
+
+
 class _LlamaLikeMLP(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -229,6 +244,9 @@ _GOOD = """
 cpu = "reference"
 other_cuda = "a"
 cuda = [ { capability = [80, 89], variant = "a" }, { capability = [90, 99], variant = "b" } ]
+[dispatch_x]
+cpu = "reference"
+cuda = [ { capability = [80, 129], variant = "c" } ]
 [layers.L]
 has_backward = true
 can_torch_compile = true
@@ -247,6 +265,17 @@ layer = "L"
 variant = "reference"
 has_backward = false
 can_torch_compile = true
+[layers.MC]
+layer = "M"
+variant = "c"
+dispatch = "dispatch_x"
+has_backward = true
+can_torch_compile = true
+[layers.MRef]
+layer = "M"
+variant = "reference"
+has_backward = true
+can_torch_compile = true
 """
 
 
@@ -261,6 +290,16 @@ can_torch_compile = true
         ('layer = "L"\nvariant = "a"', 'variant = "a"', r"`layers.LA` must set both `layer` and `variant`"),
         ("has_backward = false", 'has_backward = "no"', r"`layers.LRef.has_backward` must be true or false"),
         ("cuda = [", "cuda = 5 #", r"`dispatch.cuda` must be a list"),
+        ("[layers.L]\n", '[layers.L]\ndispatch = "dispatch_fp8"\n',
+         r"`layers.L.dispatch` must be the name of a dispatch table of this file "
+         r"\['dispatch', 'dispatch_x'\], got 'dispatch_fp8'"),
+        ("[layers.L]\n", '[layers.L]\ndispatch = "dispatch_x"\n', r"no \[layers.<class>\] of layer 'L' for "
+         r"variant 'c'"),
+        ("[layers.MRef]\n", '[layers.MRef]\ndispatch = "dispatch"\n',
+         r"the classes of layer 'M' name different dispatch tables"),
+        ('variant = "c"\ndispatch', 'variant = "d"\ndispatch', r"no \[layers.<class>\] of layer 'M' for variant 'c'"),
+        ("[dispatch_x]\n", '[dispatch_x]\ngpu = "a"\n', r"unknown key\(s\) \['gpu'\] in \[dispatch_x\]"),
+        ("[80, 129]", "[90, 80]", r"`dispatch_x.cuda\[0\].capability` must be \[min, max\]"),
     ],
 )
 def test_bad_declarations_are_errors_naming_the_file_and_key(tmp_path, old, new, message):
@@ -278,10 +317,14 @@ def test_a_kernel_toml_nested_too_deeply_is_an_error_naming_the_file(tmp_path):
 def test_a_good_declaration_reads_back(tmp_path):
     (tmp_path / "kernel.toml").write_text(_GOOD)
     table = read_dispatch_table(tmp_path)
-    assert table.layers == ["L"]
+    assert table.layers == ["L", "M"]
     assert [table.variant_for(c) for c in (None, 75, 80, 89, 90, 99, 100)] == [
         "reference", "a", "a", "a", "b", "b", "a"]
     assert table.class_for("L", "b") == "LB" and table.variant_of("L") is None
+    # layer M chooses from [dispatch_x], which its class MC names for every class of M
+    assert table.dispatch_of("L") == "dispatch" and table.dispatch_of("M") == "dispatch_x"
+    assert [table.variant_for(c, "M") for c in (None, 75, 80, 129)] == ["reference", None, "c", "c"]
+    assert table.class_for("M", "reference") == "MRef"
     with pytest.raises(TypeError, match="read_dispatch_table: `repo`"):
         read_dispatch_table(5)  # type: ignore[arg-type]
     with pytest.raises(FileNotFoundError, match="read_dispatch_table: `repo`: no kernel.toml"):
