@@ -319,3 +319,22 @@ def test_fp8_checkpoint_kernelized_with_the_w8a16_kernels(tmp_path, fp8_loading)
     with torch.no_grad():
         got = model(input_ids=ids).logits
     assert relative_error(got, want) < TOLERANCE
+
+
+def test_fp8_experts_implementation_follows_the_mapping_in_effect(fp8_loading):
+    """experts_implementation="kernelhub" on FP8Experts resolves MoEExpertsFP8 as kernelize would:
+    the default mapping (the reference on the CPU), or a mapping in effect at the call."""
+    module = fp8_experts(qwen3_config(), seed=4)
+    module.config._experts_implementation = "kernelhub"
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(6, 192, generator=g).bfloat16(), torch.rand(6, 2, generator=g)
+    idx = torch.randint(0, 4, (6, 2), generator=g)
+    with torch.no_grad():
+        reference = moe.layers.MoEExpertsFP8Reference.forward(module, x, idx, w)
+        w8a16 = moe.layers.MoEExpertsFP8Sm80.forward(module, x, idx, w)
+        assert not torch.equal(reference, w8a16)  # (so the two can be told apart)
+        torch.testing.assert_close(module(x, idx, w), reference, rtol=0, atol=0)
+        sm80 = {"MoEExpertsFP8": {Device("cpu"): LocalLayerRepository(MOE, layer_name="MoEExpertsFP8Sm80")}}
+        with use_kernel_mapping(sm80):
+            torch.testing.assert_close(module(x, idx, w), w8a16, rtol=0, atol=0)
+        torch.testing.assert_close(module(x, idx, w), reference, rtol=0, atol=0)  # the block has ended
