@@ -170,6 +170,18 @@ def test_the_fp8_layer_follows_its_own_table_and_the_16_bit_one_stays(fake_gpus,
     assert chosen[100]["MoEExperts"] == "sm80" and chosen[100]["MoEExpertsFP8"] == "sm90"
 
 
+def test_a_layer_naming_a_missing_table_is_refused_by_every_reader(tmp_path, capsys):
+    """A typo in a layer's `dispatch` must not fall back to [dispatch] (16-bit ranges for fp8 weights)."""
+    repo = _copy_kernels(tmp_path / "kernels_repo") / "moe"
+    toml = repo / "kernel.toml"
+    toml.write_text(toml.read_text().replace('dispatch = "dispatch_fp8"', 'dispatch = "dispatch_fp9"', 1))
+    assert main(["check", str(repo)]) == 2
+    assert "`layers.MoEExpertsFP8.dispatch` must be the name of a dispatch table" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"\[layers.MoEExpertsFP8\] `dispatch` must name a table of this file, "
+                                         r"got 'dispatch_fp9'"):
+        get_local_kernel(repo)  # the kernel's own reader: its layers read kernel.toml at import
+
+
 class _LlamaLikeMLP(torch.nn.Module):
     def __init__(self):
         super().__init__()
