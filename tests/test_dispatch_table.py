@@ -27,7 +27,12 @@ CAPABILITIES = range(70, 121)
 QWEN2_MOE = {"model_type": "qwen2_moe", "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 24,
              "shared_expert_intermediate_size": 40, "num_experts": 4, "num_experts_per_tok": 2,
              "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 64}
-REPORTED = {"SwiGLUMLP": "swiglu", "MoEExperts": "moe"}  # layer -> its repository (rows of the report)
+# ... and the same model as an fp8 checkpoint declares it: transformers loads its experts as FP8Experts
+QWEN2_MOE_FP8 = {**QWEN2_MOE, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                                      "activation_scheme": "dynamic"}}
+# the layers whose rows the report shows, per model config
+REPORTED = {"qwen2_moe": ({"SwiGLUMLP", "MoEExperts"}, QWEN2_MOE),
+            "qwen2_moe_fp8": ({"SwiGLUMLP", "MoEExpertsFP8"}, QWEN2_MOE_FP8)}
 
 
 def _copy_kernels(dst: Path) -> Path:
@@ -38,43 +43,49 @@ def _copy_kernels(dst: Path) -> Path:
 
 
 def _report_kernels(root: Path, tmp_path: Path, capsys) -> dict[object, dict[str, set[str]]]:
-    """{capability (None: cpu): {layer: kernels the report shows}} from `kernelhub report`."""
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(QWEN2_MOE))
+    """{capability (None: cpu): {layer: kernels the report shows}} from `kernelhub report` on each
+    model config of REPORTED."""
     pins = tmp_path / "kernelhub.toml"
     pins.write_text("")  # no pins: the mapping alone decides (not the working directory's config)
-    argv = ["report", "--config", str(config), "--kernelhub-config", str(pins)]
     caps = [a for c in CAPABILITIES for a in ("--capability", f"{c // 10}.{c % 10}")]
     shown: dict[object, dict[str, set[str]]] = {}
-    with use_kernel_mapping(default_kernel_mapping(root), inherit_mapping=False):
-        for args in (caps, ["--device", "cpu"]):
-            capsys.readouterr()
-            assert main([*argv, *args]) == 0
-            where = None
-            for line in capsys.readouterr().out.splitlines():
-                if line.startswith("=="):
-                    where = None if "cpu" in line else round(float(line.split()[-2]) * 10)
-                    shown[where] = {layer: set() for layer in REPORTED}
-                cells = line.split()
-                if len(cells) > 5 and cells[2] in REPORTED:
-                    shown[where][cells[2]].add(cells[5])
+    for name, (layers, model_config) in REPORTED.items():
+        config = tmp_path / f"{name}.json"
+        config.write_text(json.dumps(model_config))
+        argv = ["report", "--config", str(config), "--kernelhub-config", str(pins)]
+        with use_kernel_mapping(default_kernel_mapping(root), inherit_mapping=False):
+            for args in (caps, ["--device", "cpu"]):
+                capsys.readouterr()
+                assert main([*argv, *args]) == 0
+                where = None
+                for line in capsys.readouterr().out.splitlines():
+                    if line.startswith("=="):
+                        where = None if "cpu" in line else round(float(line.split()[-2]) * 10)
+                        shown.setdefault(where, {}).update({layer: set() for layer in layers})
+                    cells = line.split()
+                    if len(cells) > 5 and cells[2] in layers:
+                        shown[where][cells[2]].add(cells[5])
     return shown
 
 
 def _automatic(kernels: dict, fake_gpus, capability: int | None, monkeypatch) -> dict[str, str]:
-    """{repository: the variant its own automatic choice runs} on a (fake) GPU of `capability`."""
-    dispatch = kernels["swiglu"]._dispatch
+    """{layer: the variant its kernel's own automatic choice runs} on a (fake) GPU of `capability`."""
+    dispatch, moe = kernels["swiglu"]._dispatch, kernels["moe"]
     if capability is None:  # the CPU outside the test's Triton interpreter
         with monkeypatch.context() as m:
             m.setattr(dispatch, "_INTERPRET", False)
             swiglu = dispatch._resolve("swiglu", torch.ones(2, 8), None)
-        return {"swiglu": "reference" if swiglu is None else swiglu[0].name,
-                "moe": kernels["moe"].select_variant(torch.device("cpu"))}
-    fake_gpus.specs[0]["capability"] = capability
-    clear_device_caches()
-    swiglu = dispatch._resolve("swiglu", fake_cuda_tensor((2, 8), 0), None)
-    return {"swiglu": "reference" if swiglu is None else swiglu[0].name,
-            "moe": kernels["moe"].select_variant(torch.device("cuda", 0))}
+        device = torch.device("cpu")
+    else:
+        fake_gpus.specs[0]["capability"] = capability
+        clear_device_caches()
+        swiglu = dispatch._resolve("swiglu", fake_cuda_tensor((2, 8), 0), None)
+        device = torch.device("cuda", 0)
+    swiglu = "reference" if swiglu is None else swiglu[0].name
+    # fused_experts' own choices: 16-bit weights, and fp8 weights, by the table its fp8 layer names
+    fp8 = moe.select_variant_fp8(device)
+    assert fp8 == moe._variants.auto_variant(capability, moe._variants.layer_table("MoEExpertsFP8"))
+    return {"SiluAndMul": swiglu, "SwiGLUMLP": swiglu, "MoEExperts": moe.select_variant(device), "MoEExpertsFP8": fp8}
 
 
 def _assert_agreement(root: Path, fake_gpus, tmp_path: Path, capsys, monkeypatch) -> dict:
@@ -85,25 +96,28 @@ def _assert_agreement(root: Path, fake_gpus, tmp_path: Path, capsys, monkeypatch
     mapping = default_kernel_mapping(root)
     shown = _report_kernels(root, tmp_path, capsys)
     assert set(shown) == {*CAPABILITIES, None}
+    reported = {layer for layers, _ in REPORTED.values() for layer in layers}
+    assert kernels["moe"]._variants.layer_table("MoEExpertsFP8") == tables["moe"].dispatch_of("MoEExpertsFP8")
     chosen = {}
     for capability in [*CAPABILITIES, None]:
         auto = _automatic(kernels, fake_gpus, capability, monkeypatch)
         device = torch.device("cpu") if capability is None else torch.device("cuda", 0)
         chosen[capability] = {}
-        for repo, table in tables.items():
+        for table in tables.values():
             for layer in table.layers:
                 with use_kernel_mapping(mapping, inherit_mapping=False):
                     repository = resolve_repository(layer, device, capability, Mode.INFERENCE).repository
-                where = (repo, layer, capability)
+                where = (layer, capability)
                 if repository is None:  # no range declares it: kernelize keeps the module, impl=None still runs
-                    assert capability is not None and table.variant_for(capability) == table.other_cuda, where
-                    assert auto[repo] == table.other_cuda, where
+                    other_cuda = table.ranges_for(layer).other_cuda
+                    assert capability is not None and table.variant_for(capability, layer) == other_cuda, where
+                    assert auto[layer] == other_cuda, where
                     mapped = None
                 else:
                     mapped = table.variant_of(repository.layer_name)
-                    assert mapped == auto[repo] == table.variant_for(capability), where
+                    assert mapped == auto[layer] == table.variant_for(capability, layer), where
                 chosen[capability][layer] = mapped
-                if layer in REPORTED:
+                if layer in reported:
                     want = {"eager"} if mapped is None else {repository.layer_name}
                     assert shown[capability][layer] == want, where
     return chosen
@@ -113,11 +127,14 @@ def test_mapping_automatic_choice_and_report_agree_for_every_capability(fake_gpu
     pytest.importorskip("transformers")
     chosen = _assert_agreement(bundled_kernels_dir(), fake_gpus, tmp_path, capsys, monkeypatch)
     # what kernel.toml declares today, spelled out once
-    assert chosen[75] == {"SiluAndMul": None, "SwiGLUMLP": None, "MoEExperts": None}
-    assert chosen[86] == {"SiluAndMul": "sm80", "SwiGLUMLP": "sm80", "MoEExperts": "sm80"}
-    assert chosen[90] == {"SiluAndMul": "sm80", "SwiGLUMLP": "sm80", "MoEExperts": "sm90"}
-    assert chosen[100] == {"SiluAndMul": "sm80", "SwiGLUMLP": "sm80", "MoEExperts": "sm80"}
-    assert chosen[None] == {"SiluAndMul": "reference", "SwiGLUMLP": "reference", "MoEExperts": "reference"}
+    # (the fp8 layer from [dispatch_fp8]: fp8 tensor cores from sm89, where 16-bit experts run sm80)
+    assert chosen[75] == {"SiluAndMul": None, "SwiGLUMLP": None, "MoEExperts": None, "MoEExpertsFP8": None}
+    assert chosen[86] == {"SiluAndMul": "sm80", "SwiGLUMLP": "sm80", "MoEExperts": "sm80", "MoEExpertsFP8": "sm80"}
+    assert chosen[89] == {"SiluAndMul": "sm80", "SwiGLUMLP": "sm80", "MoEExperts": "sm80", "MoEExpertsFP8": "sm90"}
+    assert chosen[90] == {"SiluAndMul": "sm80", "SwiGLUMLP": "sm80", "MoEExperts": "sm90", "MoEExpertsFP8": "sm90"}
+    assert chosen[100] == {"SiluAndMul": "sm80", "SwiGLUMLP": "sm80", "MoEExperts": "sm80", "MoEExpertsFP8": "sm90"}
+    assert chosen[None] == {"SiluAndMul": "reference", "SwiGLUMLP": "reference", "MoEExperts": "reference",
+                            "MoEExpertsFP8": "reference"}
 
 
 def test_which_kernel_sm90_gets_is_one_line_of_kernel_toml(fake_gpus, tmp_path, capsys, monkeypatch):
@@ -136,6 +153,33 @@ def test_which_kernel_sm90_gets_is_one_line_of_kernel_toml(fake_gpus, tmp_path, 
     assert get_local_kernel(root / "swiglu")._dispatch._AUTO_SM90 == "sm90"
     # the bundled kernel still runs what its own kernel.toml says
     assert get_local_kernel(bundled_kernels_dir() / "swiglu")._dispatch._AUTO_SM90 == "sm80"
+
+
+def test_the_fp8_layer_follows_its_own_table_and_the_16_bit_one_stays(fake_gpus, tmp_path, capsys, monkeypatch):
+    """Moving sm89 from fp8 tensor cores to W8A16 is two lines of [dispatch_fp8]: the fp8 layer's
+    mapping, fused_experts' fp8 choice and the report follow; MoEExperts ([dispatch]) does not move."""
+    pytest.importorskip("transformers")
+    root = _copy_kernels(tmp_path / "kernels_repo")
+    toml = root / "moe" / "kernel.toml"
+    text = toml.read_text()
+    fp8 = text.index("[dispatch_fp8]")
+    toml.write_text(text[:fp8] + text[fp8:].replace("[80, 88]", "[80, 89]", 1).replace("[89, 129]", "[90, 129]", 1))
+    chosen = _assert_agreement(root, fake_gpus, tmp_path, capsys, monkeypatch)
+    assert chosen[89]["MoEExpertsFP8"] == "sm80" and chosen[90]["MoEExpertsFP8"] == "sm90"
+    assert chosen[89]["MoEExperts"] == "sm80" and chosen[90]["MoEExperts"] == "sm90"
+    assert chosen[100]["MoEExperts"] == "sm80" and chosen[100]["MoEExpertsFP8"] == "sm90"
+
+
+def test_a_layer_naming_a_missing_table_is_refused_by_every_reader(tmp_path, capsys):
+    """A typo in a layer's `dispatch` must not fall back to [dispatch] (16-bit ranges for fp8 weights)."""
+    repo = _copy_kernels(tmp_path / "kernels_repo") / "moe"
+    toml = repo / "kernel.toml"
+    toml.write_text(toml.read_text().replace('dispatch = "dispatch_fp8"', 'dispatch = "dispatch_fp9"', 1))
+    assert main(["check", str(repo)]) == 2
+    assert "`layers.MoEExpertsFP8.dispatch` must be the name of a dispatch table" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"\[layers.MoEExpertsFP8\] `dispatch` must name a table of this file, "
+                                         r"got 'dispatch_fp9'"):
+        get_local_kernel(repo)  # the kernel's own reader: its layers read kernel.toml at import
 
 
 class _LlamaLikeMLP(torch.nn.Module):
@@ -212,6 +256,9 @@ _GOOD = """
 cpu = "reference"
 other_cuda = "a"
 cuda = [ { capability = [80, 89], variant = "a" }, { capability = [90, 99], variant = "b" } ]
+[dispatch_x]
+cpu = "reference"
+cuda = [ { capability = [80, 129], variant = "c" } ]
 [layers.L]
 has_backward = true
 can_torch_compile = true
@@ -230,6 +277,17 @@ layer = "L"
 variant = "reference"
 has_backward = false
 can_torch_compile = true
+[layers.MC]
+layer = "M"
+variant = "c"
+dispatch = "dispatch_x"
+has_backward = true
+can_torch_compile = true
+[layers.MRef]
+layer = "M"
+variant = "reference"
+has_backward = true
+can_torch_compile = true
 """
 
 
@@ -244,6 +302,16 @@ can_torch_compile = true
         ('layer = "L"\nvariant = "a"', 'variant = "a"', r"`layers.LA` must set both `layer` and `variant`"),
         ("has_backward = false", 'has_backward = "no"', r"`layers.LRef.has_backward` must be true or false"),
         ("cuda = [", "cuda = 5 #", r"`dispatch.cuda` must be a list"),
+        ("[layers.L]\n", '[layers.L]\ndispatch = "dispatch_fp8"\n',
+         r"`layers.L.dispatch` must be the name of a dispatch table of this file "
+         r"\['dispatch', 'dispatch_x'\], got 'dispatch_fp8'"),
+        ("[layers.L]\n", '[layers.L]\ndispatch = "dispatch_x"\n', r"no \[layers.<class>\] of layer 'L' for "
+         r"variant 'c'"),
+        ("[layers.MRef]\n", '[layers.MRef]\ndispatch = "dispatch"\n',
+         r"the classes of layer 'M' name different dispatch tables"),
+        ('variant = "c"\ndispatch', 'variant = "d"\ndispatch', r"no \[layers.<class>\] of layer 'M' for variant 'c'"),
+        ("[dispatch_x]\n", '[dispatch_x]\ngpu = "a"\n', r"unknown key\(s\) \['gpu'\] in \[dispatch_x\]"),
+        ("[80, 129]", "[90, 80]", r"`dispatch_x.cuda\[0\].capability` must be \[min, max\]"),
     ],
 )
 def test_bad_declarations_are_errors_naming_the_file_and_key(tmp_path, old, new, message):
@@ -261,10 +329,14 @@ def test_a_kernel_toml_nested_too_deeply_is_an_error_naming_the_file(tmp_path):
 def test_a_good_declaration_reads_back(tmp_path):
     (tmp_path / "kernel.toml").write_text(_GOOD)
     table = read_dispatch_table(tmp_path)
-    assert table.layers == ["L"]
+    assert table.layers == ["L", "M"]
     assert [table.variant_for(c) for c in (None, 75, 80, 89, 90, 99, 100)] == [
         "reference", "a", "a", "a", "b", "b", "a"]
     assert table.class_for("L", "b") == "LB" and table.variant_of("L") is None
+    # layer M chooses from [dispatch_x], which its class MC names for every class of M
+    assert table.dispatch_of("L") == "dispatch" and table.dispatch_of("M") == "dispatch_x"
+    assert [table.variant_for(c, "M") for c in (None, 75, 80, 129)] == ["reference", None, "c", "c"]
+    assert table.class_for("M", "reference") == "MRef"
     with pytest.raises(TypeError, match="read_dispatch_table: `repo`"):
         read_dispatch_table(5)  # type: ignore[arg-type]
     with pytest.raises(FileNotFoundError, match="read_dispatch_table: `repo`: no kernel.toml"):

@@ -1,8 +1,9 @@
 """The mapping kernelhub registers at import, built from the bundled kernel repositories' kernel.toml.
 
 Each repository under `kernels_repo/` declares in its kernel.toml which variant serves which
-capability (`[dispatch]`) and which layer class runs each variant (`[layers]`); this module turns
-those declarations into `{layer: {Device: LocalLayerRepository}}` and holds no capability of its own.
+capability (`[dispatch]`, or the `[dispatch_<name>]` table a layer names, e.g. `[dispatch_fp8]`) and
+which layer class runs each variant (`[layers]`); this module turns those declarations into
+`{layer: {Device: LocalLayerRepository}}` and holds no capability of its own.
 """
 
 from __future__ import annotations
@@ -40,19 +41,21 @@ def bundled_repositories(root: Path | None = None) -> list[Path]:
 def kernel_mapping_from(repo: str | Path) -> dict[str, dict[Device, LocalLayerRepository]]:
     """`{layer: {Device: LocalLayerRepository}}` for one kernel repository, as its kernel.toml declares.
 
-    A CUDA range maps to the class of its variant; a capability in no range gets no entry (kernelize
-    keeps the module's own forward there, and says so).
+    Each layer reads its own table (`[dispatch]` unless its classes name another): a CUDA range maps
+    to the class of its variant; a capability in no range gets no entry (kernelize keeps the
+    module's own forward there, and says so).
     """
     repo = Path(repo)
     table = read_dispatch_table(repo)
     mapping: dict[str, dict[Device, LocalLayerRepository]] = {}
     for layer in table.layers:
+        ranges = table.ranges_for(layer)
         entries: dict[Device, LocalLayerRepository] = {}
-        for r in table.cuda:
+        for r in ranges.cuda:
             device = Device("cuda", properties=CUDAProperties(r.min_capability, r.max_capability))
             entries[device] = LocalLayerRepository(repo, layer_name=table.class_for(layer, r.variant))
-        if table.cpu is not None:
-            entries[Device("cpu")] = LocalLayerRepository(repo, layer_name=table.class_for(layer, table.cpu))
+        if ranges.cpu is not None:
+            entries[Device("cpu")] = LocalLayerRepository(repo, layer_name=table.class_for(layer, ranges.cpu))
         if entries:
             mapping[layer] = entries
     return mapping

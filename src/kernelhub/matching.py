@@ -5,7 +5,8 @@ modules are found by shape (`BY_SHAPE`). Shape alone does not make a module the 
 another activation, or one that clamps on the way, has the shape of SwiGLUMLP): the kernel
 repository that declares the layer knows, and says so through its layer class's
 `mismatch_reason(module)` (kernels_repo/swiglu: the activation and the forward's maths; moe: a
-forward that takes the routing). This module holds no layer's knowledge beyond its shape.
+forward that takes the routing, and 16-bit weights for MoEExperts, fp8 ones with block scales for
+MoEExpertsFP8). This module holds no layer's knowledge beyond its shape.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 __all__ = ["BY_SHAPE", "LayerMatch", "match_layer", "mismatch_reason"]
@@ -34,6 +36,15 @@ def _stacked_experts(module: nn.Module) -> bool:
             and isinstance(down, nn.Parameter) and gate_up.dim() == 3 and down.dim() == 3)
 
 
+def _fp8_stacked_experts(module: nn.Module) -> bool:
+    """transformers `FP8Experts`: stacked experts in 8-bit floats, or with `gate_up_proj_scale_inv`
+    block scales beside them (checked before the 16-bit experts, which it would match too)."""
+    if not _stacked_experts(module):
+        return False
+    return module.gate_up_proj.element_size() == 1 or isinstance(getattr(module, "gate_up_proj_scale_inv", None),
+                                                                torch.Tensor)
+
+
 def _gated_mlp(module: nn.Module) -> bool:
     """A gated MLP: `gate_proj`, `up_proj` and `down_proj` linears."""
     return all(isinstance(getattr(module, a, None), nn.Linear) for a in ("gate_proj", "up_proj", "down_proj"))
@@ -42,6 +53,7 @@ def _gated_mlp(module: nn.Module) -> bool:
 # The layers found by shape, first match wins: (layer name, shape). One line per such layer; the
 # layer's kernel repository (kernels_repo/<name>, kernel.toml declares the layer) decides the rest.
 BY_SHAPE: tuple[tuple[str, Callable[[nn.Module], bool]], ...] = (
+    ("MoEExpertsFP8", _fp8_stacked_experts),
     ("MoEExperts", _stacked_experts),
     ("SwiGLUMLP", _gated_mlp),
 )

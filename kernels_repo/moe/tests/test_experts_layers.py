@@ -73,7 +73,9 @@ def test_layer_classes_declare_backward_as_kernel_toml_lists_them():
     tomllib = pytest.importorskip("tomllib")
     meta = tomllib.loads((Path(__file__).resolve().parents[1] / "kernel.toml").read_text())
     assert meta["name"] == "moe" and isinstance(meta["version"], int) and meta["description"]
-    assert sorted(meta["layers"]) == sorted(["MoEExperts", "MoEExpertsSm90", "MoEExpertsSm80", "MoEExpertsReference"])
+    assert sorted(meta["layers"]) == sorted(["MoEExperts", "MoEExpertsSm90", "MoEExpertsSm80", "MoEExpertsReference",
+                                             "MoEExpertsFP8", "MoEExpertsFP8Sm90", "MoEExpertsFP8Sm80",
+                                             "MoEExpertsFP8Reference"])
     for name, entry in meta["layers"].items():
         cls = getattr(moe.layers, name)
         assert cls.has_backward is True and entry["has_backward"] is True

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -60,14 +61,34 @@ def _transformers_config(args):
 
 
 def build_meta_model(config) -> torch.nn.Module:
-    """The model for a transformers config, on the meta device (a causal-LM head where the type has one)."""
+    """The model for a transformers config, on the meta device (a causal-LM head where the type has
+    one), with the modules a pre-quantized checkpoint of that config loads as (e.g. `FP8Experts`)."""
     from transformers import AutoModel, AutoModelForCausalLM
 
     with torch.device("meta"):
         try:
-            return AutoModelForCausalLM.from_config(config)
+            model = AutoModelForCausalLM.from_config(config)
         except ValueError:  # no causal-LM class for this type
-            return AutoModel.from_config(config)
+            model = AutoModel.from_config(config)
+    return _as_quantized(model, config)
+
+
+def _as_quantized(model: torch.nn.Module, config) -> torch.nn.Module:
+    """`model` with the modules `from_pretrained` swaps in for the config's `quantization_config`
+    (fp8 checkpoints: `FP8Experts`, which kernelize serves with another layer than 16-bit experts),
+    as on a GPU machine (transformers dequantizes fp8 on a machine without one). Unchanged, with a
+    note, where this transformers cannot build them (a quantization library that is not installed)."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return model
+    try:
+        from transformers.quantizers import AutoHfQuantizer
+
+        AutoHfQuantizer.from_config(quantization, pre_quantized=True).preprocess_model(model)
+    except Exception as e:  # noqa: BLE001 - report the unquantized modules rather than nothing
+        print(f"report: note: the model's quantization_config could not be applied ({type(e).__name__}: {e}); "
+              "reporting its unquantized modules", file=sys.stderr)
+    return model
 
 
 def _mode(name: str, compile_: bool):

@@ -8,8 +8,8 @@ pins of `kernelhub.toml` / `[tool.kernelhub]` in the working directory, the laye
 kernel that cannot be loaded or used leaves that module eager, with a warning.
 
 transformers' `FP8Experts` (block-quantized fp8 checkpoints) have their own interface; "kernelhub"
-there runs the bundled moe kernel's fp8 path (its own `[dispatch_fp8]` choice per device), and
-modules it cannot serve run their eager forward.
+there resolves the `MoEExpertsFP8` layer the same way (the default mapping: kernel.toml's
+`[dispatch_fp8]`), and modules it cannot serve run their eager forward.
 
 Importing transformers' MoE integration costs seconds, so `import kernelhub` does not do it: it
 registers at once if transformers is already imported and otherwise when it is imported.
@@ -45,8 +45,8 @@ __all__ = [
 EXPERTS_IMPLEMENTATION = "kernelhub"
 _MOE_MODULE = "transformers.integrations.moe"
 _FP8_MODULE = "transformers.integrations.finegrained_fp8"
-# (class, device, mode) -> (the mapping it was resolved under, layer class or None for eager)
-_cache: dict[tuple[type, torch.device, Mode], tuple[object, type[nn.Module] | None]] = {}
+# (layer name, class, device, mode) -> (the mapping it was resolved under, layer class or None for eager)
+_cache: dict[tuple[str, type, torch.device, Mode], tuple[object, type[nn.Module] | None]] = {}
 _MAX_CACHED = 256  # each use_kernel_mapping block is a new mapping, so a new resolution
 # in a module's __dict__: (id of the layer class, mode, whether it may serve the module); the id,
 # not the class, so that pickling the model does not reference a dynamically loaded kernel module
@@ -59,18 +59,18 @@ def _eager_forward(module: nn.Module) -> Callable:
     return getattr(forward, "__wrapped__", forward)
 
 
-def _layer_for(module: nn.Module, device: torch.device, mode: Mode) -> Callable | None:
-    """The MoEExperts layer forward for this class, device and mode, resolved as kernelize does
+def _layer_for(module: nn.Module, device: torch.device, mode: Mode, layer_name: str = "MoEExperts") -> Callable | None:
+    """The `layer_name` layer forward for this class, device and mode, resolved as kernelize does
     (mapping in effect, then the pins of the working directory's config, then the layer's checks);
     None: eager. Resolved again when the mapping in effect changes."""
-    key = (type(module), device, mode)
+    key = (layer_name, type(module), device, mode)
     hit = _cache.get(key)
     # While torch.compile traces, a resolution made earlier is used as it is: the mapping in effect
     # is a context variable, which Dynamo cannot read without breaking the graph (a compiled model
     # follows a later mapping change after `torch._dynamo.reset()`).
     mapping = None if hit is not None and torch.compiler.is_compiling() else mapping_in_effect()
     if hit is None or (mapping is not None and hit[0] is not mapping):
-        choice = choose_layer(module, "MoEExperts", device, mode, load_config(None))
+        choice = choose_layer(module, layer_name, device, mode, load_config(None))
         if choice.layer is None and choice.repository is not None:
             # found but unusable (a failed download, a layer that does not fit): say so, run eager
             warnings.warn(f"kernelhub experts implementation: {type(module).__name__} on {device} runs "
@@ -93,28 +93,31 @@ def _layer_for(module: nn.Module, device: torch.device, mode: Mode) -> Callable 
     return layer.forward if fits[2] else None
 
 
-def kernelhub_experts_forward(
-    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-) -> torch.Tensor:
-    """transformers experts forward: the MoEExperts kernel for hidden_states' device, else eager."""
+def _experts_forward(self: nn.Module, layer_name: str, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor) -> torch.Tensor:
     training = torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters(recurse=False))
     mode = Mode.TRAINING if training else Mode.INFERENCE
-    forward = _layer_for(self, hidden_states.device, mode)
+    forward = _layer_for(self, hidden_states.device, mode, layer_name)
     if forward is None:
         forward = _eager_forward(self)
     return forward(self, hidden_states, top_k_index, top_k_weights)
 
 
+def kernelhub_experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """transformers experts forward: the MoEExperts kernel for hidden_states' device, else eager."""
+    return _experts_forward(self, "MoEExperts", hidden_states, top_k_index, top_k_weights)
+
+
 def kernelhub_fp8_experts_forward(
     self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
-    """transformers FP8Experts forward: the bundled moe kernel's fp8 path, else eager."""
-    from kernelhub.default_mapping import bundled_kernels_dir
-    from kernelhub.hub import get_local_kernel
+    """transformers FP8Experts forward: the MoEExpertsFP8 kernel for hidden_states' device, else eager.
 
-    # loaded once per process (get_local_kernel caches the import by path)
-    return get_local_kernel(bundled_kernels_dir() / "moe").layers.fp8_experts_forward(
-        self, hidden_states, top_k_index, top_k_weights)
+    transformers' fp8 weights are Parameters that require grad: a forward with grad enabled resolves
+    for TRAINING (the fp8 layers have a backward for the activations and routing weights)."""
+    return _experts_forward(self, "MoEExpertsFP8", hidden_states, top_k_index, top_k_weights)
 
 
 def register_experts_implementation() -> None:

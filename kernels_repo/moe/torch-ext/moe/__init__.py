@@ -4,12 +4,18 @@ from . import layers
 from .experts import VARIANTS, fused_experts, select_variant, select_variant_fp8
 from .layers import (
     MoEExperts,
+    MoEExpertsFP8,
+    MoEExpertsFP8Reference,
+    MoEExpertsFP8Sm80,
+    MoEExpertsFP8Sm90,
     MoEExpertsReference,
     MoEExpertsSm80,
     MoEExpertsSm90,
     experts_forward,
     fp8_experts_forward,
+    fp8_mismatch_reason,
     fp8_unsupported_reason,
+    mismatch_reason,
     unsupported_reason,
 )
 from .reference_experts import fused_experts_reference
@@ -31,6 +37,10 @@ from .routing import (
 __all__ = [
     "VARIANTS",
     "MoEExperts",
+    "MoEExpertsFP8",
+    "MoEExpertsFP8Reference",
+    "MoEExpertsFP8Sm80",
+    "MoEExpertsFP8Sm90",
     "MoEExpertsReference",
     "MoEExpertsSm80",
     "MoEExpertsSm90",
@@ -39,6 +49,7 @@ __all__ = [
     "expand_to_fused",
     "experts_forward",
     "fp8_experts_forward",
+    "fp8_mismatch_reason",
     "fp8_unsupported_reason",
     "fused_experts",
     "fused_experts_fp8_reference",
@@ -49,6 +60,7 @@ __all__ = [
     "inplace_unique_group_indices",
     "layers",
     "mask_indices_by_tp",
+    "mismatch_reason",
     "normalize_weight",
     "quantize_blocks",
     "reduce_fused",

@@ -6,6 +6,11 @@ Qwen3MoeExperts, MixtralExperts, Qwen2MoeExperts, DeepseekV3Experts and OlmoeExp
 [gate; up] concatenated, no bias, SiLU, ids == E skipped (the EP sentinel). GptOssExperts differs
 (transposed [E, H, 2I], interleaved gate/up, biases, clamped gate, alpha): `unsupported_reason`
 says so, and kernelize should keep its forward.
+
+transformers' `FP8Experts` (fp8 block-quantized checkpoints, `FineGrainedFP8Config`) holds the same
+layout in float8_e4m3fn with `gate_up_proj_scale_inv` / `down_proj_scale_inv`: the layer
+`MoEExpertsFP8*` serves it, and each layer's `mismatch_reason` turns the other kind down, so fp8
+weights never reach the 16-bit kernels nor 16-bit weights the fp8 ones.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ def unsupported_reason(module: nn.Module) -> str | None:
     dn = getattr(module, "down_proj", None)
     if not isinstance(gu, torch.Tensor) or not isinstance(dn, torch.Tensor):
         return f"{name}: needs tensors `gate_up_proj` and `down_proj` (separate up_proj is not supported)"
+    if _holds_fp8(module):
+        return f"{name}: fp8 expert weights ({gu.dtype}) are served by layer MoEExpertsFP8, not MoEExperts"
     if getattr(module, "is_transposed", False):
         return f"{name}: transposed expert weights ([E, H, 2I]) are not supported"
     if not getattr(module, "is_concatenated", True):
@@ -58,11 +65,22 @@ def unsupported_reason(module: nn.Module) -> str | None:
     return None
 
 
-def mismatch_reason(module: nn.Module) -> str | None:
-    """Why a module kernelhub found by its shape (an `*Experts` class with stacked 3-D weights) is not
-    MoEExperts, or None: its forward must take the routing as transformers v5 `*Experts` do,
-    (hidden_states, top_k_index, top_k_weights). Llama4TextExperts takes hidden states already sorted
-    per expert and no routing; binding MoEExperts there would misread its inputs whatever the weights."""
+_FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+                    if hasattr(torch, n))
+_SCALES = ("gate_up_proj_scale_inv", "down_proj_scale_inv")
+
+
+def _holds_fp8(module: nn.Module) -> bool:
+    """Expert weights stored in 8 bits, or block scales beside them (transformers `FP8Experts`)."""
+    weights = (getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None))
+    return (any(isinstance(w, torch.Tensor) and w.dtype in _FP8_DTYPES for w in weights)
+            or any(isinstance(getattr(module, s, None), torch.Tensor) for s in _SCALES))
+
+
+def _routing_mismatch(module: nn.Module, layer: str) -> str | None:
+    """Why the module's forward does not take the routing as transformers v5 `*Experts` do,
+    (hidden_states, top_k_index, top_k_weights), or None. Llama4TextExperts takes hidden states
+    already sorted per expert and no routing; binding the layer there would misread its inputs."""
     cls = type(module)
     try:
         every = list(inspect.signature(cls.forward).parameters.values())
@@ -72,8 +90,33 @@ def mismatch_reason(module: nn.Module) -> str | None:
     if len(params) >= 3 or any(p.kind is p.VAR_POSITIONAL for p in every):
         return None
     names = ", ".join(p.name for p in params)
-    return (f"{cls.__name__}.forward({names}) takes no routing; MoEExperts replaces "
+    return (f"{cls.__name__}.forward({names}) takes no routing; {layer} replaces "
             "forward(hidden_states, top_k_index, top_k_weights)")
+
+
+def mismatch_reason(module: nn.Module) -> str | None:
+    """Why a module kernelhub found by its shape (an `*Experts` class with stacked 3-D weights) is not
+    MoEExperts, or None: its forward must take the routing, and its weights must not be fp8 (an
+    `FP8Experts` module is layer MoEExpertsFP8: the 16-bit kernels would read its bytes as numbers)."""
+    if _holds_fp8(module):
+        return (f"{type(module).__name__}: fp8 expert weights with block scales are layer MoEExpertsFP8, "
+                "not MoEExperts")
+    return _routing_mismatch(module, "MoEExperts")
+
+
+def fp8_mismatch_reason(module: nn.Module) -> str | None:
+    """Why a module found by its shape is not MoEExpertsFP8, or None: float8 `gate_up_proj` /
+    `down_proj` with `*_scale_inv` tensors beside them (transformers `FP8Experts`), and a forward
+    that takes the routing. 16-bit experts are MoEExperts."""
+    name = type(module).__name__
+    gu, dn = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not all(isinstance(w, torch.Tensor) and w.dtype in _FP8_DTYPES for w in (gu, dn)):
+        dtypes = "/".join(str(getattr(w, "dtype", None)) for w in (gu, dn))
+        return f"{name}: expert weights {dtypes} are not fp8: 16-bit experts are layer MoEExperts"
+    missing = [s for s in _SCALES if not isinstance(getattr(module, s, None), torch.Tensor)]
+    if missing:
+        return f"{name}: fp8 weights without block scales {missing} are not MoEExpertsFP8 (FP8Experts)"
+    return _routing_mismatch(module, "MoEExpertsFP8")
 
 
 # `unsupported_reason` reads ~15 attributes, most of them absent (an AttributeError each through
@@ -203,6 +246,25 @@ def fp8_unsupported_reason(module: nn.Module) -> str | None:
     return None
 
 
+def _run_fp8(fn: str, module: nn.Module, hidden_states, top_k_index, top_k_weights, variant: str | None,
+             checked: bool = False):
+    if not checked:
+        reason = fp8_unsupported_reason(module)
+        if reason is not None:
+            raise ValueError(f"{fn}: {reason}")
+    T, K = _check_inputs(fn, module, hidden_states, top_k_index, top_k_weights)
+    x = hidden_states.reshape(T, hidden_states.shape[-1])  # activations stay 16/32-bit (quantized in-kernel)
+    if torch._C._are_functorch_transforms_active():  # (vmap, grad, ...: the kernels cannot run there)
+        variant = "reference"
+    out = fused_experts(x, module.gate_up_proj, module.down_proj, top_k_index.reshape(T, K),
+                        top_k_weights.reshape(T, K), variant=variant, check_indices=False,
+                        gate_up_proj_scale_inv=module.gate_up_proj_scale_inv,
+                        down_proj_scale_inv=module.down_proj_scale_inv, block_size=tuple(module.block_size))
+    if out.dtype != hidden_states.dtype:
+        out = out.to(hidden_states.dtype)
+    return out.view(hidden_states.shape)
+
+
 def fp8_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                         top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers `FP8ExpertsInterface` implementation "kernelhub" for `FP8Experts` modules
@@ -217,13 +279,7 @@ def fp8_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_inde
         if eager is None:
             raise ValueError(f"{fn}: {reason}; no eager forward to fall back to")
         return eager(self, hidden_states, top_k_index, top_k_weights)
-    T, K = _check_inputs(fn, self, hidden_states, top_k_index, top_k_weights)
-    x = hidden_states.reshape(T, hidden_states.shape[-1])  # activations stay 16/32-bit (quantized in-kernel)
-    variant = "reference" if torch._C._are_functorch_transforms_active() else None
-    out = fused_experts(x, self.gate_up_proj, self.down_proj, top_k_index.reshape(T, K), top_k_weights.reshape(T, K),
-                        variant=variant, check_indices=False, gate_up_proj_scale_inv=self.gate_up_proj_scale_inv,
-                        down_proj_scale_inv=self.down_proj_scale_inv, block_size=tuple(self.block_size))
-    return out.view(hidden_states.shape)
+    return _run_fp8(fn, self, hidden_states, top_k_index, top_k_weights, None, checked=True)
 
 
 class MoEExperts(nn.Module):
@@ -261,6 +317,42 @@ class MoEExpertsReference(MoEExperts):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         return _run("MoEExperts.forward", self, hidden_states, top_k_index, top_k_weights, "reference")
+
+
+class MoEExpertsFP8(nn.Module):
+    """fused_experts on a transformers `FP8Experts` module's fp8 weights and block scales; variant by
+    the input device's capability as kernel.toml's [dispatch_fp8] says."""
+
+    unsupported_reason = staticmethod(fp8_unsupported_reason)
+    mismatch_reason = staticmethod(fp8_mismatch_reason)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        return _run_fp8("MoEExpertsFP8.forward", self, hidden_states, top_k_index, top_k_weights, None)
+
+
+class MoEExpertsFP8Sm90(MoEExpertsFP8):
+    """fp8 tensor cores (sm89 and later): activations quantized per token and 128-column group."""
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        return _run_fp8("MoEExpertsFP8.forward", self, hidden_states, top_k_index, top_k_weights, "sm90")
+
+
+class MoEExpertsFP8Sm80(MoEExpertsFP8):
+    """W8A16 (GPUs without fp8 tensor cores): fp8 weights converted to 16 bits in registers."""
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        return _run_fp8("MoEExpertsFP8.forward", self, hidden_states, top_k_index, top_k_weights, "sm80")
+
+
+class MoEExpertsFP8Reference(MoEExpertsFP8):
+    """Torch reference on the dequantized weights (CPU, or any device without a Triton path)."""
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        return _run_fp8("MoEExpertsFP8.forward", self, hidden_states, top_k_index, top_k_weights, "reference")
 
 
 def _declare_attributes() -> None:

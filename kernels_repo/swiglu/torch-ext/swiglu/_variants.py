@@ -16,7 +16,7 @@ try:
 except ImportError:  # Python 3.10 (tomli is a declared dependency there)
     import tomli as tomllib  # type: ignore[no-redef]
 
-__all__ = ["auto_variant", "declared_layers", "kernel_toml"]
+__all__ = ["auto_variant", "declared_layers", "kernel_toml", "layer_table"]
 
 
 def kernel_toml() -> Path:
@@ -38,6 +38,10 @@ def _parse(path: Path) -> dict:
     dispatch, layers = data.get("dispatch"), data.get("layers")
     if not isinstance(dispatch, dict) or not isinstance(layers, dict):
         raise ValueError(f"{path}: needs a [dispatch] table and [layers.<class>] tables")
+    for name, spec in layers.items():  # a layer's own table must exist: never [dispatch] by mistake
+        table = spec.get("dispatch", "dispatch") if isinstance(spec, dict) else "dispatch"
+        if not isinstance(table, str) or not isinstance(data.get(table), dict):
+            raise ValueError(f"{path}: [layers.{name}] `dispatch` must name a table of this file, got {table!r}")
     return data
 
 
@@ -70,6 +74,15 @@ def _lookup(capability: int | None, table: str) -> str:
         where = "the CPU" if capability is None else f"capability {capability}"
         raise ValueError(f"{kernel_toml()}: [{table}] needs `{key}` (the variant for {where})")
     return dispatch[key]
+
+
+def layer_table(layer: str) -> str:
+    """The table `layer` chooses its variant from: the `dispatch` key of one of its classes
+    ([layers.<class>] with `layer = ...`, or the class named as the layer), else [dispatch]."""
+    for name, spec in _table()["layers"].items():
+        if (spec.get("layer", name) == layer) and "dispatch" in spec:
+            return spec["dispatch"]
+    return "dispatch"
 
 
 def declared_layers() -> list[tuple[str, dict]]:
