@@ -210,3 +210,22 @@ def test_every_fp8_tune_candidate_is_a_valid_bucket(tune, block_m, rows_per_expe
             fp8c.check_fp8_bucket(bucket, f"candidate {c}", "sm80")
             rows = c.get("BLOCK_M", block_m)
             assert rows * c["BLOCK_N"] * (2 if stage == "gate_up" else 1) <= 64 * 32 * c["num_warps"]
+
+
+@pytest.mark.skipif(tuple(int(v) for v in __import__("triton").__version__.split(".")[:2]) < (3, 7),
+                    reason="compile_check.py builds ASTSource signatures in Triton 3.7's format")
+def test_shipped_sm90_fp8_tiles_compile_without_spills_within_shared_memory(tmp_path):
+    """tools/compile_fp8_sm90.py (ptxas through Triton AOT, no GPU): every shipped sm90 bucket, both
+    stages, both 16-bit dtypes, the in-load quantization and the quantize pass."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[3] / "tools" / "compile_fp8_sm90.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900, env=env)
+    assert res.returncode == 0 and "over budget or failed: 0" in res.stdout, (res.stdout[-3000:], res.stderr[-3000:])
+    shipped = json.loads((fp8c._DIR / "fp8_sm90.json").read_text())["buckets"]
+    in_load = sum(not b.get("w8a16", False) for b in shipped)
+    assert res.stdout.count("ok   sm90") == 4 * len(shipped) + in_load + 1, res.stdout[-2000:]
