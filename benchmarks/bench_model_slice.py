@@ -14,7 +14,10 @@ from its config at the real widths with random bf16 weights on the GPU, SDPA att
                  groups); the `slice_model` row states what was built.
 Input: batch 1 x T tokens (random ids of a small vocabulary), `use_cache=False`. T=1 is the decode
 step as a plain forward of one token without a KV cache (the MoE and MLP work of a decode step; the
-attention over a cache is not included). Configurations (forward, no_grad):
+attention over a cache is not included: in transformers 5.24 StaticCache advances its own write
+position on every call, whatever `cache_position` says, and `past_key_values` is deprecated for
+`cache`, so one decode step timed repeatedly at one position is not portable across 5.17 / 5.24).
+Configurations (forward, no_grad):
   hf_eager                      transformers, experts_implementation "eager"
   hf_grouped_mm[, compiled, reduce-overhead]   experts "grouped_mm"; torch.compile(model, fullgraph=True)
   hf_batched_mm[, compiled, reduce-overhead]   experts "batched_mm" (T <= 32: it gathers weights per token)
@@ -65,6 +68,7 @@ warnings.filterwarnings("ignore", message=".*functools.lru_cache.*", category=Us
 
 def emit(**row) -> None:
     ROWS.append(row)
+    os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "bench_model_slice.jsonl"), "a") as log:
         log.write(json.dumps(row) + "\n")
     print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)

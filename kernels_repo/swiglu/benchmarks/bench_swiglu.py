@@ -105,32 +105,49 @@ def implementations() -> tuple[dict, object]:
             raise SystemExit(f"bench_swiglu.py: COMPILE takes {', '.join(COMPILE_MODES)} or none, got {c!r}")
         configs.append(COMPILE_MODES[c])
 
+    # one function per configuration: each its own code object, so its own compiled cache (guards of
+    # one configuration's graphs are not checked on the calls of another)
     def ours(g, u):
+        return k.swiglu(g, u)
+
+    def ours_compiled(g, u):
+        return k.swiglu(g, u)
+
+    def ours_graphed(g, u):
         return k.swiglu(g, u)
 
     def torch_swiglu(g, u):
         return F.silu(g) * u
 
+    def torch_compiled(g, u):
+        return F.silu(g) * u
+
+    def torch_graphed(g, u):
+        return F.silu(g) * u
+
     impls = {"ours": ours, "ours_sm80": lambda g, u: k.swiglu(g, u, impl="sm80"), "eager": torch_swiglu,
-             "compile": compiled(torch_swiglu, "compiled")}
+             "compile": compiled(torch_compiled, "compiled")}
     if not CUDA:
         del impls["ours_sm80"]  # (a Triton variant forced onto CPU tensors)
+    compiled_twins = {"ours": (ours_compiled, ours_graphed), "compile": (None, torch_graphed)}
     try:
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
+        def liger_compiled(g, u):
+            return LigerSiLUMulFunction.apply(g, u)
+
+        def liger_graphed(g, u):
+            return LigerSiLUMulFunction.apply(g, u)
+
         impls["liger"] = LigerSiLUMulFunction.apply
+        compiled_twins["liger"] = (liger_compiled, liger_graphed)
     except Exception as e:  # noqa: BLE001
         print("liger unavailable:", type(e).__name__, e, flush=True)
     for config in configs:
-        # each its own function (own code object): one compiled cache per configuration
-        if config == "reduce-overhead":
-            impls["compile[reduce-overhead]"] = compiled(lambda g, u: F.silu(g) * u, config)
-        if "liger" in impls:
-            impls[f"liger[{config}]"] = compiled(
-                (lambda g, u: LigerSiLUMulFunction.apply(g, u)) if config == "compiled"
-                else (lambda g, u: LigerSiLUMulFunction.apply(g, u)), config)
-        impls[f"ours[{config}]"] = compiled(
-            (lambda g, u: k.swiglu(g, u)) if config == "compiled" else (lambda g, u: k.swiglu(g, u)), config)
+        for name, twins in compiled_twins.items():
+            fn = twins[0] if config == "compiled" else twins[1]
+            if fn is not None:  # (`compile` itself is torch's expression compiled in the default mode)
+                impls[f"{name}[{config}]"] = compiled(fn, config)
     only = os.environ.get("IMPLS")
     if only:
         impls = {n: f for n, f in impls.items() if n in only.split(",")}
