@@ -1,8 +1,9 @@
 """kernelize and the "kernelhub" experts implementation on transformers' `FP8Experts` (fp8
 block-quantized checkpoints): layer MoEExpertsFP8, chosen per device from kernel.toml's [dispatch_fp8].
 
-CPU: the CPU variant is the reference (dequantized weights); the W8A16 Triton kernels run in the
-interpreter (TRITON_INTERPRET=1, set by the root conftest) where a mapping binds them on the CPU.
+CPU: the CPU variant is the reference (dequantized weights); the W8A16 and fp8 tensor-core Triton
+kernels (sm80, sm90) run in the interpreter (TRITON_INTERPRET=1, set by the root conftest) where a
+mapping binds them on the CPU.
 """
 
 from __future__ import annotations
@@ -302,23 +303,48 @@ def test_fp8_checkpoint_round_trip_kernelized_logits_equal_the_dequantized_model
         assert relative_error(implemented(input_ids=ids).logits, want) < TOLERANCE
 
 
-def test_fp8_checkpoint_kernelized_with_the_w8a16_kernels(tmp_path, fp8_loading):
-    """The Triton W8A16 kernels (interpreter), bound on the CPU by a mapping, in a loaded model."""
-    write_fp8_checkpoint("deepseek_v3", tmp_path)
-    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(2))
+def _emulated_fp8_experts(self, hidden_states, top_k_index, top_k_weights):
+    """The fp8 tensor-core kernels' math in torch: dequantized weights, activations rounded to fp8
+    per token and 128-column group (the kernel's reference with quantize_activations=True)."""
+    out = moe.fused_experts_fp8_reference(hidden_states, self.gate_up_proj, self.down_proj, top_k_index,
+                                          top_k_weights, gate_up_proj_scale_inv=self.gate_up_proj_scale_inv,
+                                          down_proj_scale_inv=self.down_proj_scale_inv, quantize_activations=True)
+    return out.to(hidden_states.dtype)
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.parametrize("variant", ["sm80", "sm90"])
+def test_fp8_checkpoint_kernelized_with_the_triton_kernels(kind, variant, tmp_path, fp8_loading):
+    """The Triton kernels (interpreter) of a GPU, bound on the CPU by a mapping, in a loaded model.
+
+    W8A16 (sm80) quantizes no activations: within TOLERANCE of the dequantized model. The fp8
+    tensor-core kernels (sm90) round x and the SwiGLU output to fp8 per token and 128-column group,
+    which by itself costs these logits ~4-6% (relative, norm): held to 1.25x the error of that
+    rounding emulated in torch on the same model (issue 31's bound), and above twice the
+    unquantized reference's error (the fp8 path ran, not a 16-bit one)."""
+    write_fp8_checkpoint(kind, tmp_path)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(2))
     load = transformers.AutoModelForCausalLM.from_pretrained
-    dequantized = load(tmp_path / "dequantized")
     with torch.no_grad():
-        want = dequantized.eval()(input_ids=ids).logits
+        want = load(tmp_path / "dequantized").eval()(input_ids=ids).logits
     model = load(tmp_path / "fp8").eval()
-    sm80 = {"MoEExpertsFP8": {Device("cpu"): LocalLayerRepository(MOE, layer_name="MoEExpertsFP8Sm80")}}
-    with use_kernel_mapping(sm80):
+    layer = {"sm80": "MoEExpertsFP8Sm80", "sm90": "MoEExpertsFP8Sm90"}[variant]
+    with use_kernel_mapping({"MoEExpertsFP8": {Device("cpu"): LocalLayerRepository(MOE, layer_name=layer)}}):
         kernelize(model, mode=Mode.INFERENCE)
-    layers = {e.layer for e in kernelize_report(model).entries if e.layer_name == "MoEExpertsFP8"}
-    assert layers == {"MoEExpertsFP8Sm80"}
+    assert {e.layer for e in kernelize_report(model).entries if e.layer_name == "MoEExpertsFP8"} == {layer}
     with torch.no_grad():
-        got = model(input_ids=ids).logits
-    assert relative_error(got, want) < TOLERANCE
+        error = relative_error(model(input_ids=ids).logits, want)
+    if variant == "sm80":
+        assert error < TOLERANCE
+        return
+    emulated, reference = load(tmp_path / "fp8").eval(), kernelize(load(tmp_path / "fp8").eval())
+    for m in emulated.modules():
+        if isinstance(m, fp8.FP8Experts):
+            m.forward = _emulated_fp8_experts.__get__(m)
+    with torch.no_grad():
+        emulation_error = relative_error(emulated(input_ids=ids).logits, want)
+        reference_error = relative_error(reference(input_ids=ids).logits, want)
+    assert 2 * reference_error < error <= 1.25 * emulation_error, (reference_error, error, emulation_error)
 
 
 def test_fp8_experts_implementation_follows_the_mapping_in_effect(fp8_loading):
