@@ -364,3 +364,55 @@ def test_fp8_experts_implementation_follows_the_mapping_in_effect(fp8_loading):
         with use_kernel_mapping(sm80):
             torch.testing.assert_close(module(x, idx, w), w8a16, rtol=0, atol=0)
         torch.testing.assert_close(module(x, idx, w), reference, rtol=0, atol=0)  # the block has ended
+
+
+def test_fp8_layer_checks_the_module_again_when_it_changes():
+    """The layers remember whether they can serve a module (a decode step must not re-read a dozen
+    attributes), and look again when its weights or block size change."""
+    module = fp8_experts(qwen3_config())
+    x, idx, w = torch.randn(3, 192), torch.tensor([[0, 1], [1, 2], [2, 3]]), torch.rand(3, 2)
+    forward = moe.layers.MoEExpertsFP8Reference.forward.__get__(module)
+    assert forward(x, idx, w).shape == (3, 192)
+    module.block_size = None
+    with pytest.raises(ValueError, match=r"MoEExpertsFP8.forward: FP8Experts: block_size None is not a 2-D block"):
+        forward(x, idx, w)
+    module.block_size = (128, 128)
+    assert forward(x, idx, w).shape == (3, 192)
+    module.down_proj = nn.Parameter(module.down_proj.data.float(), requires_grad=False)
+    with pytest.raises(ValueError, match=r"MoEExpertsFP8.forward: FP8Experts: expert weights .* not float8_e4m3fn"):
+        forward(x, idx, w)
+
+
+@pytest.mark.parametrize("variant", ["reference", "sm80"])
+def test_compiled_fp8_model_matches_the_uncompiled_one(variant, tmp_path, fp8_loading):
+    """kernelize(mode=TRAINING | TORCH_COMPILE) binds the fp8 layer (can_torch_compile), and
+    torch.compile traces the model without a graph break. The fp8 experts frozen (transformers leaves
+    them requiring grad; they have no weight gradient), the loss and the other weights' gradients,
+    and inference logits, equal the uncompiled kernelized model's."""
+    write_fp8_checkpoint("qwen3_moe", tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp8").train()
+    for m in model.modules():
+        if isinstance(m, fp8.FP8Experts):
+            m.requires_grad_(False)
+    layer = {"reference": "MoEExpertsFP8Reference", "sm80": "MoEExpertsFP8Sm80"}[variant]
+    with use_kernel_mapping({"MoEExpertsFP8": {Device("cpu"): LocalLayerRepository(MOE, layer_name=layer)}}):
+        kernelize(model, mode=Mode.TRAINING | Mode.TORCH_COMPILE, config={})
+    assert {e.layer for e in kernelize_report(model).entries if e.layer_name == "MoEExpertsFP8"} == {layer}
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(6))
+
+    def loss_and_grads(m):
+        model.zero_grad()
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref_loss, ref_grads = loss_and_grads(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    loss, grads = loss_and_grads(compiled)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert grads.keys() == ref_grads.keys() and any(".self_attn." in n for n in grads)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-6, atol=1e-6)
