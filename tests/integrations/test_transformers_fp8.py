@@ -416,3 +416,27 @@ def test_compiled_fp8_model_matches_the_uncompiled_one(variant, tmp_path, fp8_lo
         torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
     with torch.no_grad():
         torch.testing.assert_close(compiled(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-6, atol=1e-6)
+
+
+def test_report_shows_an_fp8_checkpoint_as_from_pretrained_builds_it(tmp_path, capsys):
+    """`kernelhub report --checkpoint` on an fp8 checkpoint: its experts are FP8Experts, bound per
+    capability from [dispatch_fp8]; a quantization_config this transformers cannot apply is noted
+    and the unquantized modules are reported."""
+    from kernelhub.cli import main
+
+    write_fp8_checkpoint("qwen3_moe", tmp_path)
+    pins = tmp_path / "kernelhub.toml"
+    pins.write_text("")
+    argv = ["report", "--checkpoint", str(tmp_path / "fp8"), "--kernelhub-config", str(pins)]
+    assert main([*argv, "--capability", "8.6", "--capability", "8.9"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if ".mlp.experts" in line]
+    assert [(r[1], r[2], r[5]) for r in rows] == [("FP8Experts", "MoEExpertsFP8", "MoEExpertsFP8Sm80")] * 2 + [
+        ("FP8Experts", "MoEExpertsFP8", "MoEExpertsFP8Sm90")] * 2
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    config["quantization_config"]["quant_method"] = "no_such_method"
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    assert main([*argv, "--capability", "9.0"]) == 0
+    out, err = capsys.readouterr()
+    assert "report: note: the model's quantization_config could not be applied" in err
+    rows = [line.split() for line in out.splitlines() if ".mlp.experts" in line]
+    assert [(r[1], r[2], r[5]) for r in rows] == [("Qwen3MoeExperts", "MoEExperts", "MoEExpertsSm90")] * 2

@@ -71,7 +71,7 @@ _SCALES = ("gate_up_proj_scale_inv", "down_proj_scale_inv")
 
 
 def _holds_fp8(module: nn.Module) -> bool:
-    """Expert weights stored in 8 bits, or block scales beside them (transformers `FP8Experts`)."""
+    """Expert weights in an 8-bit float format, or block scales beside them (transformers `FP8Experts`)."""
     weights = (getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None))
     return (any(isinstance(w, torch.Tensor) and w.dtype in _FP8_DTYPES for w in weights)
             or any(isinstance(getattr(module, s, None), torch.Tensor) for s in _SCALES))
