@@ -37,8 +37,9 @@ def _stacked_experts(module: nn.Module) -> bool:
 
 
 def _fp8_stacked_experts(module: nn.Module) -> bool:
-    """transformers `FP8Experts`: stacked experts in 8-bit floats, or with `gate_up_proj_scale_inv`
-    block scales beside them (checked before the 16-bit experts, which it would match too)."""
+    """transformers `FP8Experts`: stacked experts with 8-bit weights (fp8, or fp4 packed in int8), or
+    with `gate_up_proj_scale_inv` block scales beside them (checked before the 16-bit experts, which
+    it would match too)."""
     if not _stacked_experts(module):
         return False
     return module.gate_up_proj.element_size() == 1 or isinstance(getattr(module, "gate_up_proj_scale_inv", None),

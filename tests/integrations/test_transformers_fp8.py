@@ -1,8 +1,9 @@
 """kernelize and the "kernelhub" experts implementation on transformers' `FP8Experts` (fp8
 block-quantized checkpoints): layer MoEExpertsFP8, chosen per device from kernel.toml's [dispatch_fp8].
 
-CPU: the CPU variant is the reference (dequantized weights); the W8A16 Triton kernels run in the
-interpreter (TRITON_INTERPRET=1, set by the root conftest) where a mapping binds them on the CPU.
+CPU: the CPU variant is the reference (dequantized weights); the W8A16 and fp8 tensor-core Triton
+kernels (sm80, sm90) run in the interpreter (TRITON_INTERPRET=1, set by the root conftest) where a
+mapping binds them on the CPU.
 """
 
 from __future__ import annotations
@@ -302,23 +303,48 @@ def test_fp8_checkpoint_round_trip_kernelized_logits_equal_the_dequantized_model
         assert relative_error(implemented(input_ids=ids).logits, want) < TOLERANCE
 
 
-def test_fp8_checkpoint_kernelized_with_the_w8a16_kernels(tmp_path, fp8_loading):
-    """The Triton W8A16 kernels (interpreter), bound on the CPU by a mapping, in a loaded model."""
-    write_fp8_checkpoint("deepseek_v3", tmp_path)
-    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(2))
+def _emulated_fp8_experts(self, hidden_states, top_k_index, top_k_weights):
+    """The fp8 tensor-core kernels' math in torch: dequantized weights, activations rounded to fp8
+    per token and 128-column group (the kernel's reference with quantize_activations=True)."""
+    out = moe.fused_experts_fp8_reference(hidden_states, self.gate_up_proj, self.down_proj, top_k_index,
+                                          top_k_weights, gate_up_proj_scale_inv=self.gate_up_proj_scale_inv,
+                                          down_proj_scale_inv=self.down_proj_scale_inv, quantize_activations=True)
+    return out.to(hidden_states.dtype)
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.parametrize("variant", ["sm80", "sm90"])
+def test_fp8_checkpoint_kernelized_with_the_triton_kernels(kind, variant, tmp_path, fp8_loading):
+    """The Triton kernels (interpreter) of a GPU, bound on the CPU by a mapping, in a loaded model.
+
+    W8A16 (sm80) quantizes no activations: within TOLERANCE of the dequantized model. The fp8
+    tensor-core kernels (sm90) round x and the SwiGLU output to fp8 per token and 128-column group,
+    which by itself costs these logits ~4-6% (relative, norm): held to 1.25x the error of that
+    rounding emulated in torch on the same model (issue 31's bound), and above twice the
+    unquantized reference's error (the fp8 path ran, not a 16-bit one)."""
+    write_fp8_checkpoint(kind, tmp_path)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(2))
     load = transformers.AutoModelForCausalLM.from_pretrained
-    dequantized = load(tmp_path / "dequantized")
     with torch.no_grad():
-        want = dequantized.eval()(input_ids=ids).logits
+        want = load(tmp_path / "dequantized").eval()(input_ids=ids).logits
     model = load(tmp_path / "fp8").eval()
-    sm80 = {"MoEExpertsFP8": {Device("cpu"): LocalLayerRepository(MOE, layer_name="MoEExpertsFP8Sm80")}}
-    with use_kernel_mapping(sm80):
+    layer = {"sm80": "MoEExpertsFP8Sm80", "sm90": "MoEExpertsFP8Sm90"}[variant]
+    with use_kernel_mapping({"MoEExpertsFP8": {Device("cpu"): LocalLayerRepository(MOE, layer_name=layer)}}):
         kernelize(model, mode=Mode.INFERENCE)
-    layers = {e.layer for e in kernelize_report(model).entries if e.layer_name == "MoEExpertsFP8"}
-    assert layers == {"MoEExpertsFP8Sm80"}
+    assert {e.layer for e in kernelize_report(model).entries if e.layer_name == "MoEExpertsFP8"} == {layer}
     with torch.no_grad():
-        got = model(input_ids=ids).logits
-    assert relative_error(got, want) < TOLERANCE
+        error = relative_error(model(input_ids=ids).logits, want)
+    if variant == "sm80":
+        assert error < TOLERANCE
+        return
+    emulated, reference = load(tmp_path / "fp8").eval(), kernelize(load(tmp_path / "fp8").eval())
+    for m in emulated.modules():
+        if isinstance(m, fp8.FP8Experts):
+            m.forward = _emulated_fp8_experts.__get__(m)
+    with torch.no_grad():
+        emulation_error = relative_error(emulated(input_ids=ids).logits, want)
+        reference_error = relative_error(reference(input_ids=ids).logits, want)
+    assert 2 * reference_error < error <= 1.25 * emulation_error, (reference_error, error, emulation_error)
 
 
 def test_fp8_experts_implementation_follows_the_mapping_in_effect(fp8_loading):
@@ -338,3 +364,79 @@ def test_fp8_experts_implementation_follows_the_mapping_in_effect(fp8_loading):
         with use_kernel_mapping(sm80):
             torch.testing.assert_close(module(x, idx, w), w8a16, rtol=0, atol=0)
         torch.testing.assert_close(module(x, idx, w), reference, rtol=0, atol=0)  # the block has ended
+
+
+def test_fp8_layer_checks_the_module_again_when_it_changes():
+    """The layers remember whether they can serve a module (a decode step must not re-read a dozen
+    attributes), and look again when its weights or block size change."""
+    module = fp8_experts(qwen3_config())
+    x, idx, w = torch.randn(3, 192), torch.tensor([[0, 1], [1, 2], [2, 3]]), torch.rand(3, 2)
+    forward = moe.layers.MoEExpertsFP8Reference.forward.__get__(module)
+    assert forward(x, idx, w).shape == (3, 192)
+    module.block_size = None
+    with pytest.raises(ValueError, match=r"MoEExpertsFP8.forward: FP8Experts: block_size None is not a 2-D block"):
+        forward(x, idx, w)
+    module.block_size = (128, 128)
+    assert forward(x, idx, w).shape == (3, 192)
+    module.down_proj = nn.Parameter(module.down_proj.data.float(), requires_grad=False)
+    with pytest.raises(ValueError, match=r"MoEExpertsFP8.forward: FP8Experts: expert weights .* not float8_e4m3fn"):
+        forward(x, idx, w)
+
+
+@pytest.mark.parametrize("variant", ["reference", "sm80"])
+def test_compiled_fp8_model_matches_the_uncompiled_one(variant, tmp_path, fp8_loading):
+    """kernelize(mode=TRAINING | TORCH_COMPILE) binds the fp8 layer (can_torch_compile), and
+    torch.compile traces the model without a graph break. The fp8 experts frozen (transformers leaves
+    them requiring grad; they have no weight gradient), the loss and the other weights' gradients,
+    and inference logits, equal the uncompiled kernelized model's."""
+    write_fp8_checkpoint("qwen3_moe", tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp8").train()
+    for m in model.modules():
+        if isinstance(m, fp8.FP8Experts):
+            m.requires_grad_(False)
+    layer = {"reference": "MoEExpertsFP8Reference", "sm80": "MoEExpertsFP8Sm80"}[variant]
+    with use_kernel_mapping({"MoEExpertsFP8": {Device("cpu"): LocalLayerRepository(MOE, layer_name=layer)}}):
+        kernelize(model, mode=Mode.TRAINING | Mode.TORCH_COMPILE, config={})
+    assert {e.layer for e in kernelize_report(model).entries if e.layer_name == "MoEExpertsFP8"} == {layer}
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(6))
+
+    def loss_and_grads(m):
+        model.zero_grad()
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref_loss, ref_grads = loss_and_grads(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    loss, grads = loss_and_grads(compiled)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert grads.keys() == ref_grads.keys() and any(".self_attn." in n for n in grads)
+    for name, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(input_ids=ids).logits, model(input_ids=ids).logits, rtol=1e-6, atol=1e-6)
+
+
+def test_report_shows_an_fp8_checkpoint_as_from_pretrained_builds_it(tmp_path, capsys):
+    """`kernelhub report --checkpoint` on an fp8 checkpoint: its experts are FP8Experts, bound per
+    capability from [dispatch_fp8]; a quantization_config this transformers cannot apply is noted
+    and the unquantized modules are reported."""
+    from kernelhub.cli import main
+
+    write_fp8_checkpoint("qwen3_moe", tmp_path)
+    pins = tmp_path / "kernelhub.toml"
+    pins.write_text("")
+    argv = ["report", "--checkpoint", str(tmp_path / "fp8"), "--kernelhub-config", str(pins)]
+    assert main([*argv, "--capability", "8.6", "--capability", "8.9"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if ".mlp.experts" in line]
+    assert [(r[1], r[2], r[5]) for r in rows] == [("FP8Experts", "MoEExpertsFP8", "MoEExpertsFP8Sm80")] * 2 + [
+        ("FP8Experts", "MoEExpertsFP8", "MoEExpertsFP8Sm90")] * 2
+    config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    config["quantization_config"]["quant_method"] = "no_such_method"
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
+    assert main([*argv, "--capability", "9.0"]) == 0
+    out, err = capsys.readouterr()
+    assert "report: note: the model's quantization_config could not be applied" in err
+    rows = [line.split() for line in out.splitlines() if ".mlp.experts" in line]
+    assert [(r[1], r[2], r[5]) for r in rows] == [("Qwen3MoeExperts", "MoEExperts", "MoEExpertsSm90")] * 2

@@ -9,7 +9,9 @@ for that device and prints the report: per module the device, capability, chosen
 layer, or why it falls back. `--capability 9.0` (repeatable) reports for a CUDA GPU of that
 compute capability instead, which this machine need not have (so a CPU machine can answer "what
 would an H100 get"). The kernelhub config (`--kernelhub-config`, default searched in the current
-directory) applies as it would in `kernelize(model, config=...)`.
+directory) applies as it would in `kernelize(model, config=...)`. A config with a
+`quantization_config` (a pre-quantized checkpoint's, e.g. fp8) gets the modules `from_pretrained`
+builds for it on a GPU machine (`FP8Experts`: layer MoEExpertsFP8).
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ _SCALES = ("gate_up_proj_scale_inv", "down_proj_scale_inv")
 
 
 def _holds_fp8(module: nn.Module) -> bool:
-    """Expert weights stored in 8 bits, or block scales beside them (transformers `FP8Experts`)."""
+    """Expert weights in an 8-bit float format, or block scales beside them (transformers `FP8Experts`)."""
     weights = (getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None))
     return (any(isinstance(w, torch.Tensor) and w.dtype in _FP8_DTYPES for w in weights)
             or any(isinstance(getattr(module, s, None), torch.Tensor) for s in _SCALES))
@@ -112,7 +112,8 @@ def fp8_mismatch_reason(module: nn.Module) -> str | None:
     gu, dn = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     if not all(isinstance(w, torch.Tensor) and w.dtype in _FP8_DTYPES for w in (gu, dn)):
         dtypes = "/".join(str(getattr(w, "dtype", None)) for w in (gu, dn))
-        return f"{name}: expert weights {dtypes} are not fp8: 16-bit experts are layer MoEExperts"
+        return (f"{name}: expert weights {dtypes} are not fp8 (16-bit experts are layer MoEExperts; "
+                "4-bit packed ones have no kernel)")
     missing = [s for s in _SCALES if not isinstance(getattr(module, s, None), torch.Tensor)]
     if missing:
         return f"{name}: fp8 weights without block scales {missing} are not MoEExpertsFP8 (FP8Experts)"
@@ -246,10 +247,29 @@ def fp8_unsupported_reason(module: nn.Module) -> str | None:
     return None
 
 
+_FP8_SUPPORT_ATTR = "_kernelhub_moe_fp8_support"
+
+
+def _fp8_support(module: nn.Module) -> str | None:
+    """`fp8_unsupported_reason(module)`, remembered per module while its weights' shapes and dtypes
+    and its block size stay (as `_support`: a decode step must not re-read a dozen attributes)."""
+    params = module._parameters
+    gu, dn = params.get("gate_up_proj"), params.get("down_proj")
+    if gu is None or dn is None:  # not parameters (an unusual layout): the full check every call
+        return fp8_unsupported_reason(module)
+    key = (gu.shape, gu.dtype, dn.shape, dn.dtype, getattr(module, "block_size", None))
+    hit = module.__dict__.get(_FP8_SUPPORT_ATTR)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    reason = fp8_unsupported_reason(module)
+    module.__dict__[_FP8_SUPPORT_ATTR] = (key, reason)
+    return reason
+
+
 def _run_fp8(fn: str, module: nn.Module, hidden_states, top_k_index, top_k_weights, variant: str | None,
              checked: bool = False):
     if not checked:
-        reason = fp8_unsupported_reason(module)
+        reason = _fp8_support(module)
         if reason is not None:
             raise ValueError(f"{fn}: {reason}")
     T, K = _check_inputs(fn, module, hidden_states, top_k_index, top_k_weights)
@@ -273,7 +293,7 @@ def fp8_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_inde
     `transformers.integrations.finegrained_fp8.ALL_FP8_EXPERTS_FUNCTIONS.register("kernelhub",
     fp8_experts_forward)`. Modules it cannot serve run their eager forward."""
     fn = "fp8_experts_forward"
-    reason = fp8_unsupported_reason(self)
+    reason = _fp8_support(self)
     if reason is not None:
         eager = getattr(type(self).forward, "__wrapped__", None)
         if eager is None:
