@@ -114,6 +114,24 @@ def test_torch_compile_with_dynamic_token_counts():
         assert torch.equal(got, want) and all(torch.equal(a, b) for a, b in zip(got_grads, want_grads, strict=True))
 
 
+def test_torch_compile_training_with_dynamic_token_counts_compiles_once():
+    """dynamic=True: one graph for every token count. The training op's fake sized the saved rows
+    with Python's min/max on the symbolic pair count, a guard on T*K < E that recompiled whenever
+    a batch crossed it (here 6 pairs, then 26, for 16 experts)."""
+    torch._dynamo.reset()
+    f = lambda *a: moe.fused_experts(*a, variant="sm80")  # noqa: E731
+    compiled = torch.compile(f, backend="aot_eager", dynamic=True, fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for T in (3, 13):
+            x, gu, dn, idx, w = make_inputs(T, 32, 16, 16, 2, seed=T)
+            dy = torch.randn(T, 32)
+            got, got_grads = run_with_grads(compiled, x, gu, dn, idx, w, dy, torch.float32)
+            want, want_grads = run_with_grads(f, x, gu, dn, idx, w, dy, torch.float32)
+            assert torch.equal(got, want)
+            for name, a, b in zip(NAMES, got_grads, want_grads, strict=True):
+                assert torch.equal(a, b), name
+
+
 def test_torch_compile_with_a_pinned_config_has_no_graph_break():
     cfg = with_decode()
     x, gu, dn, idx, w = make_inputs(2, 32, 16, 4, 2)

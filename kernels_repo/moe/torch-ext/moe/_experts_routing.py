@@ -48,8 +48,11 @@ def _next_pow2(n: int) -> int:
 
 def max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Static bound on the aligned rows: each expert pads < block_m rows, a pair costs <= block_m."""
-    bound = min(num_pairs * block_m, num_pairs + num_experts * (block_m - 1))
-    return max(block_m, -(-bound // block_m) * block_m)
+    # a symbolic count (torch.compile, dynamic shapes: the training op's fake) takes the SymInt-aware
+    # min/max: Python's would guard on T*K < E and recompile whenever a batch crosses it
+    lo, hi = (min, max) if type(num_pairs) is int else (torch.sym_min, torch.sym_max)
+    bound = lo(num_pairs * block_m, num_pairs + num_experts * (block_m - 1))
+    return hi(block_m, -(-bound // block_m) * block_m)
 
 
 @triton.jit
