@@ -290,7 +290,7 @@ def impls_for(base, T, E, H, I, K, idx, w, wanted, configs, compiled_bases, phas
     try:
         from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
     except Exception as e:  # noqa: BLE001
-        if T == 1:
+        if T == 1 and phase == "core":
             print("liger unavailable:", e)
     else:
         idx32 = idx.to(torch.int32)
