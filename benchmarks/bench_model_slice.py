@@ -197,17 +197,20 @@ def unique_graphs() -> int:
         return 0
 
 
-def configurations(T: int, compile_configs: list[str]) -> list[tuple[str, str, str]]:
-    """(name, base, config) in run order: hf_grouped_mm eager first (the reference), then kernelhub and
-    its closest peer side by side, so that a run cut short still has pairs to compare."""
-    out = [("hf_grouped_mm", "hf_grouped_mm", "eager"), ("kernelhub", "kernelhub", "eager")]
+def configurations(T: int, compile_configs: list[str]) -> tuple[list, list]:
+    """(core, extra) lists of (name, base, config) in run order. Core: hf_grouped_mm eager first (the
+    reference), then kernelhub next to its closest peer in each mode, then hf_eager; extra (T <= 32):
+    hf_batched_mm. Every T runs its core before any T runs its extras, so that a run cut short by its
+    timeout still has the main comparison at every T."""
+    core = [("hf_grouped_mm", "hf_grouped_mm", "eager"), ("kernelhub", "kernelhub", "eager")]
     for c in compile_configs:
-        out += [(f"hf_grouped_mm[{c}]", "hf_grouped_mm", c), (f"kernelhub[{c}]", "kernelhub", c)]
-    out.append(("hf_eager", "hf_eager", "eager"))
+        core += [(f"hf_grouped_mm[{c}]", "hf_grouped_mm", c), (f"kernelhub[{c}]", "kernelhub", c)]
+    core.append(("hf_eager", "hf_eager", "eager"))
+    extra = []
     if T <= 32:  # (batched_mm gathers the weights of every (token, expert) pair)
-        out.append(("hf_batched_mm", "hf_batched_mm", "eager"))
-        out += [(f"hf_batched_mm[{c}]", "hf_batched_mm", c) for c in compile_configs]
-    return out
+        extra = [("hf_batched_mm", "hf_batched_mm", "eager")]
+        extra += [(f"hf_batched_mm[{c}]", "hf_batched_mm", c) for c in compile_configs]
+    return core, extra
 
 
 def prepare(model, base: str, config: str) -> None:
@@ -275,26 +278,27 @@ def main() -> None:
         model = build(model_name)
         emit(**describe(model_name, model))
         vocab = model.config.vocab_size
-        for T in tokens:
-            t0 = time.time()
-            ids = torch.randint(0, vocab, (1, T), device=DEV)
-            ref = None
-            for name, base, config in configurations(T, compile_configs):
-                if wanted and name not in wanted and base not in wanted:
-                    continue
-                try:
-                    out = measure(model, name, base, config, ids, ref, model_name, T)
-                    if ref is None and name == "hf_grouped_mm":
-                        ref = out
-                except Exception as e:  # noqa: BLE001
-                    emit(kind="slice_error", model=model_name, T=T, impl=name,
-                         error=f"{type(e).__name__}: {str(e)[:400]}")
-                if config != "eager":
-                    torch.compiler.reset()  # (frees this configuration's CUDA-graph pool)
-                gc.collect()
-                if CUDA:
-                    torch.cuda.empty_cache()
-            print(f"-- {model_name} T={T} took {time.time() - t0:.1f}s", flush=True)
+        ids = {T: torch.randint(0, vocab, (1, T), device=DEV) for T in tokens}
+        refs: dict[int, torch.Tensor] = {}  # hf_grouped_mm eager's output per T
+        for phase in (0, 1):  # every T's core configurations, then the extras
+            for T in tokens:
+                t0 = time.time()
+                for name, base, config in configurations(T, compile_configs)[phase]:
+                    if wanted and name not in wanted and base not in wanted:
+                        continue
+                    try:
+                        out = measure(model, name, base, config, ids[T], refs.get(T), model_name, T)
+                        if name == "hf_grouped_mm":
+                            refs[T] = out
+                    except Exception as e:  # noqa: BLE001
+                        emit(kind="slice_error", model=model_name, T=T, impl=name,
+                             error=f"{type(e).__name__}: {str(e)[:400]}")
+                    if config != "eager":
+                        torch.compiler.reset()  # (frees this configuration's CUDA-graph pool)
+                    gc.collect()
+                    if CUDA:
+                        torch.cuda.empty_cache()
+                print(f"-- {model_name} T={T} {('core', 'extra')[phase]} took {time.time() - t0:.1f}s", flush=True)
         from kernelhub import unkernelize
 
         unkernelize(model)

@@ -14,6 +14,9 @@ Compiled configurations are compiled once per (implementation, shape, T, pass) w
 after `torch.compiler.reset()` (so no configuration pays guard checks of another's cache entries); the
 first calls (compile, CUDA-graph warm-up and recording) are timed apart as `compile_s` and excluded.
 Under `reduce-overhead` every call is preceded by `torch.compiler.cudagraph_mark_step_begin()`.
+Run order: every T's core (all eager configurations, then kernelhub and hf_grouped_mm compiled), then
+every T's extras (the other compiled configurations): a run cut short by a timeout keeps the main
+comparison at every T.
 
 Usage (repo root): PYTHONPATH=src python kernels_repo/moe/benchmarks/bench_moe.py
   env: SHAPES=qwen3_30b_a3b,mixtral_8x7b,deepseek_v3  TOKENS=1,32,512,4096,16384
@@ -227,18 +230,26 @@ def kernelhub_compiled(base, idx, w, config: str) -> tuple[Callable, Callable]:
     return fns[0], fns[1]
 
 
-def impls_for(base, T, E, H, I, K, idx, w, wanted, configs, compiled_bases) -> list[Impl]:
-    """Every configuration that applies at this size and is selected (built lazily: only those)."""
+CORE = ("kernelhub", "hf_grouped_mm")  # implementations whose compiled configurations run first
+
+
+def impls_for(base, T, E, H, I, K, idx, w, wanted, configs, compiled_bases, phase: str = "core") -> list[Impl]:
+    """Every configuration that applies at this size, is selected and belongs to `phase` (built
+    lazily: only those). "core": every eager configuration and the compiled ones of CORE; "extra":
+    the other compiled ones (run after every T's core, so a run cut short has the main comparison)."""
     out: list[Impl] = []
 
-    def selected(name: str, base_name: str) -> bool:
+    def selected(name: str, base_name: str, config: str) -> bool:
+        core = config in ("eager", "graph") or base_name in CORE
+        if core != (phase == "core"):
+            return False
         return not wanted or name in wanted or base_name in wanted
 
     def add(base_name: str, config: str, build: Callable[[], tuple[Callable, Callable | None]]) -> None:
         name = base_name if config == "eager" else f"{base_name}[{config}]"
         if config == "graph":  # (selected by its own name only, as before configurations had names)
             name = base_name + "_graph"
-        if not selected(name, name if config == "graph" else base_name):
+        if not selected(name, name if config == "graph" else base_name, config):
             return
         try:
             fwd, fwdbwd = build()
@@ -279,7 +290,7 @@ def impls_for(base, T, E, H, I, K, idx, w, wanted, configs, compiled_bases) -> l
     try:
         from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
     except Exception as e:  # noqa: BLE001
-        if T == 1:
+        if T == 1 and phase == "core":
             print("liger unavailable:", e)
     else:
         idx32 = idx.to(torch.int32)
@@ -416,6 +427,33 @@ def measure(impl: Impl, x, dy, ref, base, modes, sname, T, flops, floor_ms) -> N
              recompiles=recompiles, **fields(impl))
 
 
+def point(base, sname, T, E, H, I, K, copy_bw, mm, variant, cfgs, wanted) -> tuple:
+    """Inputs, reference and floor of one (shape, T); prints its routing and tile line and times
+    kernelhub's stages."""
+    x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
+    idx, w = routing(T, E, K)
+    dy = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
+    touched = int(torch.unique(idx).numel())
+    flops = 6 * T * K * H * I
+    floor_ms = max(flops / mm, (touched * 3 * H * I * 2 + 2 * T * H * 2) / copy_bw) * 1e3
+    load = torch.bincount(idx.reshape(-1), minlength=E).float()
+    tiles = ""
+    if CUDA:
+        bucket = cfgs.pick_config(90 if variant == "sm90" else 80, E, H, I, T * K)
+        tiles = f" block_m={bucket['block_m']} gate_up={bucket['gate_up']} down={bucket['down']}"
+    print(f"-- {sname} T={T} touched={touched} hottest/mean={float(load.max() / load.mean()):.2f} "
+          f"variant={variant}{tiles}", flush=True)
+    with torch.no_grad():
+        ref = moe.fused_experts_reference(x, base.gate_up_proj, base.down_proj, idx, w).float()
+    if CUDA and os.environ.get("STAGES", "1") == "1" and (not wanted or "kernelhub" in wanted):
+        try:
+            stage_breakdown(base, x, idx, w, dy, sname, T, variant)
+        except Exception as e:  # noqa: BLE001
+            emit(kind="moe_error", shape=sname, impl="kernelhub_stages", T=T,
+                 error=f"{type(e).__name__}: {str(e)[:300]}")
+    return x, idx, w, dy, ref, flops, floor_ms
+
+
 def env_list(name: str, default: str) -> list[str]:
     return [s for s in os.environ.get(name, default).split(",") if s]
 
@@ -451,42 +489,25 @@ def main() -> None:
             continue
         E, H, I, K = s["E"], s["H"], s["I"], s["K"]
         base = hf_experts(E, H, I, K)
-        for T in tokens:
-            t0 = time.time()
-            x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
-            idx, w = routing(T, E, K)
-            dy = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
-            touched = int(torch.unique(idx).numel())
-            flops = 6 * T * K * H * I
-            floor_ms = max(flops / mm, (touched * 3 * H * I * 2 + 2 * T * H * 2) / copy_bw) * 1e3
-            load = torch.bincount(idx.reshape(-1), minlength=E).float()
-            tiles = ""
-            if CUDA:
-                bucket = cfgs.pick_config(90 if variant == "sm90" else 80, E, H, I, T * K)
-                tiles = f" block_m={bucket['block_m']} gate_up={bucket['gate_up']} down={bucket['down']}"
-            print(f"-- {sname} T={T} touched={touched} hottest/mean={float(load.max() / load.mean()):.2f} "
-                  f"variant={variant}{tiles}", flush=True)
-            with torch.no_grad():
-                ref = moe.fused_experts_reference(x, base.gate_up_proj, base.down_proj, idx, w).float()
-            if CUDA and os.environ.get("STAGES", "1") == "1" and (not wanted or "kernelhub" in wanted):
-                try:
-                    stage_breakdown(base, x, idx, w, dy, sname, T, variant)
-                except Exception as e:  # noqa: BLE001
-                    emit(kind="moe_error", shape=sname, impl="kernelhub_stages", T=T,
-                         error=f"{type(e).__name__}: {str(e)[:300]}")
-            for impl in impls_for(base, T, E, H, I, K, idx, w, wanted, configs, compiled_bases):
-                try:
-                    measure(impl, x, dy, ref, base, modes, sname, T, flops, floor_ms)
-                except Exception as e:  # noqa: BLE001
-                    emit(kind="moe_error", shape=sname, impl=impl.name, T=T,
-                         error=f"{type(e).__name__}: {str(e)[:300]}")
-                if impl.config in ("compiled", "reduce-overhead"):
-                    torch.compiler.reset()  # (frees its CUDA-graph pool before the next configuration)
-                if CUDA:
-                    torch.cuda.empty_cache()
-            torch.compiler.reset()  # (frees the CUDA-graph pools of this point's compiled configurations)
-            print(f"-- {sname} T={T} took {time.time() - t0:.1f}s", flush=True)
-        del base
+        points = {}  # T -> the point's inputs, kept for the second phase
+        for phase in ("core", "extra"):  # every T's core configurations before any T's extras
+            for T in tokens:
+                t0 = time.time()
+                if phase == "core":
+                    points[T] = point(base, sname, T, E, H, I, K, copy_bw, mm, variant, cfgs, wanted)
+                x, idx, w, dy, ref, flops, floor_ms = points[T]
+                for impl in impls_for(base, T, E, H, I, K, idx, w, wanted, configs, compiled_bases, phase):
+                    try:
+                        measure(impl, x, dy, ref, base, modes, sname, T, flops, floor_ms)
+                    except Exception as e:  # noqa: BLE001
+                        emit(kind="moe_error", shape=sname, impl=impl.name, T=T,
+                             error=f"{type(e).__name__}: {str(e)[:300]}")
+                    if impl.config in ("compiled", "reduce-overhead"):
+                        torch.compiler.reset()  # (frees its CUDA-graph pool before the next configuration)
+                    if CUDA:
+                        torch.cuda.empty_cache()
+                print(f"-- {sname} T={T} {phase} took {time.time() - t0:.1f}s", flush=True)
+        del base, points
         if CUDA:
             torch.cuda.empty_cache()
     sys.path.insert(0, str(ROOT / "benchmarks"))
