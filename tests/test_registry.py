@@ -4,9 +4,17 @@ import pytest
 import torch
 
 from kernelhub import CUDAProperties, Device, LocalLayerRepository, Mode, register_kernel_mapping, use_kernel_mapping
+from kernelhub import registry
 from kernelhub.registry import get_kernel_mapping, resolve_repository
 
 TOY = Path(__file__).parent / "fixtures" / "kernels" / "toy_mlp"
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_mapping(monkeypatch):
+    """register_kernel_mapping also writes the process-wide mapping (as kernels does), even inside a
+    use_kernel_mapping block: put it back so that the toy layers do not reach later test modules."""
+    monkeypatch.setattr(registry, "_GLOBAL_MAPPING", registry._GLOBAL_MAPPING)
 
 
 def repo(layer: str) -> LocalLayerRepository:
