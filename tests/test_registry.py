@@ -3,8 +3,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernelhub import CUDAProperties, Device, LocalLayerRepository, Mode, register_kernel_mapping, use_kernel_mapping
-from kernelhub import registry
+from kernelhub import (
+    CUDAProperties,
+    Device,
+    LocalLayerRepository,
+    Mode,
+    register_kernel_mapping,
+    registry,
+    use_kernel_mapping,
+)
 from kernelhub.registry import get_kernel_mapping, resolve_repository
 
 TOY = Path(__file__).parent / "fixtures" / "kernels" / "toy_mlp"
