@@ -20,7 +20,8 @@ few points per run (SHAPES=, TOKENS=, BLOCK_MS=).
 Then: KERNELHUB_MOE_CONFIG_DIR=DIR (or copy DIR/sm90.json over the package's configs/).
 --fp8: the fp8-weights path instead (`fp8_stage_space`, `fp8_tune_point`): DeepSeek-V3 and
 Qwen3-30B-A3B at T=1,32,512,4096,16384 (SHAPES=, TOKENS= as above), writing DIR/fp8_<variant>.json
-("shapes" buckets) and printing the best bucket per point at the end; about 80 distinct kernels
+("shapes" buckets) and printing the best bucket per point at the end (at T <= 8 also the
+token-major decode kernels, kept as a "decode" key where they win); about 90 distinct kernels
 to compile, sized for one GPU call of under 8 minutes (FP8_BUDGET_S, default 400: past it each
 stage keeps its best candidate so far). Each fp8 line: stage, block_m, config, ms.
 Each line printed is one measurement: stage, block_m, config, ms.
@@ -295,6 +296,35 @@ def fp8_stage_space(stage: str, block_m: int, rows_per_expert: float, w8a16: boo
     return space
 
 
+def fp8_decode_space(stage: str) -> list[dict]:
+    """Tiles of the fp8 token-major decode kernels (`_fp8_decode`; a bucket's "decode" key): BLOCK_N
+    weight rows per program, BLOCK_K a divisor of the 128-column scale block; the down kernel holds
+    all K experts' tiles at once, hence its narrower rows."""
+    bns = [4, 8, 16, 32] if stage == "gate_up" else [4, 8, 16]
+    return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 2} for bn in bns for bk in (64, 128)]
+
+
+def fp8_tune_decode(fp8x, variant, best, x, gu, gus, dn, dns, idx, w):
+    """`best` with a "decode" key for calls of up to T tokens where the token-major kernels beat it
+    end to end; else `best` as is."""
+    T = x.shape[0]
+    first = {s: fp8_decode_space(s)[0] for s in ("gate_up", "down")}
+
+    def run(stage):
+        return lambda c: fp8x.decode_forward(x, gu, dn, idx, w, gus, dns, {"max_tokens": T, **first, stage: c})
+
+    _, first["gate_up"] = best_of(f"fp8 decode_gate_up T={T}", run("gate_up"), fp8_decode_space("gate_up"))
+    _, first["down"] = best_of(f"fp8 decode_down T={T}", run("down"), fp8_decode_space("down"))
+    if first["gate_up"] is None or first["down"] is None:
+        return best
+    with_decode = {**best, "decode": {"max_tokens": T, **first}}
+    ms = {k: timed(lambda b=b: moe.fused_experts(x, gu, dn, idx, w, gate_up_proj_scale_inv=gus,
+                                                 down_proj_scale_inv=dns, variant=variant, config=b))
+          for k, b in (("grouped", best), ("decode", with_decode))}
+    print(f" fp8 T={T} end to end: grouped {ms['grouped']:.4f} ms, decode {ms['decode']:.4f} ms", flush=True)
+    return with_decode if ms["decode"] < ms["grouped"] else best
+
+
 def fp8_weights(E: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8 weights [E, n, k] (random normal values, 16 experts at a time) and plausible block scales:
     timing needs the bytes and the shapes, not a quantized model."""
@@ -371,6 +401,8 @@ def fp8_tune_point(fp8x, variant, x, gu, gus, dn, dns, idx, w, K):
         best["quant_x"] = ms[True] <= ms[False]
     else:
         print(f" fp8 T={T} end to end: {e2e(best):.4f} ms", flush=True)
+    if T <= DECODE_MAX_TOKENS and rpe <= 4:
+        best = fp8_tune_decode(fp8x, variant, best, x, gu, gus, dn, dns, idx, w)
     return best
 
 

@@ -229,3 +229,69 @@ def test_shipped_sm90_fp8_tiles_compile_without_spills_within_shared_memory(tmp_
     shipped = json.loads((fp8c._DIR / "fp8_sm90.json").read_text())["buckets"]
     in_load = sum(not b.get("w8a16", False) for b in shipped)
     assert res.stdout.count("ok   sm90") == 4 * len(shipped) + in_load + 1, res.stdout[-2000:]
+
+
+DECODE = {"max_tokens": 4, "gate_up": {"BLOCK_N": 8, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1},
+          "down": {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1}}
+
+
+def _kernels(run) -> list[str]:
+    from kernelhub.device import CachedLaunch
+
+    with CachedLaunch.recording() as calls:
+        out = run()
+    return out, [c.launcher.kernel.__name__ if hasattr(c.launcher.kernel, "__name__") else c.launcher.kernel.fn.__name__
+                 for c in calls]
+
+
+@pytest.mark.parametrize("variant", ["sm90", "sm80"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_decode_key_runs_the_token_major_kernels_and_matches_the_float64_loop(variant, T):
+    """Two launches (no routing, no combine), W8A16 math on both variants; -1 ids dropped; H and I
+    not multiples of 128 (BLOCK_K 32 / 64 chunks inside one scale block); K = 3 (padded to 4)."""
+    x, guq, dq, idx, w, scales = make_fp8(T, 200, 136, 6, 3, seed=31, drop=1)
+    cfg = {**BASE, "decode": DECODE}
+    out, names = _kernels(lambda: moe.fused_experts(x, guq, dq, idx, w, variant=variant, config=cfg, **scales))
+    assert names == ["_fp8_decode_gate_up_kernel", "_fp8_decode_down_kernel"]
+    ref = oracle(x, guq, dq, idx, w, scales)
+    assert rel(out, ref) < 1e-2
+    # above max_tokens: the grouped path
+    x5, guq5, dq5, idx5, w5, scales5 = make_fp8(5, 200, 136, 6, 3, seed=32)
+    out5, names5 = _kernels(lambda: moe.fused_experts(x5, guq5, dq5, idx5, w5, variant=variant, config=cfg,
+                                                        **scales5))
+    assert "_fp8_decode_gate_up_kernel" not in names5 and "_fp8_gemm_kernel" in names5
+    assert out5.shape == x5.shape
+
+
+def test_decode_ids_out_of_range_are_dropped_when_unchecked():
+    x, guq, dq, idx, w, scales = make_fp8(2, 144, 80, 4, 2, seed=33)
+    bad = idx.clone()
+    bad[0, 1] = 9  # >= E: dropped like -1 (check_indices=False: no host sync)
+    dropped = bad.clone()
+    dropped[0, 1] = -1
+    cfg = {**BASE, "decode": DECODE}
+    got = moe.fused_experts(x, guq, dq, bad, w, variant="sm80", config=cfg, check_indices=False, **scales)
+    assert torch.equal(got, moe.fused_experts(x, guq, dq, dropped, w, variant="sm80", config=cfg, **scales))
+
+
+@pytest.mark.parametrize(("patch", "match"), [
+    ({"max_tokens": 0}, r"\['decode'\]\['max_tokens'\] must be an int >= 1"),
+    ({"gate_up": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1}},
+     r"\['decode'\]\['gate_up'\]\['BLOCK_K'\] must be 16, 32, 64 or 128"),
+    ({"down": {"BLOCK_N": 2, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1}},
+     r"\['decode'\]\['down'\]\['BLOCK_N'\] must be a power of two in \[4, 256\]"),
+    ({"extra": 1}, r"\['decode'\]: keys must be"),
+])
+def test_bad_decode_key_raises_naming_it(patch, match):
+    with pytest.raises(ValueError, match=match):
+        _run(_inputs(), {**BASE, "decode": {**DECODE, **patch}})
+
+
+def test_decode_weight_bits_path_equals_fp8_pointer_loads():
+    """sm80 reads the fp8 weights as uint8 bits (Triton has no fp8 pointers there): exact, so the
+    same output as fp8 loads, bit for bit."""
+    x, guq, dq, idx, w, scales = make_fp8(2, 200, 136, 5, 3, seed=34, drop=1)
+    args = (x, guq, dq, idx, w, scales["gate_up_proj_scale_inv"], scales["down_proj_scale_inv"], DECODE)
+    bits = fp8x.decode_forward(*args, w_bits=True)
+    assert torch.equal(bits, fp8x.decode_forward(*args, w_bits=False))
+    assert rel(bits, oracle(x, guq, dq, idx, w, scales)) < 1e-2
