@@ -295,3 +295,30 @@ def test_decode_weight_bits_path_equals_fp8_pointer_loads():
     bits = fp8x.decode_forward(*args, w_bits=True)
     assert torch.equal(bits, fp8x.decode_forward(*args, w_bits=False))
     assert rel(bits, oracle(x, guq, dq, idx, w, scales)) < 1e-2
+
+
+# ---- GPU: the paths a shipped config does not take at these shapes ----
+
+LARGE = {"block_m": 128, "gate_up": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
+         "down": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "A_TMA": True}}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("T", "config", "quantized"), [
+    (600, {**LARGE, "quant_x": False}, True),
+    (600, {**LARGE, "tma": False}, True),
+    (600, {**LARGE, "down": {**LARGE["down"], "A_TMA": False}}, True),
+    (600, {**LARGE, "w8a16": True, "gate_up": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}}, False),
+    (4, {**BASE, "decode": DECODE}, False),
+])
+def test_gpu_sm90_pinned_paths_match_the_oracle(T, config, quantized):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 tensor cores need sm89+")
+    x, guq, dq, idx, w, scales = make_fp8(T, 2048, 768, 16, 8, seed=40)
+    ref, emu = oracle(x, guq, dq, idx, w, scales), emulation(x, guq, dq, idx, w, scales)
+    dev = torch.device("cuda")
+    out = moe.fused_experts(x.to(dev), guq.to(dev), dq.to(dev), idx.to(dev), w.to(dev), variant="sm90",
+                            config=config, **{k: v.to(dev) for k, v in scales.items()}).cpu()
+    assert rel(out, ref) <= (1.25 * rel(emu, ref) if quantized else 1e-2)
