@@ -86,6 +86,7 @@ def gemm_signature(cap: int, variant: str, bucket: dict, stage: str, dtype: str 
     const.update(EPILOGUE=1 if gate_up else 0, GATHER_A=gather, TOPK=8, FP8_DOT=fp8_dot,
                  QUANT_A=fp8_dot and gate_up and a_dtype != "fp8e4nv", QUANT_C=fp8_dot and gate_up, EMULATE=False,
                  PRECISION="ieee" if a_dtype == "fp32" else None, SCALE_N=128, B_TMA=tma, A_TMA=a_tma,
+                 RESCALE=fp8_dot and bool(c.get("RESCALE", False)),
                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128)
     for name in _UNIT if not (backward and stage == "down") else ("stride_ak", "stride_cn"):  # (transposed W)
         const[name] = 1
@@ -99,7 +100,7 @@ def check_gemm(cap: int, variant: str, bucket: dict, stage: str, dtype: str = "b
     if cap < 90 and variant == "sm90":  # sm89: stages fitted to its shared memory, as the launcher does
         bucket = fp8c.fit_fp8_shared_memory(bucket, SM89_SMEM, 1 if not bucket.get("w8a16", False) else 2)
     sig, const, c = gemm_signature(cap, variant, bucket, stage, dtype, backward)
-    flags = [k for k in ("B_TMA", "A_TMA", "QUANT_A", "FP8_DOT") if const[k]]
+    flags = [k for k in ("B_TMA", "A_TMA", "QUANT_A", "FP8_DOT", "RESCALE") if const[k]]
     text = (f"fp8 {variant} {backward + ' backward' if backward else stage} x={dtype} block_m={bucket['block_m']} "
             f"{json.dumps(c, sort_keys=True)} {' '.join(flags)} {label}").rstrip()
     try:

@@ -267,10 +267,12 @@ FP8_SMEM = 220 * 1024  # shared memory a candidate may use (227 KB per block on 
 
 
 def fp8_stage_space(stage: str, block_m: int, rows_per_expert: float, w8a16: bool) -> list[dict]:
-    """A short list per stage: tiles whose accumulators (plus the per-K-block product of the same
-    size) fit the registers - the rule the sm90 compiles follow (tools/compile_fp8_sm90.py) - and
-    whose stages fit shared memory. fp8 gate/up tiles are 128 columns (one quantization group of
-    h); 128-row stages may run 64-row tiles ("BLOCK_M")."""
+    """A short list per stage: tiles whose accumulators fit the registers - the rule the sm90
+    compiles follow (tools/compile_fp8_sm90.py): up to FP8_MAX_ACC fp32 elements per thread beside
+    the per-K-block product of the same size, up to twice that with "RESCALE" (no product
+    registers; not for 128-row gate/up tiles, which still spill) - and whose stages fit shared
+    memory. fp8 gate/up tiles are 128 columns (one quantization group of h); 128-row stages may run
+    64-row tiles ("BLOCK_M")."""
     gate_up = stage == "gate_up"
     decode = rows_per_expert <= 4
     if gate_up:
@@ -283,13 +285,18 @@ def fp8_stage_space(stage: str, block_m: int, rows_per_expert: float, w8a16: boo
     for bm, bn, nw, ns in itertools.product(heights, bns, [4, 8], stages):
         acc = bm * bn * (2 if gate_up else 1) // (32 * nw)
         a_bytes = 2 if w8a16 else 1
-        if acc > FP8_MAX_ACC or acc < 8 or ns * (bm * a_bytes + (2 if gate_up else 1) * bn) * 128 > FP8_SMEM:
+        rescale = not w8a16 and FP8_MAX_ACC < acc <= 2 * FP8_MAX_ACC and not (gate_up and bm == 128)
+        if (acc > FP8_MAX_ACC and not rescale) or acc < 8:
+            continue
+        if ns * (bm * a_bytes + (2 if gate_up else 1) * bn) * 128 > FP8_SMEM:
             continue
         if gate_up and w8a16 and nw == 8:  # (W8A16 gate/up: 8 warps buy nothing at decode and 32x64 spills)
             continue
         c = {"BLOCK_N": bn, "num_warps": nw, "num_stages": ns}
         if bm != block_m:
             c["BLOCK_M"] = bm
+        if rescale:
+            c["RESCALE"] = True
         if not gate_up and not decode:
             c["A_TMA"] = True
         space.append(c)

@@ -84,6 +84,24 @@ def test_sm90_tma_loads_equal_pointer_loads(a_tma):
     assert torch.equal(with_tma, without)
 
 
+@pytest.mark.parametrize("tma", [True, False])
+def test_sm90_rescaled_accumulator_gives_the_same_sum(tma):
+    """"RESCALE": the MMA accumulates in place into acc / c_k; the result is the per-K-block scaled
+    sum up to fp32 rounding (edge blocks: masked rows' and columns' zero scales taken as 1; the gate
+    tile's columns past I read up rows through TMA)."""
+    args = _inputs(seed=25, H=400)  # 4 K-blocks in gate/up, 2 in down
+    plain = _run(args, {**BASE, "tma": tma})
+    stages = {s: {**BASE[s], "RESCALE": True} for s in ("gate_up", "down")}
+    rescaled = _run(args, {**BASE, **stages, "tma": tma})
+    ref, emu = oracle(*args), emulation(*args)
+    err_emu = rel(emu, ref)
+    assert rel(rescaled, ref) <= 1.25 * err_emu and rel(rescaled, emu) < 0.4 * err_emu
+    assert rel(rescaled, plain) < 0.05 * err_emu  # h's fp8 rounding may flip single elements
+    # W8A16 math ignores it
+    w8 = {**BASE, "w8a16": True}
+    assert torch.equal(_run(args, {**w8, **stages}), _run(args, w8))
+
+
 def test_w8a16_bucket_on_sm90_does_not_quantize_activations():
     args = _inputs(seed=23)
     ref = oracle(*args)
@@ -107,6 +125,7 @@ def test_pinned_config_tiles_are_used():
 @pytest.mark.parametrize(("patch", "err", "match"), [
     ({"block_m": 24}, ValueError, r"`config`\['block_m'\] must be a power of two"),
     ({"quant_x": 1}, TypeError, r"`config`\['quant_x'\] must be true or false"),
+    ({"down": {**BASE["down"], "RESCALE": 1}}, TypeError, r"`config`\['down'\]\['RESCALE'\] must be true or false"),
     ({"wgrad": {}}, ValueError, r"`config`: unknown keys \['wgrad'\]"),
     ({"down": {"BLOCK_N": 512, "num_warps": 4, "num_stages": 1}}, ValueError, r"\['down'\]\['BLOCK_N'\]"),
     ({"down": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}}, ValueError,
@@ -209,7 +228,11 @@ def test_every_fp8_tune_candidate_is_a_valid_bucket(tune, block_m, rows_per_expe
             fp8c.check_fp8_bucket(bucket, f"candidate {c}", "sm90")
             fp8c.check_fp8_bucket(bucket, f"candidate {c}", "sm80")
             rows = c.get("BLOCK_M", block_m)
-            assert rows * c["BLOCK_N"] * (2 if stage == "gate_up" else 1) <= 64 * 32 * c["num_warps"]
+            acc = rows * c["BLOCK_N"] * (2 if stage == "gate_up" else 1) // (32 * c["num_warps"])
+            # fp32 accumulator elements per thread: <= 64 beside the per-K-block product, or <= 128
+            # without it ("RESCALE", fp8 math only, not on 128-row gate/up tiles)
+            assert acc <= (128 if c.get("RESCALE") else 64), c
+            assert not c.get("RESCALE") or (not w8a16 and not (stage == "gate_up" and rows == 128)), c
 
 
 @pytest.mark.skipif(tuple(int(v) for v in __import__("triton").__version__.split(".")[:2]) < (3, 7),

@@ -8,8 +8,11 @@ rows per expert (T*K/E), and `benchmarks/tune_moe.py --fp8` rewrites them. Same 
 A bucket: "block_m" (the routing alignment, power of two >= 16), "gate_up" and "down" stages
 {"BLOCK_N", "num_warps", "num_stages"} (+ "maxnreg"; "BLOCK_M": the stage's tile height, a
 divisor of block_m, default block_m: a 128-row gate/up tile holds two fp32 accumulators plus
-the per-K-block products and spills, where two 64-row tiles of 128-row-aligned rows do not; down
-also "A_TMA": h through a TMA descriptor), and optional flags: "tma" (sm90: weights through TMA
+the per-K-block products and spills, where two 64-row tiles of 128-row-aligned rows do not;
+"RESCALE": with fp8 activations, the accumulator kept divided by the current K-block's scales so
+that the MMA accumulates in place, without the per-K-block product's registers (the same sum,
+one more fp32 rounding per K-block; see `_fp8_gemm_kernel`); down also "A_TMA": h through a TMA
+descriptor), and optional flags: "tma" (sm90: weights through TMA
 descriptors, default true), "quant_x" (sm90: x quantized by its own pass before the gate/up GEMM, default true; false:
 quantized inside that GEMM's load, once per column tile), "w8a16" (sm90 variant: this bucket runs
 the W8A16 math, 16-bit activations, e.g. at decode where weight bytes bound the time), "decode"
@@ -45,7 +48,7 @@ FP8_INTERPRETER_CONFIG = {
 }
 
 _STAGE_KEYS = ("BLOCK_N", "num_warps", "num_stages")
-_STAGE_OPTIONAL = {"maxnreg": int, "A_TMA": bool, "BLOCK_M": int}
+_STAGE_OPTIONAL = {"maxnreg": int, "A_TMA": bool, "BLOCK_M": int, "RESCALE": bool}
 _FLAGS = ("tma", "quant_x", "w8a16")
 QUANT_GROUP = 128  # columns per activation scale (= the weights' scale block columns)
 
@@ -97,8 +100,9 @@ def check_fp8_bucket(bucket: object, where: str, variant: str | None = None) -> 
         if "BLOCK_M" in c and (_bad_int(c["BLOCK_M"], 16) or c["BLOCK_M"] & (c["BLOCK_M"] - 1)
                                or c["BLOCK_M"] > bm):
             raise ValueError(f"{at}['BLOCK_M'] must be a power of two in [16, block_m={bm}], got {c['BLOCK_M']!r}")
-        if "A_TMA" in c and not isinstance(c["A_TMA"], bool):
-            raise TypeError(f"{at}['A_TMA'] must be true or false, got {c['A_TMA']!r}")
+        for flag in ("A_TMA", "RESCALE"):
+            if flag in c and not isinstance(c[flag], bool):
+                raise TypeError(f"{at}[{flag!r}] must be true or false, got {c[flag]!r}")
     if "decode" in bucket:
         _check_decode(f"{where}['decode']", bucket["decode"])
     if "A_TMA" in bucket["gate_up"]:

@@ -39,7 +39,7 @@ from .reference_fp8 import fp8_reference_unchecked
 _gemm_launch = CachedLaunch(_fp8_gemm_kernel)
 _quant_launch = CachedLaunch(_quantize_x_kernel)
 Fp8GemmConstexprs = constexpr_spec(_fp8_gemm_kernel, """EPILOGUE GATHER_A TOPK FP8_DOT QUANT_A QUANT_C EMULATE
-    PRECISION SCALE_N B_TMA A_TMA BLOCK_M BLOCK_N BLOCK_K""")
+    PRECISION SCALE_N B_TMA A_TMA RESCALE BLOCK_M BLOCK_N BLOCK_K""")
 QuantConstexprs = constexpr_spec(_quantize_x_kernel, "EMULATE BLOCK_T GROUP")
 _decode_gate_up_launch = CachedLaunch(_fp8_decode_gate_up_kernel)
 _decode_down_launch = CachedLaunch(_fp8_decode_down_kernel)
@@ -143,7 +143,8 @@ def _gemm(a, a_scale, weight, scale_inv, out, out_scale, routing, stage: dict, *
             EPILOGUE=epilogue, GATHER_A=gather_a, TOPK=topk, FP8_DOT=fp8_dot,
             QUANT_A=fp8_dot and a.dtype != torch.float8_e4m3fn, QUANT_C=out_scale is not None, EMULATE=INTERPRET,
             PRECISION="ieee" if (INTERPRET or a.dtype == torch.float32) else None,
-            SCALE_N=BLOCK[0], B_TMA=b_desc is not None, A_TMA=a_desc is not None, BLOCK_M=bm, BLOCK_N=bn,
+            SCALE_N=BLOCK[0], B_TMA=b_desc is not None, A_TMA=a_desc is not None,
+            RESCALE=fp8_dot and bool(stage.get("RESCALE", False)), BLOCK_M=bm, BLOCK_N=bn,
             BLOCK_K=BLOCK[1]),
         num_warps=stage["num_warps"], num_stages=stage["num_stages"], extras=(b_desc, a_desc),
     )

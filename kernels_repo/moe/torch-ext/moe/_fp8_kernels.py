@@ -118,6 +118,7 @@ def _fp8_gemm_kernel(
     SCALE_N: tl.constexpr,    # rows of a weight scale block
     B_TMA: tl.constexpr,      # weights through b_desc (sm90), a TMA descriptor over [E, N, K]
     A_TMA: tl.constexpr,      # A (not gathered, already fp8 or 16-bit) through a_desc over [P, K]
+    RESCALE: tl.constexpr,    # FP8_DOT: the accumulator kept divided by the current K-block's scales (below)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile: rows [pid_m * BLOCK_M, +BLOCK_M) (one expert's or padding)."""
@@ -142,6 +143,14 @@ def _fp8_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if EPILOGUE == 1:
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # RESCALE: acc holds sum_k dot_k * c_k / c_last (c_k = s_a[:, None] * s_w[None, :] of K-block k),
+    # so each K-block's MMA accumulates in place (acc = dot(a, b, acc * c_prev / c_k)) instead of into
+    # a second [BLOCK_M, BLOCK_N] fp32 product: half the accumulator registers. The same sum (the
+    # rescaling costs one fp32 rounding per K-block); scales must be positive (every checkpoint's; a
+    # masked row's or column's zero is taken as 1: its products are zero).
+    pa = tl.full((BLOCK_M,), 1.0, tl.float32)
+    pg = tl.full((BLOCK_N,), 1.0, tl.float32)
+    pu = tl.full((BLOCK_N,), 1.0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_blk = k0 // BLOCK_K
         offs_k = k0 + offs_kk
@@ -161,7 +170,13 @@ def _fp8_gemm_kernel(
             a = a.to(tl.float32)
         b, s = _weight_tile(b_ptr, bs_ptr, b_desc, e, offs_k, offs_n, n0, k0, k_blk, N, K, stride_be, stride_bn,
                             stride_bk, stride_bse, stride_bsn, stride_bsk, SCALE_N, B_TMA, BLOCK_N, BLOCK_K)
-        if FP8_DOT:
+        if FP8_DOT and RESCALE:
+            b = b.to(a.dtype)
+            a_s = tl.where(a_s > 0, a_s, 1.0)
+            s = tl.where(s > 0, s, 1.0)
+            acc = tl.dot(a, b, acc * (pa / a_s)[:, None] * (pg / s)[None, :], input_precision=PRECISION)
+            pg = s
+        elif FP8_DOT:
             b = b.to(a.dtype)  # (EMULATE: fp32 from fp8, exact; else fp8 stays fp8)
             acc += tl.dot(a, b, input_precision=PRECISION) * (a_s[:, None] * s[None, :])
         else:  # uint8 bits -> fp16 (value / 256) -> activation dtype, both exact
@@ -173,12 +188,23 @@ def _fp8_gemm_kernel(
             bu, su = _weight_tile(b_ptr, bs_ptr, b_desc, e, offs_k, offs_n + N, n0 + N, k0, k_blk, B_N_TOTAL, K,
                                   stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, SCALE_N,
                                   B_TMA, BLOCK_N, BLOCK_K)
-            if FP8_DOT:
+            if FP8_DOT and RESCALE:
+                bu = bu.to(a.dtype)
+                su = tl.where(su > 0, su, 1.0)
+                acc_u = tl.dot(a, bu, acc_u * (pa / a_s)[:, None] * (pu / su)[None, :], input_precision=PRECISION)
+                pu = su
+            elif FP8_DOT:
                 bu = bu.to(a.dtype)
                 acc_u += tl.dot(a, bu, input_precision=PRECISION) * (a_s[:, None] * su[None, :])
             else:
                 bu = _e4m3_bits(bu).to(a.dtype)
                 acc_u += tl.dot(a, bu, input_precision=PRECISION) * (su * 256.0)[None, :]
+        if FP8_DOT and RESCALE:
+            pa = a_s
+    if FP8_DOT and RESCALE:  # back from the last K-block's scales; columns past N to 0 as without
+        acc = acc * pa[:, None] * tl.where(offs_n < N, pg, 0.0)[None, :]
+        if EPILOGUE == 1:
+            acc_u = acc_u * pa[:, None] * tl.where(offs_n + N < B_N_TOTAL, pu, 0.0)[None, :]
     c_mask = m_mask[:, None] & (offs_n[None, :] < N)
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     if EPILOGUE == 1:
