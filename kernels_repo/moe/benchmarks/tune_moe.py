@@ -164,8 +164,8 @@ def timed(fn) -> float:
         return math.inf
 
 
-# --fp8: a wall-clock budget (FP8_BUDGET_S, seconds from the start): past it each stage keeps the
-# best candidate timed so far, so that one GPU call still ends with a written file.
+# --fp8: a wall-clock budget (FP8_BUDGET_S seconds, split over the shapes): past a shape's share
+# each stage keeps the best candidate timed so far, so that one GPU call ends with a written file.
 _DEADLINE = [math.inf]
 
 
@@ -426,7 +426,10 @@ def main_fp8(out_dir: Path) -> None:
     only = [s for s in os.environ.get("SHAPES", "").split(",") if s] or list(FP8_SHAPES)
     tokens = sorted(int(t) for t in os.environ.get("TOKENS", "1,32,512,4096,16384").split(","))
     summary = []
-    for name in only:
+    start, budget = time.time(), float(os.environ.get("FP8_BUDGET_S", "400"))
+    for n_shape, name in enumerate(only):
+        # each shape's share of the budget (cumulative: time one shape leaves goes to the next)
+        _DEADLINE[0] = start + budget * (n_shape + 1) / len(only)
         s = SHAPES[name]
         E, H, I, K = s["E"], s["H"], s["I"], s["K"]
         gu, gus = fp8_weights(E, 2 * I, H)
@@ -444,7 +447,7 @@ def main_fp8(out_dir: Path) -> None:
             fp8c.check_fp8_bucket(b, f"tuned {name} T={T}", variant)
             buckets.append(b)
             summary.append(f"best fp8 {variant} {name} T={T}: {json.dumps(b, sort_keys=True)}")
-            print(f"== {summary[-1]} ({time.time() - t0:.0f}s)", flush=True)
+            print(f"== {summary[-1]} ({time.time() - t0:.0f}s, {time.time() - start:.0f}s in)", flush=True)
         if buckets:
             buckets[-1]["max_rows_per_expert"] = None
             data.setdefault("shapes", {})[cfgs.shape_key(E, H, I)] = buckets
@@ -463,7 +466,6 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true", help="tune the fp8-weights path (configs/fp8_<variant>.json)")
     args = ap.parse_args()
     if args.fp8:
-        _DEADLINE[0] = time.time() + float(os.environ.get("FP8_BUDGET_S", "400"))
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         main_fp8(out)
