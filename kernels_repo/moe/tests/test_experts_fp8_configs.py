@@ -345,3 +345,23 @@ def test_gpu_sm90_pinned_paths_match_the_oracle(T, config, quantized):
     out = moe.fused_experts(x.to(dev), guq.to(dev), dq.to(dev), idx.to(dev), w.to(dev), variant="sm90",
                             config=config, **{k: v.to(dev) for k, v in scales.items()}).cpu()
     assert rel(out, ref) <= (1.25 * rel(emu, ref) if quantized else 1e-2)
+
+
+def test_pinned_config_reaches_the_kernels_under_torch_compile():
+    """The compiled path passes `config` through its custom op: a W8A16 bucket on sm90 gives the
+    unquantized result there as in eager, and a bad bucket raises while tracing."""
+    args = _inputs(seed=26)
+    x, guq, dq, idx, w, scales = args
+    cfg = {**BASE, "w8a16": True}
+
+    def f(a, c):
+        return moe.fused_experts(a, guq, dq, idx, w, variant="sm90", config=c, **scales)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(lambda a: f(a, cfg), backend="aot_eager", fullgraph=True)(x)
+        assert torch.equal(got, f(x, cfg))
+        assert rel(got, oracle(*args)) < 0.25 * rel(emulation(*args), oracle(*args))
+        with pytest.raises(Exception, match=r"`config`\['gate_up'\]\['BLOCK_N'\] must be 128"):
+            bad = {**BASE, "gate_up": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1}}
+            torch.compile(lambda a: f(a, bad), backend="aot_eager", fullgraph=True)(x)
