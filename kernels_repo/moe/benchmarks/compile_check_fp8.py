@@ -74,20 +74,22 @@ def gemm_signature(cap: int, variant: str, bucket: dict, stage: str, dtype: str 
            "c_ptr": f"*{c_dtype}", "cs_ptr": "*fp32", "rows_ptr": "*i32", "row_expert_ptr": "*i32"}
     const = {}
     bm, bn = c.get("BLOCK_M", bucket["block_m"]), c["BLOCK_N"]
+    quant_a = fp8_dot and gate_up and a_dtype != "fp8e4nv"
+    bk = 128 if quant_a else c.get("BLOCK_K", 128)
     if tma:
-        sig["b_desc"] = f"tensordesc<{w_dtype}[1, {bn}, 128]>"
+        sig["b_desc"] = f"tensordesc<{w_dtype}[1, {bn}, {bk}]>"
     else:
         const["b_desc"] = None
     if a_tma:
-        sig["a_desc"] = f"tensordesc<{a_dtype}[{bm}, 128]>"
+        sig["a_desc"] = f"tensordesc<{a_dtype}[{bm}, {bk}]>"
     else:
         const["a_desc"] = None
     gather = gate_up or backward == "gather"
     const.update(EPILOGUE=1 if gate_up else 0, GATHER_A=gather, TOPK=8, FP8_DOT=fp8_dot,
-                 QUANT_A=fp8_dot and gate_up and a_dtype != "fp8e4nv", QUANT_C=fp8_dot and gate_up, EMULATE=False,
-                 PRECISION="ieee" if a_dtype == "fp32" else None, SCALE_N=128, B_TMA=tma, A_TMA=a_tma,
+                 QUANT_A=quant_a, QUANT_C=fp8_dot and gate_up, EMULATE=False,
+                 PRECISION="ieee" if a_dtype == "fp32" else None, SCALE_N=128, SCALE_K=128, B_TMA=tma, A_TMA=a_tma,
                  RESCALE=fp8_dot and bool(c.get("RESCALE", False)),
-                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128)
+                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     for name in _UNIT if not (backward and stage == "down") else ("stride_ak", "stride_cn"):  # (transposed W)
         const[name] = 1
     full = {n: sig.get(n, "constexpr" if n in const else cc.I32) for n in kern._fp8_gemm_kernel.arg_names}

@@ -6,21 +6,24 @@ rows per expert (T*K/E), and `benchmarks/tune_moe.py --fp8` rewrites them. Same 
 "shapes" ({"E{E}_H{H}_I{I}": [buckets]}) overriding them; `KERNELHUB_MOE_CONFIG_DIR` is read too.
 
 A bucket: "block_m" (the routing alignment, power of two >= 16), "gate_up" and "down" stages
-{"BLOCK_N", "num_warps", "num_stages"} (+ "maxnreg"; "BLOCK_M": the stage's tile height, a
-divisor of block_m, default block_m: a 128-row gate/up tile holds two fp32 accumulators plus
-the per-K-block products and spills, where two 64-row tiles of 128-row-aligned rows do not;
-"RESCALE": with fp8 activations, the accumulator kept divided by the current K-block's scales so
-that the MMA accumulates in place, without the per-K-block product's registers (the same sum,
-one more fp32 rounding per K-block; see `_fp8_gemm_kernel`); down also "A_TMA": h through a TMA
-descriptor), and optional flags: "tma" (sm90: weights through TMA
-descriptors, default true), "quant_x" (sm90: x quantized by its own pass before the gate/up GEMM, default true; false:
-quantized inside that GEMM's load, once per column tile), "w8a16" (sm90 variant: this bucket runs
+{"BLOCK_N", "num_warps", "num_stages"} and optional stage keys: "maxnreg"; "BLOCK_M" (the
+stage's tile height, a divisor of block_m, default block_m: a 128-row gate/up tile holds two
+fp32 accumulators plus the per-K-block products and spills, where two 64-row tiles of
+128-row-aligned rows do not); "BLOCK_K" (the K step: 32, 64 or 128, the default; a divisor of the
+scale block, fewer registers per step for the W8A16 conversion; x quantized in the load always
+steps 128); "RESCALE" (with fp8 activations, the accumulator kept divided by the current
+K-block's scales so that the MMA accumulates in place, without the per-K-block product's
+registers: the same sum, one more fp32 rounding per K-block; see `_fp8_gemm_kernel`); down only
+"A_TMA" (h through a TMA descriptor). Bucket flags: "tma" (sm90: weights through TMA
+descriptors, default true), "quant_x" (sm90: x quantized by its own pass before the gate/up
+GEMM, default true; false: quantized inside that GEMM's load, once per column tile), "w8a16"
+(sm90 variant: this bucket runs
 the W8A16 math, 16-bit activations, e.g. at decode where weight bytes bound the time), "decode"
 (the token-major kernels of `_fp8_decode` for calls of at most "max_tokens" tokens: {"max_tokens",
 "gate_up", "down"}, each stage {"BLOCK_N" (weight rows per program, power of two >= 4),
 "BLOCK_K" (16 to 128: a divisor of the scale block), "num_warps", "num_stages"}).
-BLOCK_K is the 128-column scale block, not a tile choice. With fp8 activations the gate/up tile is
-128 columns wide (one quantization group of h per tile, quantized in its epilogue).
+With fp8 activations the gate/up tile is 128 columns wide (one quantization group of h per tile,
+quantized in its epilogue).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ FP8_INTERPRETER_CONFIG = {
 }
 
 _STAGE_KEYS = ("BLOCK_N", "num_warps", "num_stages")
-_STAGE_OPTIONAL = {"maxnreg": int, "A_TMA": bool, "BLOCK_M": int, "RESCALE": bool}
+_STAGE_OPTIONAL = {"maxnreg": int, "A_TMA": bool, "BLOCK_M": int, "RESCALE": bool, "BLOCK_K": int}
 _FLAGS = ("tma", "quant_x", "w8a16")
 QUANT_GROUP = 128  # columns per activation scale (= the weights' scale block columns)
 
@@ -100,6 +103,9 @@ def check_fp8_bucket(bucket: object, where: str, variant: str | None = None) -> 
         if "BLOCK_M" in c and (_bad_int(c["BLOCK_M"], 16) or c["BLOCK_M"] & (c["BLOCK_M"] - 1)
                                or c["BLOCK_M"] > bm):
             raise ValueError(f"{at}['BLOCK_M'] must be a power of two in [16, block_m={bm}], got {c['BLOCK_M']!r}")
+        if "BLOCK_K" in c and (c["BLOCK_K"] not in (32, 64, 128) or isinstance(c["BLOCK_K"], bool)):
+            raise ValueError(f"{at}['BLOCK_K'] must be 32, 64 or 128 (a divisor of the scale block), "
+                             f"got {c['BLOCK_K']!r}")
         for flag in ("A_TMA", "RESCALE"):
             if flag in c and not isinstance(c[flag], bool):
                 raise TypeError(f"{at}[{flag!r}] must be true or false, got {c[flag]!r}")
@@ -179,7 +185,7 @@ def fit_fp8_shared_memory(bucket: dict, smem_per_block: int, a_bytes: int) -> di
     out = dict(bucket)
     for stage, n_b in (("gate_up", 2), ("down", 1)):
         c = dict(bucket[stage])
-        per_stage = (c.get("BLOCK_M", bucket["block_m"]) * a_bytes + n_b * c["BLOCK_N"]) * QUANT_GROUP
+        per_stage = (c.get("BLOCK_M", bucket["block_m"]) * a_bytes + n_b * c["BLOCK_N"]) * c.get("BLOCK_K", 128)
         while c["num_stages"] > 2 and c["num_stages"] * per_stage > smem_per_block:
             c["num_stages"] -= 1
         out[stage] = c

@@ -39,7 +39,7 @@ from .reference_fp8 import fp8_reference_unchecked
 _gemm_launch = CachedLaunch(_fp8_gemm_kernel)
 _quant_launch = CachedLaunch(_quantize_x_kernel)
 Fp8GemmConstexprs = constexpr_spec(_fp8_gemm_kernel, """EPILOGUE GATHER_A TOPK FP8_DOT QUANT_A QUANT_C EMULATE
-    PRECISION SCALE_N B_TMA A_TMA RESCALE BLOCK_M BLOCK_N BLOCK_K""")
+    PRECISION SCALE_N SCALE_K B_TMA A_TMA RESCALE BLOCK_M BLOCK_N BLOCK_K""")
 QuantConstexprs = constexpr_spec(_quantize_x_kernel, "EMULATE BLOCK_T GROUP")
 _decode_gate_up_launch = CachedLaunch(_fp8_decode_gate_up_kernel)
 _decode_down_launch = CachedLaunch(_fp8_decode_down_kernel)
@@ -118,6 +118,8 @@ def _gemm(a, a_scale, weight, scale_inv, out, out_scale, routing, stage: dict, *
     quantized in the load). tma (sm90, not transposed): weights and, where the stage says "A_TMA"
     and A is not gathered, A through TMA descriptors."""
     bm, bn = stage.get("BLOCK_M", routing.block_m), stage["BLOCK_N"]  # (a divisor of the alignment)
+    quant_a = fp8_dot and a.dtype != torch.float8_e4m3fn
+    bk = BLOCK[1] if quant_a else stage.get("BLOCK_K", BLOCK[1])  # (in-load quantization: whole groups)
     grid = (routing.num_rows // bm, launch.cdiv(n, bn))
     if grid[0] == 0 or grid[1] == 0:
         return
@@ -128,9 +130,9 @@ def _gemm(a, a_scale, weight, scale_inv, out, out_scale, routing, stage: dict, *
         ws, ss = (ws[0], ws[2], ws[1]), (ss[0], ss[2], ss[1])
     b_desc = a_desc = None
     if tma and not transposed:
-        b_desc = sm90.weight_descriptor(w, bn, BLOCK[1])
+        b_desc = sm90.weight_descriptor(w, bn, bk)
         if stage.get("A_TMA", False) and not gather_a and bm <= 256 and sm90.tma_ok(a):
-            a_desc = sm90.rows_descriptor(a, bm, BLOCK[1])
+            a_desc = sm90.rows_descriptor(a, bm, bk)
     _launcher(stage).split(
         grid, _index(a),
         (a, a_scale if a_scale is not None else out, w, scale_inv, out, out_scale if out_scale is not None else out,
@@ -141,11 +143,10 @@ def _gemm(a, a_scale, weight, scale_inv, out, out_scale, routing, stage: dict, *
          out.stride(0), out.stride(1), out_scale.stride(0) if out_scale is not None else 0),
         Fp8GemmConstexprs(
             EPILOGUE=epilogue, GATHER_A=gather_a, TOPK=topk, FP8_DOT=fp8_dot,
-            QUANT_A=fp8_dot and a.dtype != torch.float8_e4m3fn, QUANT_C=out_scale is not None, EMULATE=INTERPRET,
+            QUANT_A=quant_a, QUANT_C=out_scale is not None, EMULATE=INTERPRET,
             PRECISION="ieee" if (INTERPRET or a.dtype == torch.float32) else None,
-            SCALE_N=BLOCK[0], B_TMA=b_desc is not None, A_TMA=a_desc is not None,
-            RESCALE=fp8_dot and bool(stage.get("RESCALE", False)), BLOCK_M=bm, BLOCK_N=bn,
-            BLOCK_K=BLOCK[1]),
+            SCALE_N=BLOCK[0], SCALE_K=BLOCK[1], B_TMA=b_desc is not None, A_TMA=a_desc is not None,
+            RESCALE=fp8_dot and bool(stage.get("RESCALE", False)), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk),
         num_warps=stage["num_warps"], num_stages=stage["num_stages"], extras=(b_desc, a_desc),
     )
 

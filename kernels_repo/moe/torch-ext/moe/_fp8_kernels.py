@@ -11,9 +11,10 @@ One kernel, two maths (rows: the expert-aligned buffer of `_experts_routing`, as
     reads the h that the gate/up epilogue stored as fp8 with its scales, QUANT_C), then
     acc += dot(a_fp8, w_fp8) * s_a[:, None] * s_w[None, :] per K-block of 128 (fp32 accumulation of
     each scaled K-block product). sm90: weights (B_TMA) and the down GEMM's h (A_TMA) by TMA.
-BLOCK_K is the scale block's 128 columns, so each K step has one weight scale per output column
-and one activation scale per row. EPILOGUE 1 (gate/up): h = silu(gate) * up in fp32, stored in
-the activation dtype or (QUANT_C, BLOCK_N = 128 columns = one group) as fp8 plus a scale per row.
+BLOCK_K divides the scale block's 128 columns (SCALE_K; = 128 where x is quantized in the load),
+so each K step has one weight scale per output column and one activation scale per row.
+EPILOGUE 1 (gate/up): h = silu(gate) * up in fp32, stored in the activation dtype or (QUANT_C,
+BLOCK_N = 128 columns = one group) as fp8 plus a scale per row.
 
 EMULATE (the CPU interpreter): triton 3.7.1's interpreter loads fp8 and converts fp8 -> wider
 types exactly, and its fp8 tl.dot is exact, but its fp32 -> fp8 conversion drops the carry of a
@@ -116,6 +117,7 @@ def _fp8_gemm_kernel(
     EMULATE: tl.constexpr,    # interpreter: fp8 casts rounded in fp32, dots on fp32 operands
     PRECISION: tl.constexpr,
     SCALE_N: tl.constexpr,    # rows of a weight scale block
+    SCALE_K: tl.constexpr,    # its columns (and an activation scale's): BLOCK_K divides it
     B_TMA: tl.constexpr,      # weights through b_desc (sm90), a TMA descriptor over [E, N, K]
     A_TMA: tl.constexpr,      # A (not gathered, already fp8 or 16-bit) through a_desc over [P, K]
     RESCALE: tl.constexpr,    # FP8_DOT: the accumulator kept divided by the current K-block's scales (below)
@@ -152,7 +154,7 @@ def _fp8_gemm_kernel(
     pg = tl.full((BLOCK_N,), 1.0, tl.float32)
     pu = tl.full((BLOCK_N,), 1.0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_blk = k0 // BLOCK_K
+        k_blk = k0 // SCALE_K  # (QUANT_A: BLOCK_K = SCALE_K, its amax spans one group)
         offs_k = k0 + offs_kk
         if A_TMA:
             a = a_desc.load([m0.to(tl.int32), k0])
