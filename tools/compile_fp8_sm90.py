@@ -5,8 +5,9 @@ Why: a tile that spills or does not fit is slow or does not launch, and on the C
 interpreter cannot tell. This compiles (Triton AOT for sm_90a, then ptxas -v) each bucket of
 configs/fp8_sm90.json (or of DIR/fp8_sm90.json) with the constexprs `_fp8_experts._gemm` passes:
 gate/up (x by the quantize pass, and quantized in the load: "quant_x": false) and down, for bf16
-and fp16 activations, plus the quantize pass; --candidates also every tile `tune_moe.py --fp8` may
-time (so the sweep spends no GPU time on tiles that spill).
+and fp16 activations, plus the quantize pass and any "decode" key's token-major kernels;
+--candidates also every tile `tune_moe.py --fp8` may time (so the sweep spends no GPU time on
+tiles that spill).
 Usage (repo root, TRITON_INTERPRET unset):
     PYTHONPATH=src python tools/compile_fp8_sm90.py [--dir DIR] [--candidates]
 Prints one line per kernel (registers, spill bytes, shared memory) and exits 1 if any fails,
@@ -38,11 +39,16 @@ def buckets(directory: Path | None) -> list[tuple[str, dict]]:
     return out
 
 
-def candidates() -> list[tuple[str, dict]]:
-    """Every (block_m, stage tile) `tune_moe.py --fp8` may time on sm90, as one-stage buckets."""
+def tune_module():
     spec = importlib.util.spec_from_file_location("tune_moe_for_compile", BENCH / "tune_moe.py")
     tune = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tune)
+    return tune
+
+
+def candidates() -> list[tuple[str, dict]]:
+    """Every (block_m, stage tile) `tune_moe.py --fp8` may time on sm90, as one-stage buckets."""
+    tune = tune_module()
     out, seen = [], set()
     base = {"BLOCK_N": 128, "num_warps": 4, "num_stages": 1}
     for rpe, block_ms in ((1, (16, 32)), (16, (32, 64)), (256, (64, 128))):
@@ -86,7 +92,14 @@ def main() -> None:
             fails += check(f"{where} gate_up in-load", cc8.check_gemm(90, "sm90", {**b, "quant_x": False}, "gate_up",
                                                                       label=f"{where} quant_x=false"))
     fails += check("quantize", cc8.check_quantize(90))
+    for where, b in buckets(args.dir):
+        for stage, c in b.get("decode", {}).items():
+            if stage != "max_tokens":
+                fails += check(f"{where} decode {stage}", cc8.check_decode(90, stage, c, label=where))
     if args.candidates:
+        for stage in ("gate_up", "down"):
+            for c in tune_module().fp8_decode_space(stage):
+                fails += check(f"candidate decode {stage} {c}", cc8.check_decode(90, stage, c, label="candidate"))
         for where, b in candidates():
             stage = where.split()[-1]
             fails += check(f"{where} {b[stage]}", cc8.check_gemm(90, "sm90", b, stage, label=where))

@@ -71,14 +71,14 @@ def ceilings(dev: torch.device) -> tuple[float, float]:
 def quantized(ref, E: int, shape: tuple[int, int], dev, g) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(fp8 weights, block scales, the bf16 dequantized weights), 16 experts at a time (the fp32
     temporaries of all E experts do not fit beside the rest)."""
-    q, s, d = [], [], []
+    q = torch.empty(E, *shape, device=dev, dtype=FP8)  # (filled in place: no second copy of each)
+    d = torch.empty(E, *shape, device=dev, dtype=torch.bfloat16)
+    s = torch.empty(E, -(-shape[0] // 128), -(-shape[1] // 128), device=dev, dtype=torch.float32)
     for e in range(0, E, 16):
         w = torch.randn(min(16, E - e), *shape, device=dev, dtype=torch.bfloat16, generator=g) * 0.02
-        wq, ws = ref.quantize_blocks(w)
-        q.append(wq)
-        s.append(ws)
-        d.append(ref.dequantize_blocks(wq, ws).to(torch.bfloat16))
-    return torch.cat(q), torch.cat(s), torch.cat(d)
+        q[e:e + 16], s[e:e + 16] = ref.quantize_blocks(w)
+        d[e:e + 16] = ref.dequantize_blocks(q[e:e + 16], s[e:e + 16]).to(torch.bfloat16)
+    return q, s, d
 
 
 # ---- peer: torch._scaled_grouped_mm with row-wise scales ----
@@ -91,12 +91,11 @@ def rowwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def rowwise_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """bf16 [E, N, K] -> (fp8 [E, K, N] column-major, as _scaled_grouped_mm takes it; scales [E, N])."""
-    q, s = [], []
+    q = torch.empty(w.shape, device=w.device, dtype=FP8)  # filled in place: no second weight-sized copy
+    s = torch.empty(w.shape[:2], device=w.device, dtype=torch.float32)
     for e in range(0, w.shape[0], 16):
-        a, b = rowwise(w[e:e + 16])
-        q.append(a)
-        s.append(b)
-    return torch.cat(q).transpose(1, 2), torch.cat(s)
+        q[e:e + 16], s[e:e + 16] = rowwise(w[e:e + 16])
+    return q.transpose(1, 2), s
 
 
 def scaled_grouped_forward(x, gu_t, gu_s, dn_t, dn_s, idx, w):

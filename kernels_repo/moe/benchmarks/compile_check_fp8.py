@@ -29,6 +29,12 @@ import compile_check as cc  # noqa: E402  (pops TRITON_INTERPRET and loads the k
 fp8k = importlib.import_module(cc.moe.__name__ + "._fp8_experts")  # (imported on the first fp8 call)
 kern = importlib.import_module(cc.moe.__name__ + "._fp8_kernels")
 fp8c = importlib.import_module(cc.moe.__name__ + "._fp8_configs")
+dec = importlib.import_module(cc.moe.__name__ + "._fp8_decode")
+# decode tiles compiled whether or not a shipped bucket has them (a "decode" key's, tune_moe.py's)
+DECODE_TILES = {"gate_up": [{"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2},
+                            {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2}],
+                "down": [{"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2},
+                         {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2}]}
 SM89_SMEM = 101376  # shared memory per block (opt-in) of sm86/sm89
 _UNIT = ("stride_ak", "stride_bk", "stride_cn")  # unit strides the JIT specializes to constexpr 1
 
@@ -68,19 +74,22 @@ def gemm_signature(cap: int, variant: str, bucket: dict, stage: str, dtype: str 
            "c_ptr": f"*{c_dtype}", "cs_ptr": "*fp32", "rows_ptr": "*i32", "row_expert_ptr": "*i32"}
     const = {}
     bm, bn = c.get("BLOCK_M", bucket["block_m"]), c["BLOCK_N"]
+    quant_a = fp8_dot and gate_up and a_dtype != "fp8e4nv"
+    bk = 128 if quant_a else c.get("BLOCK_K", 128)
     if tma:
-        sig["b_desc"] = f"tensordesc<{w_dtype}[1, {bn}, 128]>"
+        sig["b_desc"] = f"tensordesc<{w_dtype}[1, {bn}, {bk}]>"
     else:
         const["b_desc"] = None
     if a_tma:
-        sig["a_desc"] = f"tensordesc<{a_dtype}[{bm}, 128]>"
+        sig["a_desc"] = f"tensordesc<{a_dtype}[{bm}, {bk}]>"
     else:
         const["a_desc"] = None
     gather = gate_up or backward == "gather"
     const.update(EPILOGUE=1 if gate_up else 0, GATHER_A=gather, TOPK=8, FP8_DOT=fp8_dot,
-                 QUANT_A=fp8_dot and gate_up and a_dtype != "fp8e4nv", QUANT_C=fp8_dot and gate_up, EMULATE=False,
-                 PRECISION="ieee" if a_dtype == "fp32" else None, SCALE_N=128, B_TMA=tma, A_TMA=a_tma,
-                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128)
+                 QUANT_A=quant_a, QUANT_C=fp8_dot and gate_up, EMULATE=False,
+                 PRECISION="ieee" if a_dtype == "fp32" else None, SCALE_N=128, SCALE_K=128, B_TMA=tma, A_TMA=a_tma,
+                 RESCALE=fp8_dot and bool(c.get("RESCALE", False)),
+                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     for name in _UNIT if not (backward and stage == "down") else ("stride_ak", "stride_cn"):  # (transposed W)
         const[name] = 1
     full = {n: sig.get(n, "constexpr" if n in const else cc.I32) for n in kern._fp8_gemm_kernel.arg_names}
@@ -93,7 +102,7 @@ def check_gemm(cap: int, variant: str, bucket: dict, stage: str, dtype: str = "b
     if cap < 90 and variant == "sm90":  # sm89: stages fitted to its shared memory, as the launcher does
         bucket = fp8c.fit_fp8_shared_memory(bucket, SM89_SMEM, 1 if not bucket.get("w8a16", False) else 2)
     sig, const, c = gemm_signature(cap, variant, bucket, stage, dtype, backward)
-    flags = [k for k in ("B_TMA", "A_TMA", "QUANT_A", "FP8_DOT") if const[k]]
+    flags = [k for k in ("B_TMA", "A_TMA", "QUANT_A", "FP8_DOT", "RESCALE") if const[k]]
     text = (f"fp8 {variant} {backward + ' backward' if backward else stage} x={dtype} block_m={bucket['block_m']} "
             f"{json.dumps(c, sort_keys=True)} {' '.join(flags)} {label}").rstrip()
     try:
@@ -121,6 +130,30 @@ def check_quantize(cap: int, dtype: str = "bf16") -> dict | None:
     return rep
 
 
+def check_decode(cap: int, stage: str, c: dict, dtype: str = "bf16", label: str = "") -> dict | None:
+    """One token-major decode kernel (`_fp8_decode`): fp8 weight pointers from sm89, bits below."""
+    w_bits = cap < 89
+    fn = dec._fp8_decode_gate_up_kernel if stage == "gate_up" else dec._fp8_decode_down_kernel
+    w = "*u8" if w_bits else "*fp8e4nv"
+    sig = ({"x_ptr": f"*{dtype}", "w_ptr": w, "ws_ptr": "*fp32", "idx_ptr": "*i64", "h_ptr": f"*{dtype}"}
+           if stage == "gate_up" else
+           {"h_ptr": f"*{dtype}", "w_ptr": w, "ws_ptr": "*fp32", "idx_ptr": "*i64", "wts_ptr": "*fp32",
+            "out_ptr": f"*{dtype}"})
+    const = dict(TOPK=8, W_BITS=w_bits, UPCAST=False, SCALE_N=128, SCALE_K=128, BLOCK_N=c["BLOCK_N"],
+                 BLOCK_K=c["BLOCK_K"], stride_ik=1)
+    if stage == "down":
+        const.update(TOPK_P=8, stride_wtk=1)
+    full = {n: sig.get(n, "constexpr" if n in const else cc.I32) for n in fn.arg_names}
+    text = f"fp8 decode {stage} x={dtype} {json.dumps(c, sort_keys=True)}{' W_BITS' if w_bits else ''} {label}".rstrip()
+    try:
+        rep = compile_report(fn, full, const, cap, c["num_warps"], c["num_stages"])
+    except Exception as e:  # noqa: BLE001
+        print(f"FAIL sm{cap} {text}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+        return None
+    print(f"ok   sm{cap} {text} smem={rep['smem']} regs={rep['regs']} spill_bytes={rep['spills']}", flush=True)
+    return rep
+
+
 def shipped(variant: str) -> list[dict]:
     data = json.loads((fp8c._DIR / f"fp8_{variant}.json").read_text())
     return data["buckets"] + [b for bs in data.get("shapes", {}).values() for b in bs]
@@ -139,6 +172,9 @@ def main() -> None:
             fails += check_gemm(cap, variant, {**b, "quant_x": False}, "gate_up") is None
             fails += check_quantize(cap) is None  # (sm90 variant only: fp8e4nv stores need sm89+)
     for cap in (90, 80):
+        for stage, tiles in DECODE_TILES.items():
+            for c in tiles:
+                fails += check_decode(cap, stage, c) is None
         for b in shipped("sm80"):
             for stage, mode in (("gate_up", "gather"), ("down", "gather"), ("down", "rows")):
                 fails += check_gemm(cap, "sm80", b, stage, "bf16", backward=mode) is None

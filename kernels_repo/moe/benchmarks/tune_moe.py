@@ -20,7 +20,8 @@ few points per run (SHAPES=, TOKENS=, BLOCK_MS=).
 Then: KERNELHUB_MOE_CONFIG_DIR=DIR (or copy DIR/sm90.json over the package's configs/).
 --fp8: the fp8-weights path instead (`fp8_stage_space`, `fp8_tune_point`): DeepSeek-V3 and
 Qwen3-30B-A3B at T=1,32,512,4096,16384 (SHAPES=, TOKENS= as above), writing DIR/fp8_<variant>.json
-("shapes" buckets) and printing the best bucket per point at the end; about 80 distinct kernels
+("shapes" buckets) and printing the best bucket per point at the end (at T <= 8 also the
+token-major decode kernels, kept as a "decode" key where they win); about 90 distinct kernels
 to compile, sized for one GPU call of under 8 minutes (FP8_BUDGET_S, default 400: past it each
 stage keeps its best candidate so far). Each fp8 line: stage, block_m, config, ms.
 Each line printed is one measurement: stage, block_m, config, ms.
@@ -163,8 +164,8 @@ def timed(fn) -> float:
         return math.inf
 
 
-# --fp8: a wall-clock budget (FP8_BUDGET_S, seconds from the start): past it each stage keeps the
-# best candidate timed so far, so that one GPU call still ends with a written file.
+# --fp8: a wall-clock budget (FP8_BUDGET_S seconds, split over the shapes): past a shape's share
+# each stage keeps the best candidate timed so far, so that one GPU call ends with a written file.
 _DEADLINE = [math.inf]
 
 
@@ -266,10 +267,12 @@ FP8_SMEM = 220 * 1024  # shared memory a candidate may use (227 KB per block on 
 
 
 def fp8_stage_space(stage: str, block_m: int, rows_per_expert: float, w8a16: bool) -> list[dict]:
-    """A short list per stage: tiles whose accumulators (plus the per-K-block product of the same
-    size) fit the registers - the rule the sm90 compiles follow (tools/compile_fp8_sm90.py) - and
-    whose stages fit shared memory. fp8 gate/up tiles are 128 columns (one quantization group of
-    h); 128-row stages may run 64-row tiles ("BLOCK_M")."""
+    """A short list per stage: tiles whose accumulators fit the registers - the rule the sm90
+    compiles follow (tools/compile_fp8_sm90.py): up to FP8_MAX_ACC fp32 elements per thread beside
+    the per-K-block product of the same size, up to twice that with "RESCALE" (no product
+    registers; not for 128-row gate/up tiles, which still spill) - and whose stages fit shared
+    memory. fp8 gate/up tiles are 128 columns (one quantization group of h); 128-row stages may run
+    64-row tiles ("BLOCK_M")."""
     gate_up = stage == "gate_up"
     decode = rows_per_expert <= 4
     if gate_up:
@@ -282,17 +285,51 @@ def fp8_stage_space(stage: str, block_m: int, rows_per_expert: float, w8a16: boo
     for bm, bn, nw, ns in itertools.product(heights, bns, [4, 8], stages):
         acc = bm * bn * (2 if gate_up else 1) // (32 * nw)
         a_bytes = 2 if w8a16 else 1
-        if acc > FP8_MAX_ACC or acc < 8 or ns * (bm * a_bytes + (2 if gate_up else 1) * bn) * 128 > FP8_SMEM:
+        rescale = not w8a16 and FP8_MAX_ACC < acc <= 2 * FP8_MAX_ACC and not (gate_up and bm == 128)
+        if (acc > FP8_MAX_ACC and not rescale) or acc < 8:
+            continue
+        if ns * (bm * a_bytes + (2 if gate_up else 1) * bn) * 128 > FP8_SMEM:
             continue
         if gate_up and w8a16 and nw == 8:  # (W8A16 gate/up: 8 warps buy nothing at decode and 32x64 spills)
             continue
         c = {"BLOCK_N": bn, "num_warps": nw, "num_stages": ns}
         if bm != block_m:
             c["BLOCK_M"] = bm
+        if rescale:
+            c["RESCALE"] = True
         if not gate_up and not decode:
             c["A_TMA"] = True
         space.append(c)
     return space
+
+
+def fp8_decode_space(stage: str) -> list[dict]:
+    """Tiles of the fp8 token-major decode kernels (`_fp8_decode`; a bucket's "decode" key): BLOCK_N
+    weight rows per program, BLOCK_K a divisor of the 128-column scale block; the down kernel holds
+    all K experts' tiles at once, hence its narrower rows."""
+    bns = [4, 8, 16, 32] if stage == "gate_up" else [4, 8, 16]
+    return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 2} for bn in bns for bk in (64, 128)]
+
+
+def fp8_tune_decode(fp8x, variant, best, x, gu, gus, dn, dns, idx, w):
+    """`best` with a "decode" key for calls of up to T tokens where the token-major kernels beat it
+    end to end; else `best` as is."""
+    T = x.shape[0]
+    first = {s: fp8_decode_space(s)[0] for s in ("gate_up", "down")}
+
+    def run(stage):
+        return lambda c: fp8x.decode_forward(x, gu, dn, idx, w, gus, dns, {"max_tokens": T, **first, stage: c})
+
+    _, first["gate_up"] = best_of(f"fp8 decode_gate_up T={T}", run("gate_up"), fp8_decode_space("gate_up"))
+    _, first["down"] = best_of(f"fp8 decode_down T={T}", run("down"), fp8_decode_space("down"))
+    if first["gate_up"] is None or first["down"] is None:
+        return best
+    with_decode = {**best, "decode": {"max_tokens": T, **first}}
+    ms = {k: timed(lambda b=b: moe.fused_experts(x, gu, dn, idx, w, gate_up_proj_scale_inv=gus,
+                                                 down_proj_scale_inv=dns, variant=variant, config=b))
+          for k, b in (("grouped", best), ("decode", with_decode))}
+    print(f" fp8 T={T} end to end: grouped {ms['grouped']:.4f} ms, decode {ms['decode']:.4f} ms", flush=True)
+    return with_decode if ms["decode"] < ms["grouped"] else best
 
 
 def fp8_weights(E: int, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -371,6 +408,8 @@ def fp8_tune_point(fp8x, variant, x, gu, gus, dn, dns, idx, w, K):
         best["quant_x"] = ms[True] <= ms[False]
     else:
         print(f" fp8 T={T} end to end: {e2e(best):.4f} ms", flush=True)
+    if T <= DECODE_MAX_TOKENS and rpe <= 4:
+        best = fp8_tune_decode(fp8x, variant, best, x, gu, gus, dn, dns, idx, w)
     return best
 
 
@@ -387,7 +426,10 @@ def main_fp8(out_dir: Path) -> None:
     only = [s for s in os.environ.get("SHAPES", "").split(",") if s] or list(FP8_SHAPES)
     tokens = sorted(int(t) for t in os.environ.get("TOKENS", "1,32,512,4096,16384").split(","))
     summary = []
-    for name in only:
+    start, budget = time.time(), float(os.environ.get("FP8_BUDGET_S", "400"))
+    for n_shape, name in enumerate(only):
+        # each shape's share of the budget (cumulative: time one shape leaves goes to the next)
+        _DEADLINE[0] = start + budget * (n_shape + 1) / len(only)
         s = SHAPES[name]
         E, H, I, K = s["E"], s["H"], s["I"], s["K"]
         gu, gus = fp8_weights(E, 2 * I, H)
@@ -405,7 +447,7 @@ def main_fp8(out_dir: Path) -> None:
             fp8c.check_fp8_bucket(b, f"tuned {name} T={T}", variant)
             buckets.append(b)
             summary.append(f"best fp8 {variant} {name} T={T}: {json.dumps(b, sort_keys=True)}")
-            print(f"== {summary[-1]} ({time.time() - t0:.0f}s)", flush=True)
+            print(f"== {summary[-1]} ({time.time() - t0:.0f}s, {time.time() - start:.0f}s in)", flush=True)
         if buckets:
             buckets[-1]["max_rows_per_expert"] = None
             data.setdefault("shapes", {})[cfgs.shape_key(E, H, I)] = buckets
@@ -424,7 +466,6 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true", help="tune the fp8-weights path (configs/fp8_<variant>.json)")
     args = ap.parse_args()
     if args.fp8:
-        _DEADLINE[0] = time.time() + float(os.environ.get("FP8_BUDGET_S", "400"))
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         main_fp8(out)

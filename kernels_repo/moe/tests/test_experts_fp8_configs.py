@@ -84,6 +84,43 @@ def test_sm90_tma_loads_equal_pointer_loads(a_tma):
     assert torch.equal(with_tma, without)
 
 
+@pytest.mark.parametrize("tma", [True, False])
+def test_sm90_rescaled_accumulator_gives_the_same_sum(tma):
+    """"RESCALE": the MMA accumulates in place into acc / c_k; the result is the per-K-block scaled
+    sum up to fp32 rounding (edge blocks: masked rows' and columns' zero scales taken as 1; the gate
+    tile's columns past I read up rows through TMA)."""
+    args = _inputs(seed=25, H=400)  # 4 K-blocks in gate/up, 2 in down
+    plain = _run(args, {**BASE, "tma": tma})
+    stages = {s: {**BASE[s], "RESCALE": True} for s in ("gate_up", "down")}
+    rescaled = _run(args, {**BASE, **stages, "tma": tma})
+    ref, emu = oracle(*args), emulation(*args)
+    err_emu = rel(emu, ref)
+    assert rel(rescaled, ref) <= 1.25 * err_emu and rel(rescaled, emu) < 0.4 * err_emu
+    assert rel(rescaled, plain) < 0.05 * err_emu  # h's fp8 rounding may flip single elements
+    # W8A16 math ignores it
+    w8 = {**BASE, "w8a16": True}
+    assert torch.equal(_run(args, {**w8, **stages}), _run(args, w8))
+
+
+@pytest.mark.parametrize("block_k", [32, 64])
+@pytest.mark.parametrize("variant", ["sm90", "sm80"])
+def test_k_steps_shorter_than_the_scale_block(variant, block_k):
+    """"BLOCK_K" 32 / 64: several K steps per 128-column scale block, each reading that block's
+    scales (weights; sm90 also x's and h's); H and I not multiples of 128; TMA boxes that deep."""
+    args = _inputs(seed=27)
+    stages = {s: {**BASE[s], "BLOCK_K": block_k} for s in ("gate_up", "down")}
+    out = _run(args, {**BASE, **stages}, variant)
+    ref = oracle(*args)
+    if variant == "sm80":
+        assert rel(out, ref) < 1e-2
+        return
+    emu = emulation(*args)
+    err_emu = rel(emu, ref)
+    assert rel(out, ref) <= 1.25 * err_emu and rel(out, emu) < 0.4 * err_emu
+    # x quantized in the load steps whole groups whatever BLOCK_K says (its amax spans the group)
+    assert torch.equal(_run(args, {**BASE, **stages, "quant_x": False}), _run(args, {**BASE, "quant_x": False}))
+
+
 def test_w8a16_bucket_on_sm90_does_not_quantize_activations():
     args = _inputs(seed=23)
     ref = oracle(*args)
@@ -107,6 +144,8 @@ def test_pinned_config_tiles_are_used():
 @pytest.mark.parametrize(("patch", "err", "match"), [
     ({"block_m": 24}, ValueError, r"`config`\['block_m'\] must be a power of two"),
     ({"quant_x": 1}, TypeError, r"`config`\['quant_x'\] must be true or false"),
+    ({"gate_up": {**BASE["gate_up"], "BLOCK_K": 256}}, ValueError, r"\['gate_up'\]\['BLOCK_K'\] must be 32, 64 or 128"),
+    ({"down": {**BASE["down"], "RESCALE": 1}}, TypeError, r"`config`\['down'\]\['RESCALE'\] must be true or false"),
     ({"wgrad": {}}, ValueError, r"`config`: unknown keys \['wgrad'\]"),
     ({"down": {"BLOCK_N": 512, "num_warps": 4, "num_stages": 1}}, ValueError, r"\['down'\]\['BLOCK_N'\]"),
     ({"down": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}}, ValueError,
@@ -209,7 +248,11 @@ def test_every_fp8_tune_candidate_is_a_valid_bucket(tune, block_m, rows_per_expe
             fp8c.check_fp8_bucket(bucket, f"candidate {c}", "sm90")
             fp8c.check_fp8_bucket(bucket, f"candidate {c}", "sm80")
             rows = c.get("BLOCK_M", block_m)
-            assert rows * c["BLOCK_N"] * (2 if stage == "gate_up" else 1) <= 64 * 32 * c["num_warps"]
+            acc = rows * c["BLOCK_N"] * (2 if stage == "gate_up" else 1) // (32 * c["num_warps"])
+            # fp32 accumulator elements per thread: <= 64 beside the per-K-block product, or <= 128
+            # without it ("RESCALE", fp8 math only, not on 128-row gate/up tiles)
+            assert acc <= (128 if c.get("RESCALE") else 64), c
+            assert not c.get("RESCALE") or (not w8a16 and not (stage == "gate_up" and rows == 128)), c
 
 
 @pytest.mark.skipif(tuple(int(v) for v in __import__("triton").__version__.split(".")[:2]) < (3, 7),
@@ -229,3 +272,116 @@ def test_shipped_sm90_fp8_tiles_compile_without_spills_within_shared_memory(tmp_
     shipped = json.loads((fp8c._DIR / "fp8_sm90.json").read_text())["buckets"]
     in_load = sum(not b.get("w8a16", False) for b in shipped)
     assert res.stdout.count("ok   sm90") == 4 * len(shipped) + in_load + 1, res.stdout[-2000:]
+
+
+DECODE = {"max_tokens": 4, "gate_up": {"BLOCK_N": 8, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1},
+          "down": {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1}}
+
+
+def _kernels(run) -> list[str]:
+    from kernelhub.device import CachedLaunch
+
+    with CachedLaunch.recording() as calls:
+        out = run()
+    return out, [c.launcher.kernel.__name__ if hasattr(c.launcher.kernel, "__name__") else c.launcher.kernel.fn.__name__
+                 for c in calls]
+
+
+@pytest.mark.parametrize("variant", ["sm90", "sm80"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_decode_key_runs_the_token_major_kernels_and_matches_the_float64_loop(variant, T):
+    """Two launches (no routing, no combine), W8A16 math on both variants; -1 ids dropped; H and I
+    not multiples of 128 (BLOCK_K 32 / 64 chunks inside one scale block); K = 3 (padded to 4)."""
+    x, guq, dq, idx, w, scales = make_fp8(T, 200, 136, 6, 3, seed=31, drop=1)
+    cfg = {**BASE, "decode": DECODE}
+    out, names = _kernels(lambda: moe.fused_experts(x, guq, dq, idx, w, variant=variant, config=cfg, **scales))
+    assert names == ["_fp8_decode_gate_up_kernel", "_fp8_decode_down_kernel"]
+    ref = oracle(x, guq, dq, idx, w, scales)
+    assert rel(out, ref) < 1e-2
+    # above max_tokens: the grouped path
+    x5, guq5, dq5, idx5, w5, scales5 = make_fp8(5, 200, 136, 6, 3, seed=32)
+    out5, names5 = _kernels(lambda: moe.fused_experts(x5, guq5, dq5, idx5, w5, variant=variant, config=cfg,
+                                                        **scales5))
+    assert "_fp8_decode_gate_up_kernel" not in names5 and "_fp8_gemm_kernel" in names5
+    assert out5.shape == x5.shape
+
+
+def test_decode_ids_out_of_range_are_dropped_when_unchecked():
+    x, guq, dq, idx, w, scales = make_fp8(2, 144, 80, 4, 2, seed=33)
+    bad = idx.clone()
+    bad[0, 1] = 9  # >= E: dropped like -1 (check_indices=False: no host sync)
+    dropped = bad.clone()
+    dropped[0, 1] = -1
+    cfg = {**BASE, "decode": DECODE}
+    got = moe.fused_experts(x, guq, dq, bad, w, variant="sm80", config=cfg, check_indices=False, **scales)
+    assert torch.equal(got, moe.fused_experts(x, guq, dq, dropped, w, variant="sm80", config=cfg, **scales))
+
+
+@pytest.mark.parametrize(("patch", "match"), [
+    ({"max_tokens": 0}, r"\['decode'\]\['max_tokens'\] must be an int >= 1"),
+    ({"gate_up": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1}},
+     r"\['decode'\]\['gate_up'\]\['BLOCK_K'\] must be 16, 32, 64 or 128"),
+    ({"down": {"BLOCK_N": 2, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1}},
+     r"\['decode'\]\['down'\]\['BLOCK_N'\] must be a power of two in \[4, 256\]"),
+    ({"extra": 1}, r"\['decode'\]: keys must be"),
+])
+def test_bad_decode_key_raises_naming_it(patch, match):
+    with pytest.raises(ValueError, match=match):
+        _run(_inputs(), {**BASE, "decode": {**DECODE, **patch}})
+
+
+def test_decode_weight_bits_path_equals_fp8_pointer_loads():
+    """sm80 reads the fp8 weights as uint8 bits (Triton has no fp8 pointers there): exact, so the
+    same output as fp8 loads, bit for bit."""
+    x, guq, dq, idx, w, scales = make_fp8(2, 200, 136, 5, 3, seed=34, drop=1)
+    args = (x, guq, dq, idx, w, scales["gate_up_proj_scale_inv"], scales["down_proj_scale_inv"], DECODE)
+    bits = fp8x.decode_forward(*args, w_bits=True)
+    assert torch.equal(bits, fp8x.decode_forward(*args, w_bits=False))
+    assert rel(bits, oracle(x, guq, dq, idx, w, scales)) < 1e-2
+
+
+# ---- GPU: the paths a shipped config does not take at these shapes ----
+
+LARGE = {"block_m": 128, "gate_up": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
+         "down": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "A_TMA": True}}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("T", "config", "quantized"), [
+    (600, {**LARGE, "quant_x": False}, True),
+    (600, {**LARGE, "tma": False}, True),
+    (600, {**LARGE, "down": {**LARGE["down"], "A_TMA": False}}, True),
+    (600, {**LARGE, "w8a16": True, "gate_up": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}}, False),
+    (4, {**BASE, "decode": DECODE}, False),
+])
+def test_gpu_sm90_pinned_paths_match_the_oracle(T, config, quantized):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 tensor cores need sm89+")
+    x, guq, dq, idx, w, scales = make_fp8(T, 2048, 768, 16, 8, seed=40)
+    ref, emu = oracle(x, guq, dq, idx, w, scales), emulation(x, guq, dq, idx, w, scales)
+    dev = torch.device("cuda")
+    out = moe.fused_experts(x.to(dev), guq.to(dev), dq.to(dev), idx.to(dev), w.to(dev), variant="sm90",
+                            config=config, **{k: v.to(dev) for k, v in scales.items()}).cpu()
+    assert rel(out, ref) <= (1.25 * rel(emu, ref) if quantized else 1e-2)
+
+
+def test_pinned_config_reaches_the_kernels_under_torch_compile():
+    """The compiled path passes `config` through its custom op: a W8A16 bucket on sm90 gives the
+    unquantized result there as in eager, and a bad bucket raises while tracing."""
+    args = _inputs(seed=26)
+    x, guq, dq, idx, w, scales = args
+    cfg = {**BASE, "w8a16": True}
+
+    def f(a, c):
+        return moe.fused_experts(a, guq, dq, idx, w, variant="sm90", config=c, **scales)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(lambda a: f(a, cfg), backend="aot_eager", fullgraph=True)(x)
+        assert torch.equal(got, f(x, cfg))
+        assert rel(got, oracle(*args)) < 0.25 * rel(emulation(*args), oracle(*args))
+        with pytest.raises(Exception, match=r"`config`\['gate_up'\]\['BLOCK_N'\] must be 128"):
+            bad = {**BASE, "gate_up": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1}}
+            torch.compile(lambda a: f(a, bad), backend="aot_eager", fullgraph=True)(x)

@@ -6,15 +6,24 @@ rows per expert (T*K/E), and `benchmarks/tune_moe.py --fp8` rewrites them. Same 
 "shapes" ({"E{E}_H{H}_I{I}": [buckets]}) overriding them; `KERNELHUB_MOE_CONFIG_DIR` is read too.
 
 A bucket: "block_m" (the routing alignment, power of two >= 16), "gate_up" and "down" stages
-{"BLOCK_N", "num_warps", "num_stages"} (+ "maxnreg"; "BLOCK_M": the stage's tile height, a
-divisor of block_m, default block_m: a 128-row gate/up tile holds two fp32 accumulators plus
-the per-K-block products and spills, where two 64-row tiles of 128-row-aligned rows do not; down
-also "A_TMA": h through a TMA descriptor), and optional flags: "tma" (sm90: weights through TMA
-descriptors, default true), "quant_x" (sm90: x quantized by its own pass before the gate/up GEMM, default true; false:
-quantized inside that GEMM's load, once per column tile), "w8a16" (sm90 variant: this bucket runs
-the W8A16 math, 16-bit activations, e.g. at decode where weight bytes bound the time).
-BLOCK_K is the 128-column scale block, not a tile choice. With fp8 activations the gate/up tile is
-128 columns wide (one quantization group of h per tile, quantized in its epilogue).
+{"BLOCK_N", "num_warps", "num_stages"} and optional stage keys: "maxnreg"; "BLOCK_M" (the
+stage's tile height, a divisor of block_m, default block_m: a 128-row gate/up tile holds two
+fp32 accumulators plus the per-K-block products and spills, where two 64-row tiles of
+128-row-aligned rows do not); "BLOCK_K" (the K step: 32, 64 or 128, the default; a divisor of the
+scale block, fewer registers per step for the W8A16 conversion; x quantized in the load always
+steps 128); "RESCALE" (with fp8 activations, the accumulator kept divided by the current
+K-block's scales so that the MMA accumulates in place, without the per-K-block product's
+registers: the same sum, one more fp32 rounding per K-block; see `_fp8_gemm_kernel`); down only
+"A_TMA" (h through a TMA descriptor). Bucket flags: "tma" (sm90: weights through TMA
+descriptors, default true), "quant_x" (sm90: x quantized by its own pass before the gate/up
+GEMM, default true; false: quantized inside that GEMM's load, once per column tile), "w8a16"
+(sm90 variant: this bucket runs
+the W8A16 math, 16-bit activations, e.g. at decode where weight bytes bound the time), "decode"
+(the token-major kernels of `_fp8_decode` for calls of at most "max_tokens" tokens: {"max_tokens",
+"gate_up", "down"}, each stage {"BLOCK_N" (weight rows per program, power of two >= 4),
+"BLOCK_K" (16 to 128: a divisor of the scale block), "num_warps", "num_stages"}).
+With fp8 activations the gate/up tile is 128 columns wide (one quantization group of h per tile,
+quantized in its epilogue).
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ FP8_INTERPRETER_CONFIG = {
 }
 
 _STAGE_KEYS = ("BLOCK_N", "num_warps", "num_stages")
-_STAGE_OPTIONAL = {"maxnreg": int, "A_TMA": bool, "BLOCK_M": int}
+_STAGE_OPTIONAL = {"maxnreg": int, "A_TMA": bool, "BLOCK_M": int, "RESCALE": bool, "BLOCK_K": int}
 _FLAGS = ("tma", "quant_x", "w8a16")
 QUANT_GROUP = 128  # columns per activation scale (= the weights' scale block columns)
 
@@ -56,7 +65,7 @@ def check_fp8_bucket(bucket: object, where: str, variant: str | None = None) -> 
     the sm90 fp8 math needs gate_up BLOCK_N = 128 (its epilogue quantizes h per 128 columns)."""
     if not isinstance(bucket, dict):
         raise TypeError(f"{where} must be a dict (a bucket of configs/fp8_*.json), got {type(bucket).__name__}")
-    allowed = {"block_m", "gate_up", "down", "max_rows_per_expert", *_FLAGS}
+    allowed = {"block_m", "gate_up", "down", "max_rows_per_expert", "decode", *_FLAGS}
     unknown = sorted(set(bucket) - allowed)
     if unknown:
         raise ValueError(f"{where}: unknown keys {unknown}; allowed: {sorted(allowed)}")
@@ -94,14 +103,43 @@ def check_fp8_bucket(bucket: object, where: str, variant: str | None = None) -> 
         if "BLOCK_M" in c and (_bad_int(c["BLOCK_M"], 16) or c["BLOCK_M"] & (c["BLOCK_M"] - 1)
                                or c["BLOCK_M"] > bm):
             raise ValueError(f"{at}['BLOCK_M'] must be a power of two in [16, block_m={bm}], got {c['BLOCK_M']!r}")
-        if "A_TMA" in c and not isinstance(c["A_TMA"], bool):
-            raise TypeError(f"{at}['A_TMA'] must be true or false, got {c['A_TMA']!r}")
+        if "BLOCK_K" in c and (c["BLOCK_K"] not in (32, 64, 128) or isinstance(c["BLOCK_K"], bool)):
+            raise ValueError(f"{at}['BLOCK_K'] must be 32, 64 or 128 (a divisor of the scale block), "
+                             f"got {c['BLOCK_K']!r}")
+        for flag in ("A_TMA", "RESCALE"):
+            if flag in c and not isinstance(c[flag], bool):
+                raise TypeError(f"{at}[{flag!r}] must be true or false, got {c[flag]!r}")
+    if "decode" in bucket:
+        _check_decode(f"{where}['decode']", bucket["decode"])
     if "A_TMA" in bucket["gate_up"]:
         raise ValueError(f"{where}['gate_up']: 'A_TMA' is a down key (gate/up gathers its rows)")
     if variant == "sm90" and not bucket.get("w8a16", False) and bucket["gate_up"]["BLOCK_N"] != QUANT_GROUP:
         raise ValueError(f"{where}['gate_up']['BLOCK_N'] must be {QUANT_GROUP} on variant 'sm90' with fp8 "
                          f"activations (one quantization group of h per tile), got {bucket['gate_up']['BLOCK_N']!r}; "
                          "'w8a16': true lifts this")
+
+
+def _check_decode(where: str, decode: object) -> None:
+    if not isinstance(decode, dict):
+        raise TypeError(f"{where} must be a dict, got {type(decode).__name__}")
+    keys = {"max_tokens", "gate_up", "down"}
+    if set(decode) != keys:
+        raise ValueError(f"{where}: keys must be {sorted(keys)}, got {sorted(decode)}")
+    if _bad_int(decode["max_tokens"], 1):
+        raise ValueError(f"{where}['max_tokens'] must be an int >= 1, got {decode['max_tokens']!r}")
+    for stage in ("gate_up", "down"):
+        c, at = decode[stage], f"{where}[{stage!r}]"
+        if not isinstance(c, dict) or set(c) != {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}:
+            raise ValueError(f"{at} must be a dict of BLOCK_N, BLOCK_K, num_warps, num_stages, got {c!r}")
+        if _bad_int(c["BLOCK_N"], 4) or c["BLOCK_N"] & (c["BLOCK_N"] - 1) or c["BLOCK_N"] > 256:
+            raise ValueError(f"{at}['BLOCK_N'] must be a power of two in [4, 256], got {c['BLOCK_N']!r}")
+        if c["BLOCK_K"] not in (16, 32, 64, 128) or isinstance(c["BLOCK_K"], bool):
+            raise ValueError(f"{at}['BLOCK_K'] must be 16, 32, 64 or 128 (a divisor of the scale block), "
+                             f"got {c['BLOCK_K']!r}")
+        if c["num_warps"] not in (1, 2, 4, 8, 16) or isinstance(c["num_warps"], bool):
+            raise ValueError(f"{at}['num_warps'] must be 1, 2, 4, 8 or 16, got {c['num_warps']!r}")
+        if _bad_int(c["num_stages"], 1):
+            raise ValueError(f"{at}['num_stages'] must be an int >= 1, got {c['num_stages']!r}")
 
 
 def _read(variant: str) -> dict:
@@ -147,7 +185,7 @@ def fit_fp8_shared_memory(bucket: dict, smem_per_block: int, a_bytes: int) -> di
     out = dict(bucket)
     for stage, n_b in (("gate_up", 2), ("down", 1)):
         c = dict(bucket[stage])
-        per_stage = (c.get("BLOCK_M", bucket["block_m"]) * a_bytes + n_b * c["BLOCK_N"]) * QUANT_GROUP
+        per_stage = (c.get("BLOCK_M", bucket["block_m"]) * a_bytes + n_b * c["BLOCK_N"]) * c.get("BLOCK_K", 128)
         while c["num_stages"] > 2 and c["num_stages"] * per_stage > smem_per_block:
             c["num_stages"] -= 1
         out[stage] = c
@@ -163,7 +201,8 @@ def picked_fp8_config(variant: str, num_experts: int, hidden: int, intermediate:
     if cfg is None:
         cfg = pick_fp8_config(variant, num_experts, hidden, intermediate, num_pairs)
         if smem_per_block:
-            fp8_a = variant == "sm90" and not cfg.get("w8a16", False)
+            # (16-bit A tiles: W8A16 math, and x quantized in the gate/up load; down reads fp8 h there)
+            fp8_a = variant == "sm90" and not cfg.get("w8a16", False) and cfg.get("quant_x", True)
             cfg = fit_fp8_shared_memory(cfg, smem_per_block, 1 if fp8_a else 2)
         with _lock:
             if len(_picked) >= _MAX_PICKED:

@@ -46,8 +46,10 @@ def _(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv
     return x.new_empty(x.shape)
 
 
+@torch.compiler.assume_constant_result
 def config_arg(config: dict | None) -> str:
-    """A pinned bucket as the op's string argument (checked before: plain JSON values)."""
+    """A pinned bucket as the op's string argument (checked before: plain JSON values), computed
+    once while tracing (Dynamo cannot trace the json encoder)."""
     return "" if config is None else json.dumps(config, sort_keys=True)
 
 

@@ -29,6 +29,7 @@ from ._constexpr_spec import constexpr_spec
 from ._experts_routing import align_rows
 from ._experts_validate import FN, INTERPRET, checked_variant, needs_grad
 from ._fp8_configs import FP8_INTERPRETER_CONFIG, QUANT_GROUP, check_fp8_bucket, picked_fp8_config
+from ._fp8_decode import _fp8_decode_down_kernel, _fp8_decode_gate_up_kernel
 from ._fp8_kernels import _fp8_gemm_kernel, _quantize_x_kernel
 from ._fp8_validate import BLOCK, refuse_weight_gradients, validate_fp8_inputs
 from .reference_fp8 import fp8_reference_unchecked
@@ -38,8 +39,14 @@ from .reference_fp8 import fp8_reference_unchecked
 _gemm_launch = CachedLaunch(_fp8_gemm_kernel)
 _quant_launch = CachedLaunch(_quantize_x_kernel)
 Fp8GemmConstexprs = constexpr_spec(_fp8_gemm_kernel, """EPILOGUE GATHER_A TOPK FP8_DOT QUANT_A QUANT_C EMULATE
-    PRECISION SCALE_N B_TMA A_TMA BLOCK_M BLOCK_N BLOCK_K""")
+    PRECISION SCALE_N SCALE_K B_TMA A_TMA RESCALE BLOCK_M BLOCK_N BLOCK_K""")
 QuantConstexprs = constexpr_spec(_quantize_x_kernel, "EMULATE BLOCK_T GROUP")
+_decode_gate_up_launch = CachedLaunch(_fp8_decode_gate_up_kernel)
+_decode_down_launch = CachedLaunch(_fp8_decode_down_kernel)
+DecodeGateUpConstexprs = constexpr_spec(_fp8_decode_gate_up_kernel,
+                                        "TOPK W_BITS UPCAST SCALE_N SCALE_K BLOCK_N BLOCK_K")
+DecodeDownConstexprs = constexpr_spec(_fp8_decode_down_kernel,
+                                      "TOPK TOPK_P W_BITS UPCAST SCALE_N SCALE_K BLOCK_N BLOCK_K")
 _capped: dict[int, CachedLaunch] = {}
 _QUANT_ROWS = 32  # tokens per program of the quantize pass
 
@@ -111,6 +118,8 @@ def _gemm(a, a_scale, weight, scale_inv, out, out_scale, routing, stage: dict, *
     quantized in the load). tma (sm90, not transposed): weights and, where the stage says "A_TMA"
     and A is not gathered, A through TMA descriptors."""
     bm, bn = stage.get("BLOCK_M", routing.block_m), stage["BLOCK_N"]  # (a divisor of the alignment)
+    quant_a = fp8_dot and a.dtype != torch.float8_e4m3fn
+    bk = BLOCK[1] if quant_a else stage.get("BLOCK_K", BLOCK[1])  # (in-load quantization: whole groups)
     grid = (routing.num_rows // bm, launch.cdiv(n, bn))
     if grid[0] == 0 or grid[1] == 0:
         return
@@ -121,9 +130,9 @@ def _gemm(a, a_scale, weight, scale_inv, out, out_scale, routing, stage: dict, *
         ws, ss = (ws[0], ws[2], ws[1]), (ss[0], ss[2], ss[1])
     b_desc = a_desc = None
     if tma and not transposed:
-        b_desc = sm90.weight_descriptor(w, bn, BLOCK[1])
+        b_desc = sm90.weight_descriptor(w, bn, bk)
         if stage.get("A_TMA", False) and not gather_a and bm <= 256 and sm90.tma_ok(a):
-            a_desc = sm90.rows_descriptor(a, bm, BLOCK[1])
+            a_desc = sm90.rows_descriptor(a, bm, bk)
     _launcher(stage).split(
         grid, _index(a),
         (a, a_scale if a_scale is not None else out, w, scale_inv, out, out_scale if out_scale is not None else out,
@@ -134,12 +143,57 @@ def _gemm(a, a_scale, weight, scale_inv, out, out_scale, routing, stage: dict, *
          out.stride(0), out.stride(1), out_scale.stride(0) if out_scale is not None else 0),
         Fp8GemmConstexprs(
             EPILOGUE=epilogue, GATHER_A=gather_a, TOPK=topk, FP8_DOT=fp8_dot,
-            QUANT_A=fp8_dot and a.dtype != torch.float8_e4m3fn, QUANT_C=out_scale is not None, EMULATE=INTERPRET,
+            QUANT_A=quant_a, QUANT_C=out_scale is not None, EMULATE=INTERPRET,
             PRECISION="ieee" if (INTERPRET or a.dtype == torch.float32) else None,
-            SCALE_N=BLOCK[0], B_TMA=b_desc is not None, A_TMA=a_desc is not None, BLOCK_M=bm, BLOCK_N=bn,
-            BLOCK_K=BLOCK[1]),
+            SCALE_N=BLOCK[0], SCALE_K=BLOCK[1], B_TMA=b_desc is not None, A_TMA=a_desc is not None,
+            RESCALE=fp8_dot and bool(stage.get("RESCALE", False)), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk),
         num_warps=stage["num_warps"], num_stages=stage["num_stages"], extras=(b_desc, a_desc),
     )
+
+
+def _decode_applies(cfg: dict, T: int, x, weights_and_scales) -> dict | None:
+    """The bucket's "decode" entry where it covers T tokens and the token-major kernels can read
+    the operands (unit last strides: they step K by pointer increments); else None."""
+    d = cfg.get("decode")
+    if d is None or T > d["max_tokens"] or x.stride(1) != 1:
+        return None
+    return d if all(t.stride(-1) == 1 for t in weights_and_scales) else None
+
+
+def decode_forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_scale, down_scale,
+                   decode: dict, w_bits: bool | None = None) -> torch.Tensor:
+    """out [T, H] by the two token-major kernels (`_fp8_decode`): no routing, no combine. w_bits:
+    read the weights as uint8 bits (default: below sm89, where Triton has no fp8 pointers)."""
+    T, H = x.shape
+    E, two_i, _ = gate_up_proj.shape
+    inter = two_i // 2
+    K = topk_idx.shape[1]
+    if w_bits is None:
+        w_bits = x.is_cuda and device_capability(x.device) < 89
+    gu = gate_up_proj.view(torch.uint8) if w_bits else gate_up_proj
+    dn = down_proj.view(torch.uint8) if w_bits else down_proj
+    h = torch.empty(T * K, inter, device=x.device, dtype=x.dtype)
+    out = torch.empty(T, H, device=x.device, dtype=x.dtype)
+    c = decode["gate_up"]
+    if inter:
+        _decode_gate_up_launch.split(
+            (T * K, launch.cdiv(inter, c["BLOCK_N"])), _index(x), (x, gu, gate_up_scale, topk_idx, h),
+            (H, inter, E, x.stride(0), topk_idx.stride(0), topk_idx.stride(1), gate_up_proj.stride(0),
+             gate_up_proj.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1), h.stride(0)),
+            DecodeGateUpConstexprs(TOPK=K, W_BITS=w_bits, UPCAST=INTERPRET, SCALE_N=BLOCK[0], SCALE_K=BLOCK[1],
+                                   BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"]),
+            num_warps=c["num_warps"], num_stages=c["num_stages"])
+    c = decode["down"]
+    if H:
+        _decode_down_launch.split(
+            (T, launch.cdiv(H, c["BLOCK_N"])), _index(x), (h, dn, down_scale, topk_idx, topk_weights, out),
+            (H, inter, E, h.stride(0), topk_idx.stride(0), topk_idx.stride(1), down_proj.stride(0),
+             down_proj.stride(1), down_scale.stride(0), down_scale.stride(1), topk_weights.stride(0),
+             topk_weights.stride(1), out.stride(0)),
+            DecodeDownConstexprs(TOPK=K, TOPK_P=launch.next_pow2(K), W_BITS=w_bits, UPCAST=INTERPRET,
+                                 SCALE_N=BLOCK[0], SCALE_K=BLOCK[1], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"]),
+            num_warps=c["num_warps"], num_stages=c["num_stages"])
+    return out
 
 
 def forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_scale, down_scale, variant: str,
@@ -155,6 +209,9 @@ def forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_scale, d
     tma = variant == "sm90" and _use_tma(cfg, gate_up_proj, down_proj)
     # UE8M0 scales (float8_e8m0fnu): the kernels read fp32 (exact: powers of two); a small copy
     gate_up_scale, down_scale = (s if s.dtype == torch.float32 else s.float() for s in (gate_up_scale, down_scale))
+    decode = _decode_applies(cfg, T, x, (gate_up_proj, down_proj, gate_up_scale, down_scale))
+    if decode is not None:
+        return decode_forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_scale, down_scale, decode)
     routing = align_rows(topk_idx, E, cfg["block_m"])
     P, dev = routing.num_rows, x.device
     a, a_scale = x, None

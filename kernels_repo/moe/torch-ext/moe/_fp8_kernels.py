@@ -11,9 +11,10 @@ One kernel, two maths (rows: the expert-aligned buffer of `_experts_routing`, as
     reads the h that the gate/up epilogue stored as fp8 with its scales, QUANT_C), then
     acc += dot(a_fp8, w_fp8) * s_a[:, None] * s_w[None, :] per K-block of 128 (fp32 accumulation of
     each scaled K-block product). sm90: weights (B_TMA) and the down GEMM's h (A_TMA) by TMA.
-BLOCK_K is the scale block's 128 columns, so each K step has one weight scale per output column
-and one activation scale per row. EPILOGUE 1 (gate/up): h = silu(gate) * up in fp32, stored in
-the activation dtype or (QUANT_C, BLOCK_N = 128 columns = one group) as fp8 plus a scale per row.
+BLOCK_K divides the scale block's 128 columns (SCALE_K; = 128 where x is quantized in the load),
+so each K step has one weight scale per output column and one activation scale per row.
+EPILOGUE 1 (gate/up): h = silu(gate) * up in fp32, stored in the activation dtype or (QUANT_C,
+BLOCK_N = 128 columns = one group) as fp8 plus a scale per row.
 
 EMULATE (the CPU interpreter): triton 3.7.1's interpreter loads fp8 and converts fp8 -> wider
 types exactly, and its fp8 tl.dot is exact, but its fp32 -> fp8 conversion drops the carry of a
@@ -116,8 +117,10 @@ def _fp8_gemm_kernel(
     EMULATE: tl.constexpr,    # interpreter: fp8 casts rounded in fp32, dots on fp32 operands
     PRECISION: tl.constexpr,
     SCALE_N: tl.constexpr,    # rows of a weight scale block
+    SCALE_K: tl.constexpr,    # its columns (and an activation scale's): BLOCK_K divides it
     B_TMA: tl.constexpr,      # weights through b_desc (sm90), a TMA descriptor over [E, N, K]
     A_TMA: tl.constexpr,      # A (not gathered, already fp8 or 16-bit) through a_desc over [P, K]
+    RESCALE: tl.constexpr,    # FP8_DOT: the accumulator kept divided by the current K-block's scales (below)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile: rows [pid_m * BLOCK_M, +BLOCK_M) (one expert's or padding)."""
@@ -142,8 +145,16 @@ def _fp8_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if EPILOGUE == 1:
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # RESCALE: acc holds sum_k dot_k * c_k / c_last (c_k = s_a[:, None] * s_w[None, :] of K-block k),
+    # so each K-block's MMA accumulates in place (acc = dot(a, b, acc * c_prev / c_k)) instead of into
+    # a second [BLOCK_M, BLOCK_N] fp32 product: half the accumulator registers. The same sum (the
+    # rescaling costs one fp32 rounding per K-block); scales must be positive (every checkpoint's; a
+    # masked row's or column's zero is taken as 1: its products are zero).
+    pa = tl.full((BLOCK_M,), 1.0, tl.float32)
+    pg = tl.full((BLOCK_N,), 1.0, tl.float32)
+    pu = tl.full((BLOCK_N,), 1.0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        k_blk = k0 // BLOCK_K
+        k_blk = k0 // SCALE_K  # (QUANT_A: BLOCK_K = SCALE_K, its amax spans one group)
         offs_k = k0 + offs_kk
         if A_TMA:
             a = a_desc.load([m0.to(tl.int32), k0])
@@ -161,7 +172,13 @@ def _fp8_gemm_kernel(
             a = a.to(tl.float32)
         b, s = _weight_tile(b_ptr, bs_ptr, b_desc, e, offs_k, offs_n, n0, k0, k_blk, N, K, stride_be, stride_bn,
                             stride_bk, stride_bse, stride_bsn, stride_bsk, SCALE_N, B_TMA, BLOCK_N, BLOCK_K)
-        if FP8_DOT:
+        if FP8_DOT and RESCALE:
+            b = b.to(a.dtype)
+            a_s = tl.where(a_s > 0, a_s, 1.0)
+            s = tl.where(s > 0, s, 1.0)
+            acc = tl.dot(a, b, acc * (pa / a_s)[:, None] * (pg / s)[None, :], input_precision=PRECISION)
+            pg = s
+        elif FP8_DOT:
             b = b.to(a.dtype)  # (EMULATE: fp32 from fp8, exact; else fp8 stays fp8)
             acc += tl.dot(a, b, input_precision=PRECISION) * (a_s[:, None] * s[None, :])
         else:  # uint8 bits -> fp16 (value / 256) -> activation dtype, both exact
@@ -173,12 +190,23 @@ def _fp8_gemm_kernel(
             bu, su = _weight_tile(b_ptr, bs_ptr, b_desc, e, offs_k, offs_n + N, n0 + N, k0, k_blk, B_N_TOTAL, K,
                                   stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, SCALE_N,
                                   B_TMA, BLOCK_N, BLOCK_K)
-            if FP8_DOT:
+            if FP8_DOT and RESCALE:
+                bu = bu.to(a.dtype)
+                su = tl.where(su > 0, su, 1.0)
+                acc_u = tl.dot(a, bu, acc_u * (pa / a_s)[:, None] * (pu / su)[None, :], input_precision=PRECISION)
+                pu = su
+            elif FP8_DOT:
                 bu = bu.to(a.dtype)
                 acc_u += tl.dot(a, bu, input_precision=PRECISION) * (a_s[:, None] * su[None, :])
             else:
                 bu = _e4m3_bits(bu).to(a.dtype)
                 acc_u += tl.dot(a, bu, input_precision=PRECISION) * (su * 256.0)[None, :]
+        if FP8_DOT and RESCALE:
+            pa = a_s
+    if FP8_DOT and RESCALE:  # back from the last K-block's scales; columns past N to 0 as without
+        acc = acc * pa[:, None] * tl.where(offs_n < N, pg, 0.0)[None, :]
+        if EPILOGUE == 1:
+            acc_u = acc_u * pa[:, None] * tl.where(offs_n + N < B_N_TOTAL, pu, 0.0)[None, :]
     c_mask = m_mask[:, None] & (offs_n[None, :] < N)
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     if EPILOGUE == 1:

@@ -88,7 +88,8 @@ def fused_experts(
             per token and 128-column group; "sm80" weights dequantized in registers (W8A16);
             "reference" torch. Gradients for x and topk_weights only (the fp8 weights are frozen).
             `config` here is a bucket of `configs/fp8_<variant>.json` (keys: `_fp8_configs.py`),
-            checked on every variant as above.
+            checked on every variant as above; an sm90 bucket may choose the W8A16 math ("w8a16",
+            or its "decode" kernels for a few tokens), where weight bytes bound the time.
         block_size: (bn, bk) of the weight scale blocks; the Triton variants take (128, 128).
 
     Returns:

@@ -1,0 +1,108 @@
+"""Token-major Triton kernels of `fused_experts` on fp8 weights for a few tokens (a bucket's "decode").
+
+Why, as for the 16-bit path (`_experts_decode`): at decode (T of 1 to a few) the time is the
+weight bytes, and the grouped pipeline's four launches over 16-row MMA tiles with one real row
+leave the SMs short of bytes in flight. Here each (token, k) pair reads its expert's fp8 weight
+rows directly as a matrix-vector product on the CUDA cores (many small programs resident), and
+the down projection sums the token's K experts in one program, so there is no row alignment, no
+activation quantization (W8A16 math, on every capability) and no combine:
+  1. `_fp8_decode_gate_up_kernel`, grid (T*K, I / BLOCK_N): h[t*K + k] = silu(Wg[e] x[t]) * (Wu[e] x[t])
+  2. `_fp8_decode_down_kernel`, grid (T, H / BLOCK_N): out[t] = sum_k w[t, k] * (Wd[e] h[t*K + k])
+Weights: fp8 pointers where Triton has them (sm89+, the interpreter), else uint8 bits converted
+exactly (`_e4m3_bits`, W_BITS). BLOCK_K divides the 128-column scale block, so each K chunk has
+one scale per weight row: acc += w * (x * s). fp32 accumulation; h stored in x's dtype.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._experts_kernels import _to
+from ._fp8_kernels import _e4m3_bits
+
+
+@triton.jit
+def _fp32_weight(w, W_BITS: tl.constexpr):
+    if W_BITS:  # uint8 e4m3 bits -> fp16 (value / 256) -> fp32, exact
+        return _e4m3_bits(w).to(tl.float32) * 256.0
+    return w.to(tl.float32)
+
+
+@triton.jit
+def _fp8_decode_gate_up_kernel(
+    x_ptr, w_ptr, ws_ptr, idx_ptr, h_ptr, H, I, E,
+    stride_xt, stride_it, stride_ik, stride_we, stride_wn, stride_wse, stride_wsn, stride_hm,
+    TOPK: tl.constexpr, W_BITS: tl.constexpr, UPCAST: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pair = tl.program_id(0).to(tl.int64)  # t * TOPK + k
+    t = pair // TOPK
+    e = tl.load(idx_ptr + t * stride_it + (pair % TOPK) * stride_ik).to(tl.int64)
+    if (e < 0) | (e >= E):
+        return
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    g_ptrs = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    u_ptrs = g_ptrs + I * stride_wn
+    gs_ptrs = ws_ptr + e * stride_wse + (offs_n // SCALE_N) * stride_wsn  # + the K block
+    us_ptrs = ws_ptr + e * stride_wse + ((offs_n + I) // SCALE_N) * stride_wsn
+    # x in the weight tile's layout (constant along BLOCK_N), as `_experts_decode` does
+    x_ptrs = x_ptr + t * stride_xt + (offs_n * 0)[:, None] + offs_k[None, :]
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        mask = n_mask[:, None] & (offs_k < H - k0)[None, :]
+        xv = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+        kb = k0 // SCALE_K
+        sg = tl.load(gs_ptrs + kb, mask=n_mask, other=0.0)
+        su = tl.load(us_ptrs + kb, mask=n_mask, other=0.0)
+        acc_g += _fp32_weight(tl.load(g_ptrs, mask=mask, other=0.0), W_BITS) * (xv * sg[:, None])
+        acc_u += _fp32_weight(tl.load(u_ptrs, mask=mask, other=0.0), W_BITS) * (xv * su[:, None])
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    g = tl.sum(acc_g, axis=1)
+    u = tl.sum(acc_u, axis=1)
+    h = g * tl.sigmoid(g) * u
+    tl.store(h_ptr + pair * stride_hm + offs_n, _to(h, h_ptr.dtype.element_ty, UPCAST), mask=n_mask)
+
+
+@triton.jit
+def _fp8_decode_down_kernel(
+    h_ptr, w_ptr, ws_ptr, idx_ptr, wts_ptr, out_ptr, H, I, E,
+    stride_hm, stride_it, stride_ik, stride_we, stride_wn, stride_wse, stride_wsn, stride_wt, stride_wtk,
+    stride_om,
+    TOPK: tl.constexpr, TOPK_P: tl.constexpr, W_BITS: tl.constexpr, UPCAST: tl.constexpr, SCALE_N: tl.constexpr,
+    SCALE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    # the token's K experts side by side ([TOPK_P, BLOCK_N, BLOCK_K] tiles: all their bytes in
+    # flight together), as `_experts_decode._decode_down_kernel`
+    slot = tl.arange(0, TOPK_P)
+    e = tl.load(idx_ptr + t * stride_it + slot * stride_ik, mask=slot < TOPK, other=-1).to(tl.int64)
+    valid = (slot < TOPK) & (e >= 0) & (e < E)
+    e = tl.where(valid, e, 0)
+    wt = tl.load(wts_ptr + t * stride_wt + slot * stride_wtk, mask=valid, other=0.0).to(tl.float32)
+    h_ptrs = (h_ptr + (t * TOPK + slot)[:, None, None] * stride_hm + (offs_n * 0)[None, :, None]
+              + offs_k[None, None, :])
+    w_ptrs = (w_ptr + e[:, None, None] * stride_we + offs_n[None, :, None].to(tl.int64) * stride_wn
+              + offs_k[None, None, :])
+    s_ptrs = ws_ptr + e[:, None] * stride_wse + (offs_n // SCALE_N)[None, :] * stride_wsn  # [TOPK_P, BLOCK_N]
+    s_mask = valid[:, None] & n_mask[None, :]
+    w_mask = valid[:, None, None] & n_mask[None, :, None]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        mask = w_mask & (offs_k < I - k0)[None, None, :]
+        hv = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(s_ptrs + k0 // SCALE_K, mask=s_mask, other=0.0) * wt[:, None]
+        wv = _fp32_weight(tl.load(w_ptrs, mask=mask, other=0.0), W_BITS)
+        acc += tl.sum(wv * (hv * s[:, :, None]), axis=0)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out = tl.sum(acc, axis=1)
+    tl.store(out_ptr + t * stride_om + offs_n, _to(out, out_ptr.dtype.element_ty, UPCAST), mask=n_mask)
