@@ -137,6 +137,13 @@ def _fresh_dynamo() -> None:
     counters.clear()
 
 
+@pytest.fixture(autouse=True)
+def _reset_dynamo_after():
+    """Leave no compiled model (nor its counters) behind for the tests that run next."""
+    yield
+    _fresh_dynamo()
+
+
 def _check_inference(kind: str, dynamic: bool, lengths: tuple[int, ...]) -> _Recorder:
     """Compile the kernelized model, run each sequence length, compare with the eager logits; under
     dynamic=True any recompile after the first length raises."""
