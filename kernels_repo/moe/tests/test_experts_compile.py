@@ -132,6 +132,42 @@ def test_torch_compile_training_with_dynamic_token_counts_compiles_once():
                 assert torch.equal(a, b), name
 
 
+@pytest.mark.parametrize("variant", ["sm80", "sm90"])
+def test_training_op_sizes_its_saved_rows_without_a_guard_on_the_load(variant, fake_gpus):
+    """On a GPU the bucket (and its block_m, which sizes the saved activation) follows the load
+    T*K/E. With a symbolic T the training op's fake chose the bucket by comparing the load, a guard:
+    compiled with dynamic=True it recompiled whenever a batch moved to a bucket of another block_m.
+    Its row count is now one expression over every bucket: no guard, and the eager op's count at
+    each load (E=128, H=2048, I=768 has shape-specific sm90 buckets)."""
+    import importlib
+
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+
+    ops = importlib.import_module(moe.__name__ + "._experts_custom_ops")
+    routing = importlib.import_module(moe.__name__ + "._experts_routing")
+    E, H, inter, K = 128, 2048, 768, 8
+    env = ShapeEnv()
+    sym = env.create_symbol(40, source=ConstantSource("T"), dynamic_dim=DimDynamic.DYNAMIC)
+    T = env.create_symintnode(sym, hint=40)
+    dev = torch.device("cuda", 1 if variant == "sm90" else 0)
+    with FakeTensorMode(shape_env=env):
+        x = torch.empty(T, H, device=dev, dtype=torch.bfloat16)
+        gu = torch.empty(E, 2 * inter, H, device=dev, dtype=torch.bfloat16)
+        dn = torch.empty(E, H, inter, device=dev, dtype=torch.bfloat16)
+        idx = torch.empty(T, K, device=dev, dtype=torch.int64)
+        w = torch.empty(T, K, device=dev, dtype=torch.bfloat16)
+        _, aux, meta = ops.fused_experts_train_op(x, gu, dn, idx, w, variant, "")
+    assert not env.guards, [str(g.expr) for g in env.guards]
+    capability = 90 if variant == "sm90" else 80
+    for tokens in (1, 40, 64, 100, 512, 1024, 4096, 5000, 65536):
+        pairs = tokens * K
+        want = routing.max_rows(pairs, E, cfgs.pick_config(capability, E, H, inter, pairs)["block_m"])
+        assert int(aux.shape[0].node.expr.subs(sym, tokens)) == want, tokens
+        assert int(meta.shape[0].node.expr.subs(sym, tokens)) == 2 * want + 2 * E + pairs, tokens
+
+
 def test_torch_compile_with_a_pinned_config_has_no_graph_break():
     cfg = with_decode()
     x, gu, dn, idx, w = make_inputs(2, 32, 16, 4, 2)

@@ -197,10 +197,15 @@ def shape_key(num_experts: int, hidden: int, intermediate: int) -> str:
     return f"E{num_experts}_H{hidden}_I{intermediate}"
 
 
+def shape_buckets(capability: int, num_experts: int, hidden: int, intermediate: int) -> list[dict]:
+    """The buckets `pick_config` walks for this shape, in order: shape-specific ones, else the defaults."""
+    cfg = _load(capability)
+    return cfg.get("shapes", {}).get(shape_key(num_experts, hidden, intermediate)) or cfg["buckets"]
+
+
 def pick_config(capability: int, num_experts: int, hidden: int, intermediate: int, num_pairs: int) -> dict:
     """The bucket for this shape and load: shape-specific buckets first, then the defaults."""
-    cfg = _load(capability)
-    buckets = cfg.get("shapes", {}).get(shape_key(num_experts, hidden, intermediate)) or cfg["buckets"]
+    buckets = shape_buckets(capability, num_experts, hidden, intermediate)
     rows_per_expert = num_pairs / max(num_experts, 1)
     for bucket in buckets:
         limit = bucket.get("max_rows_per_expert")

@@ -20,6 +20,7 @@ from kernelhub.device import device_guard
 
 from . import _experts_eager as eager
 from . import _experts_pipeline as pipeline
+from ._experts_configs import shape_buckets
 from ._experts_routing import ExpertRows, max_rows
 from .reference_experts import reference_unchecked
 
@@ -30,6 +31,24 @@ def _bucket(x, gate_up_proj, topk_idx, variant: str, config: str) -> dict:
     E, two_i, H = gate_up_proj.shape
     return pipeline.bucket(variant, E, H, two_i // 2, topk_idx.numel(), json.loads(config) if config else None,
                        x.device, x.element_size())
+
+
+def _saved_rows(x, gate_up_proj, topk_idx, variant: str, config: str):
+    """P, the rows of the training op's saved activation: `max_rows` at its bucket's block_m."""
+    E, two_i, H = gate_up_proj.shape
+    pairs = topk_idx.numel()
+    if type(pairs) is int or config or (x.device.type != "cuda" and pipeline.INTERPRET):
+        return max_rows(pairs, E, _bucket(x, gate_up_proj, topk_idx, variant, config)["block_m"])
+    # dynamic shapes, tiles from configs/: the bucket follows the load T*K/E, so P is one branch per
+    # bucket (sym_ite) where pick_config's comparisons would guard on the load (a recompile whenever
+    # a batch moved to a bucket of another block_m)
+    buckets = shape_buckets(90 if variant == "sm90" else 80, E, H, two_i // 2)
+    load = pairs / max(E, 1)  # as pick_config computes it, so that both pick the same bucket
+    rows = max_rows(pairs, E, buckets[-1]["block_m"])
+    for b in reversed(buckets):
+        limit, here = b.get("max_rows_per_expert"), max_rows(pairs, E, b["block_m"])
+        rows = here if limit is None else torch.sym_ite(load <= limit, here, rows)
+    return rows
 
 
 def _meta_sizes(P: int, E: int, pairs: int) -> list[int]:
@@ -76,7 +95,7 @@ def _(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, config):
     if variant == "reference" or x.shape[0] == 0:
         return x.new_empty(x.shape), x.new_empty(0, 0), x.new_empty(0, dtype=torch.int32)
     E, two_i, _ = gate_up_proj.shape
-    P = max_rows(topk_idx.numel(), E, _bucket(x, gate_up_proj, topk_idx, variant, config)["block_m"])
+    P = _saved_rows(x, gate_up_proj, topk_idx, variant, config)
     return (x.new_empty(x.shape), x.new_empty(P, two_i),
             x.new_empty(sum(_meta_sizes(P, E, topk_idx.numel())), dtype=torch.int32))
 
