@@ -88,7 +88,9 @@ def main() -> None:
         for dtype in dtypes:
             for stage in ("gate_up", "down"):
                 fails += check(f"{where} {stage} {dtype}", cc8.check_gemm(90, "sm90", b, stage, dtype, label=where))
-        if not b.get("w8a16", False) and b.get("quant_x", True):  # the in-load quantization, for A/B runs
+        # the in-load quantization of a default bucket, for A/B runs (a swept shape entry's was timed
+        # against the quantize pass by the sweep, which keeps the quantize pass where in-load does not fit)
+        if not b.get("w8a16", False) and b.get("quant_x", True) and not where.startswith("shapes["):
             fails += check(f"{where} gate_up in-load", cc8.check_gemm(90, "sm90", {**b, "quant_x": False}, "gate_up",
                                                                       label=f"{where} quant_x=false"))
     fails += check("quantize", cc8.check_quantize(90))

@@ -183,11 +183,19 @@ def test_shipped_fp8_configs_are_valid_and_bucketed_by_rows_per_expert(variant):
     for i, b in enumerate(data["buckets"]):
         fp8c.check_fp8_bucket(b, f"buckets[{i}]", variant)
     assert data["buckets"][-1].get("max_rows_per_expert") is None
-    # DeepSeek-V3 decode (T=1: 8/256 rows per expert) and prefill (T=16384: 512) differ
-    small = fp8c.pick_fp8_config(variant, 256, 7168, 2048, 8)
-    large = fp8c.pick_fp8_config(variant, 256, 7168, 2048, 16384 * 8)
+    # a shape with no entry of its own (DeepSeek-V3's experts at another width): decode (T=1: 8/256
+    # rows per expert) and prefill (T=16384: 512) take the first and the last default bucket
+    small = fp8c.pick_fp8_config(variant, 256, 7168, 1536, 8)
+    large = fp8c.pick_fp8_config(variant, 256, 7168, 1536, 16384 * 8)
     assert small is data["buckets"][0] or small == data["buckets"][0]
     assert large == data["buckets"][-1] and small != large
+    for key, entries in data.get("shapes", {}).items():  # a swept shape: its own buckets, the last unbounded
+        E, H, inter = (int(v[1:]) for v in key.split("_"))
+        for i, b in enumerate(entries):
+            fp8c.check_fp8_bucket(b, f"shapes[{key}][{i}]", variant)
+        assert entries[-1].get("max_rows_per_expert") is None
+        assert fp8c.pick_fp8_config(variant, E, H, inter, 16384 * 8) == entries[-1]
+        assert fp8c.pick_fp8_config(variant, E, H, inter, 8) == entries[0]
 
 
 def test_config_dir_fp8_file_and_shape_buckets(tmp_path, monkeypatch):
@@ -269,9 +277,12 @@ def test_shipped_sm90_fp8_tiles_compile_without_spills_within_shared_memory(tmp_
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=900, env=env)
     assert res.returncode == 0 and "over budget or failed: 0" in res.stdout, (res.stdout[-3000:], res.stderr[-3000:])
-    shipped = json.loads((fp8c._DIR / "fp8_sm90.json").read_text())["buckets"]
-    in_load = sum(not b.get("w8a16", False) for b in shipped)
-    assert res.stdout.count("ok   sm90") == 4 * len(shipped) + in_load + 1, res.stdout[-2000:]
+    data = json.loads((fp8c._DIR / "fp8_sm90.json").read_text())
+    shipped = data["buckets"]
+    swept = [b for entries in data.get("shapes", {}).values() for b in entries]
+    in_load = sum(not b.get("w8a16", False) for b in shipped)  # (the default buckets' A/B variant only)
+    decode = sum(len([s for s in b.get("decode", {}) if s != "max_tokens"]) for b in shipped + swept)
+    assert res.stdout.count("ok   sm90") == 4 * (len(shipped) + len(swept)) + in_load + 1 + decode, res.stdout[-2000:]
 
 
 DECODE = {"max_tokens": 4, "gate_up": {"BLOCK_N": 8, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1},
