@@ -170,6 +170,19 @@ def test_the_fp8_layer_follows_its_own_table_and_the_16_bit_one_stays(fake_gpus,
     assert chosen[100]["MoEExperts"] == "sm80" and chosen[100]["MoEExpertsFP8"] == "sm90"
 
 
+def test_the_fp8_choice_reads_the_table_its_layer_names(fake_gpus, tmp_path, capsys, monkeypatch):
+    """The fp8 layer's table is data (its `dispatch` key): renamed in kernel.toml, fused_experts' own
+    fp8 choice follows it as the mapping does, rather than asking for a [dispatch_fp8] that is gone."""
+    pytest.importorskip("transformers")
+    root = _copy_kernels(tmp_path / "kernels_repo")
+    toml = root / "moe" / "kernel.toml"
+    toml.write_text(toml.read_text().replace("[dispatch_fp8]", "[dispatch_w8]", 1)
+                    .replace('dispatch = "dispatch_fp8"', 'dispatch = "dispatch_w8"', 1))
+    assert read_dispatch_table(root / "moe").dispatch_of("MoEExpertsFP8") == "dispatch_w8"
+    chosen = _assert_agreement(root, fake_gpus, tmp_path, capsys, monkeypatch)
+    assert chosen[86]["MoEExpertsFP8"] == "sm80" and chosen[89]["MoEExpertsFP8"] == "sm90"
+
+
 def test_a_layer_naming_a_missing_table_is_refused_by_every_reader(tmp_path, capsys):
     """A typo in a layer's `dispatch` must not fall back to [dispatch] (16-bit ranges for fp8 weights)."""
     repo = _copy_kernels(tmp_path / "kernels_repo") / "moe"

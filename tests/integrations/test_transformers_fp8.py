@@ -440,3 +440,26 @@ def test_report_shows_an_fp8_checkpoint_as_from_pretrained_builds_it(tmp_path, c
     assert "report: note: the model's quantization_config could not be applied" in err
     rows = [line.split() for line in out.splitlines() if ".mlp.experts" in line]
     assert [(r[1], r[2], r[5]) for r in rows] == [("Qwen3MoeExperts", "MoEExperts", "MoEExpertsSm90")] * 2
+
+
+def test_report_builds_a_quantized_model_without_allocating_its_weights():
+    """The report's model is on the meta device whatever its size: every quantization method this
+    transformers knows (some swap in modules whose weights they allocate on the default device,
+    which for a large checkpoint's config would be its full size in host memory) stays on meta."""
+    import contextlib
+    import io
+
+    from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING
+
+    from kernelhub.cli.report import build_meta_model
+
+    allocated = {}
+    for method in sorted(AUTO_QUANTIZER_MAPPING):
+        config = qwen3_config(vocab_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                              head_dim=16, quantization_config={"quant_method": method})
+        with contextlib.redirect_stderr(io.StringIO()):  # methods this machine cannot apply: noted
+            model = build_meta_model(config)
+        real = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type != "meta"]
+        if real:
+            allocated[method] = real[:2]
+    assert "fp8" in AUTO_QUANTIZER_MAPPING and allocated == {}

@@ -217,3 +217,23 @@ def test_a_bad_pinned_config_is_refused_by_every_variant(variant, grad):
         moe.fused_experts(x, gu, dn, idx, w, variant=variant, config={**cfgs.INTERPRETER_CONFIG, "block_m": 3})
     with pytest.raises(TypeError, match=r"fused_experts: `config` must be a dict"):
         moe.fused_experts(x, gu, dn, idx, w, variant=variant, config=[("block_m", 16)])
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda d: d["buckets"][0].update(max_rows_per_expert="64"), r"buckets\[0\]\['max_rows_per_expert'\] must be"),
+    (lambda d: d["buckets"][0].update(max_rows_per_expert=True), r"buckets\[0\]\['max_rows_per_expert'\] must be"),
+    (lambda d: d["buckets"][0].update(max_rows_per_expert=float("nan")),
+     r"buckets\[0\]\['max_rows_per_expert'\] must be"),
+    (lambda d: d.update(buckets=[]), r"`buckets` must be a non-empty list"),
+    (lambda d: d.update(shapes={cfgs.shape_key(8, 64, 64): {}}), r"`shapes\['E8_H64_I64'\]` must be a list"),
+    (lambda d: d.update(shapes=[]), r"`shapes` must be an object"),
+])
+def test_a_config_file_with_bad_bucket_selection_is_a_clear_error(edit, words, tmp_path, monkeypatch):
+    """The keys that choose a bucket (a tuned file under KERNELHUB_MOE_CONFIG_DIR is user input): a
+    ValueError naming the file, not a TypeError comparing a load with a string or an IndexError."""
+    data = json.loads((Path(cfgs._DIR) / "sm80.json").read_text())
+    edit(data)
+    (tmp_path / "sm80.json").write_text(json.dumps(data))
+    with config_dir(monkeypatch, tmp_path) as configs:
+        with pytest.raises(ValueError, match=r"sm80.json: " + words):
+            configs.pick_config(80, 8, 64, 64, 16)

@@ -72,7 +72,8 @@ def build_meta_model(config) -> torch.nn.Module:
             model = AutoModelForCausalLM.from_config(config)
         except ValueError:  # no causal-LM class for this type
             model = AutoModel.from_config(config)
-    return _as_quantized(model, config)
+        # inside the block: some quantizers build their modules' weights on the default device
+        return _as_quantized(model, config)
 
 
 def _as_quantized(model: torch.nn.Module, config) -> torch.nn.Module:

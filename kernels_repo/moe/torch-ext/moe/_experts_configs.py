@@ -99,6 +99,9 @@ def check_bucket(bucket: object, where: str) -> None:
             raise ValueError(f"{where}: missing key {key!r}")
     if not _pow2(bucket["block_m"]) or bucket["block_m"] < 16:
         raise ValueError(f"{where}['block_m'] must be a power of two >= 16, got {bucket['block_m']!r}")
+    limit = bucket.get("max_rows_per_expert")  # compared with the load T*K/E: a number (NaN never matches)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit >= 0):
+        raise ValueError(f"{where}['max_rows_per_expert'] must be a number >= 0 or null, got {limit!r}")
     for flag in ("tma", "pair_m"):
         if flag in bucket and not isinstance(bucket[flag], bool):
             raise TypeError(f"{where}[{flag!r}] must be true or false, got {bucket[flag]!r}")
@@ -136,6 +139,21 @@ def _check_decode(where: str, decode: object) -> None:
             raise ValueError(f"{where}[{stage!r}]['BLOCK_N'] must be a power of two >= 4, got {c['BLOCK_N']!r}")
 
 
+def _check_lists(cfg: object, path: Path) -> None:
+    """The file's bucket lists: `pick_config` falls back to the last default bucket (an empty shape
+    list means the defaults)."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: must hold a JSON object with `buckets`, got {type(cfg).__name__}")
+    if not isinstance(cfg.get("buckets"), list) or not cfg["buckets"]:
+        raise ValueError(f"{path}: `buckets` must be a non-empty list, got {cfg.get('buckets')!r}")
+    shapes = cfg.get("shapes", {})
+    if not isinstance(shapes, dict):
+        raise ValueError(f"{path}: `shapes` must be an object of bucket lists, got {type(shapes).__name__}")
+    for key, buckets in shapes.items():
+        if not isinstance(buckets, list):
+            raise ValueError(f"{path}: `shapes[{key!r}]` must be a list of buckets, got {buckets!r}")
+
+
 def _load(capability: int) -> dict:
     key = (os.environ.get("KERNELHUB_MOE_CONFIG_DIR"), capability)
     cfg = _resolved.get(key)
@@ -161,6 +179,7 @@ def _read(capability: int) -> dict:
         cfg = _cache.get(path)
         if cfg is None:
             cfg = json.loads(path.read_text())
+            _check_lists(cfg, path)
             for i, bucket in enumerate(cfg["buckets"]):
                 check_bucket(bucket, f"{path}: buckets[{i}]")
             for key, buckets in cfg.get("shapes", {}).items():
