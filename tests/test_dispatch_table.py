@@ -132,7 +132,7 @@ def test_mapping_automatic_choice_and_report_agree_for_every_capability(fake_gpu
     assert chosen[86] == {"SiluAndMul": "sm80", "SwiGLUMLP": "sm80", "MoEExperts": "sm80", "MoEExpertsFP8": "sm80"}
     assert chosen[89] == {"SiluAndMul": "sm80", "SwiGLUMLP": "sm80", "MoEExperts": "sm80", "MoEExpertsFP8": "sm90"}
     assert chosen[90] == {"SiluAndMul": "sm80", "SwiGLUMLP": "sm80", "MoEExperts": "sm90", "MoEExpertsFP8": "sm90"}
-    assert chosen[100] == {"SiluAndMul": "sm80", "SwiGLUMLP": "sm80", "MoEExperts": "sm80", "MoEExpertsFP8": "sm90"}
+    assert chosen[100] == {"SiluAndMul": "sm80", "SwiGLUMLP": "sm80", "MoEExperts": "sm80", "MoEExpertsFP8": "sm80"}
     assert chosen[None] == {"SiluAndMul": "reference", "SwiGLUMLP": "reference", "MoEExperts": "reference",
                             "MoEExpertsFP8": "reference"}
 
@@ -163,11 +163,13 @@ def test_the_fp8_layer_follows_its_own_table_and_the_16_bit_one_stays(fake_gpus,
     toml = root / "moe" / "kernel.toml"
     text = toml.read_text()
     fp8 = text.index("[dispatch_fp8]")
-    toml.write_text(text[:fp8] + text[fp8:].replace("[80, 88]", "[80, 89]", 1).replace("[89, 129]", "[90, 129]", 1))
+    edited = text[fp8:].replace("[80, 88]", "[80, 89]", 1).replace("[89, 99]", "[90, 99]", 1)
+    assert edited != text[fp8:]
+    toml.write_text(text[:fp8] + edited)
     chosen = _assert_agreement(root, fake_gpus, tmp_path, capsys, monkeypatch)
     assert chosen[89]["MoEExpertsFP8"] == "sm80" and chosen[90]["MoEExpertsFP8"] == "sm90"
     assert chosen[89]["MoEExperts"] == "sm80" and chosen[90]["MoEExperts"] == "sm90"
-    assert chosen[100]["MoEExperts"] == "sm80" and chosen[100]["MoEExpertsFP8"] == "sm90"
+    assert chosen[100]["MoEExperts"] == "sm80" and chosen[100]["MoEExpertsFP8"] == "sm80"
 
 
 def test_the_fp8_choice_reads_the_table_its_layer_names(fake_gpus, tmp_path, capsys, monkeypatch):

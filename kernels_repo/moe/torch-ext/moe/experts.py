@@ -31,7 +31,7 @@ def select_variant(device: torch.device) -> str:
 
 def select_variant_fp8(device: torch.device) -> str:
     """The variant for fp8 block-quantized weights on `device` (kernel.toml's [dispatch_fp8]): fp8
-    tensor cores ("sm90") from sm89, W8A16 ("sm80") on sm80-sm88, the reference on the CPU."""
+    tensor cores ("sm90") on sm89-sm99, W8A16 ("sm80") on sm80-sm88 and Blackwell, the reference on the CPU."""
     return auto_variant_fp8(device_capability(device) if device.type == "cuda" else None)
 
 
