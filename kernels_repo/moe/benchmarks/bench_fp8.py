@@ -2,6 +2,8 @@
 
 Usage (repo root, GPU): PYTHONPATH=src python kernels_repo/moe/benchmarks/bench_fp8.py
   env: TOKENS=1,32,512,4096,16384  SHAPES=deepseek_v3,qwen3_30b_a3b  PEERS=0 (kernelhub only)
+       DEVICE=cpu: smoke test without a GPU, same code path (default SHAPES=tiny, TOKENS=1,8; a
+         plain timer; the Triton variants need TRITON_INTERPRET=1 there)
 Ceilings (same run): the dense fp8 matmul rate (`torch._scaled_mm`, 8192^3, bf16 out) and the
 copy bandwidth (a 2 GiB device copy). Per shape and T one line per implementation: ms (do_bench
 median), TFLOP/s of the useful FLOPs (2 * T * K * 3 * H * I), that rate over the fp8 matmul rate,
@@ -34,14 +36,16 @@ import triton  # noqa: E402
 from kernelhub._loader import load_kernel_from_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
-# E, H, I, K ("tiny": a CPU smoke run of this script, TRITON_INTERPRET=1 SHAPES=tiny)
+# E, H, I, K ("tiny": the CPU smoke run's, DEVICE=cpu)
 SHAPES = {"deepseek_v3": (256, 7168, 2048, 8), "qwen3_30b_a3b": (128, 2048, 768, 8), "tiny": (8, 256, 128, 2)}
 FP8 = torch.float8_e4m3fn
+DEV = torch.device(os.environ.get("DEVICE", "cuda" if torch.cuda.is_available() else "cpu"))
+CUDA = DEV.type == "cuda"
 
 
 def bench(fn) -> float:
     """Median ms (do_bench on CUDA; a plain timer elsewhere, for a CPU smoke run)."""
-    if torch.cuda.is_available():
+    if CUDA:
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
     fn()
     t0 = time.perf_counter()
@@ -171,10 +175,10 @@ def try_peer(label, run, want, skipped: dict) -> tuple[float, float] | None:
 def main() -> None:
     moe = load_kernel_from_dir(ROOT / "kernels_repo" / "moe")
     ref = sys.modules[moe.__name__ + ".reference_fp8"]
-    dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    dev = DEV
     fp8_rate, gbs = ceilings(dev)
-    tokens = [int(t) for t in os.environ.get("TOKENS", "1,32,512,4096,16384").split(",")]
-    shapes = [s for s in os.environ.get("SHAPES", "deepseek_v3,qwen3_30b_a3b").split(",") if s]
+    tokens = [int(t) for t in os.environ.get("TOKENS", "1,32,512,4096,16384" if CUDA else "1,8").split(",")]
+    shapes = [s for s in os.environ.get("SHAPES", "deepseek_v3,qwen3_30b_a3b" if CUDA else "tiny").split(",") if s]
     peers = os.environ.get("PEERS", "1") != "0"
     for name in shapes:
         E, H, I, K = SHAPES[name]
