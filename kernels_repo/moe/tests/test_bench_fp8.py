@@ -3,6 +3,7 @@ not DeepSeek-V3's 11 GB of weights on the host."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,11 +13,30 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_fp8.py"
 SRC = Path(__file__).resolve().parents[3] / "src"
 
 
-def test_device_cpu_runs_the_tiny_shape(tmp_path):
-    env = {**os.environ, "DEVICE": "cpu", "OUT": str(tmp_path), "TOKENS": "1", "PEERS": "0",
-           "PYTHONPATH": str(SRC)}
+def smoke(out: Path, **extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DEVICE": "cpu", "OUT": str(out), "TOKENS": "1", "PEERS": "0", "PYTHONPATH": str(SRC),
+           **extra}
     env.pop("SHAPES", None)
     run = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
+    return run
+
+
+def test_device_cpu_runs_the_tiny_shape(tmp_path):
+    run = smoke(tmp_path)
     assert "fp8 tiny T=1 kernelhub_fp8:" in run.stdout
     assert "deepseek_v3" not in run.stdout
+
+
+def test_rows_go_to_out_as_json_lines(tmp_path):
+    """As every benchmark's: the numbers the issue asks for (ceilings of the same run, per point and
+    implementation ms, fraction of the fp8 rate, of the weight-bytes bound) in $OUT/bench_fp8.jsonl."""
+    smoke(tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "bench_fp8.jsonl").read_text().splitlines()]
+    ceiling = [r for r in rows if r["kind"] == "fp8_ceiling"]
+    assert len(ceiling) == 1 and {"fp8_mm_TFLOPs", "bf16_mm_TFLOPs", "copy_GBps"} <= set(ceiling[0])
+    points = {r["impl"]: r for r in rows if r["kind"] == "fp8_fwd"}
+    assert {"kernelhub_fp8", "kernelhub_bf16"} <= set(points)
+    for r in points.values():
+        assert (r["shape"], r["T"]) == ("tiny", 1)
+        assert r["ms"] > 0 and r["frac_fp8_rate"] >= 0 and r["frac_bw"] >= 0 and r["relerr"] < 0.1
