@@ -251,19 +251,19 @@ def main() -> None:
                 emit(kind="fp8_fwd", shape=name, T=T, impl=label, ms=ms, TFLOPs=rate / 1e3,
                      frac_fp8_rate=rate / fp8_rate, bound_ms=bound_ms, frac_bw=bound_ms / ms, relerr=err)
             ours = res.get("kernelhub_fp8")
-            peers = {k: ms for k, (ms, _) in res.items() if not k.startswith("kernelhub")}
+            peer_ms = {k: ms for k, (ms, _) in res.items() if not k.startswith("kernelhub")}
             if ours:
                 bf16_ms = res.get("kernelhub_bf16", (math.nan,))[0]
                 line = (f"fp8 {name} T={T} summary: kernelhub fp8 {ours[0]:.4f} ms, "
                         f"{flops / ours[0] / 1e9 / fp8_rate:.2f} of fp8 rate, "
                         f"{bf16_ms / ours[0]:.2f}x bf16 (time {ours[0] / bf16_ms:.2f}x)")
-                best = min(peers, key=peers.get) if peers else None
+                best = min(peer_ms, key=peer_ms.get) if peer_ms else None
                 if best:
-                    line += f", {peers[best] / ours[0]:.2f}x best peer ({best})"
+                    line += f", {peer_ms[best] / ours[0]:.2f}x best peer ({best})"
                 print(line, flush=True)
                 emit(kind="fp8_summary", shape=name, T=T, ms=ours[0], frac_fp8_rate=flops / ours[0] / 1e9 / fp8_rate,
                      speedup_bf16=bf16_ms / ours[0], best_peer=best,
-                     speedup_best_peer=peers[best] / ours[0] if best else None)
+                     speedup_best_peer=peer_ms[best] / ours[0] if best else None)
         del guq, gus, gud, dnq, dns, dnd, gu_t, gu_s, dn_t, dn_s, tf
         if dev.type == "cuda":
             torch.cuda.empty_cache()
