@@ -2,6 +2,9 @@
 
 Usage (repo root, GPU): PYTHONPATH=src python kernels_repo/moe/benchmarks/bench_fp8.py
   env: TOKENS=1,32,512,4096,16384  SHAPES=deepseek_v3,qwen3_30b_a3b  PEERS=0 (kernelhub only)
+       COMPILE=default,reduce-overhead: torch._scaled_grouped_mm's path also under torch.compile
+         (fullgraph, static shapes; compiled after a reset per point, first calls excluded, a
+         CUDA-graph step marked per reduce-overhead call); none: eager only
        DEVICE=cpu: smoke test without a GPU, same code path (default SHAPES=tiny, TOKENS=1,8; a
          plain timer; the Triton variants need TRITON_INTERPRET=1 there)
 Ceilings (same run): the dense fp8 matmul rate (`torch._scaled_mm`, 8192^3, bf16 out) and the
@@ -116,6 +119,34 @@ def rowwise_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.transpose(1, 2), s
 
 
+COMPILE_MODES = {"default": "compiled", "reduce-overhead": "reduce-overhead"}
+
+
+def compile_configs() -> list[str]:
+    """The compiled configurations COMPILE names (default both; none: eager only)."""
+    out = []
+    for c in (c for c in os.environ.get("COMPILE", "default,reduce-overhead").split(",") if c):
+        if c == "none":
+            continue
+        if c not in COMPILE_MODES:
+            raise SystemExit(f"bench_fp8.py: COMPILE takes {', '.join(COMPILE_MODES)} or none, got {c!r}")
+        out.append(COMPILE_MODES[c])
+    return out
+
+
+def compiled(fn, config: str):
+    """torch.compile(fn, fullgraph=True) with static shapes; reduce-overhead marks a step per call."""
+    if config == "compiled":
+        return torch.compile(fn, fullgraph=True, dynamic=False)
+    graphed = torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
+
+    def stepped(*args):
+        torch.compiler.cudagraph_mark_step_begin()
+        return graphed(*args)
+
+    return stepped
+
+
 def scaled_grouped_forward(x, gu_t, gu_s, dn_t, dn_s, idx, w):
     """out [T, H]: tokens sorted by expert, x and h quantized per row, two grouped fp8 GEMMs with
     row-wise scales, SwiGLU and the weighted sum in torch (no host sync)."""
@@ -169,12 +200,14 @@ def transformers_paths(m, tf8) -> dict:
     return paths
 
 
-def try_peer(label, run, want, skipped: dict) -> tuple[float, float] | None:
-    """(ms, relative error) of a peer, or None with the reason recorded once per peer."""
+def try_peer(label, run, want, skipped: dict, warm: int = 1) -> tuple[float, float] | None:
+    """(ms, relative error) of a peer after `warm` untimed calls (compiled: compile, CUDA-graph
+    warm-up and recording), or None with the reason recorded once per peer."""
     if label in skipped:
         return None
     try:
-        out = run()
+        for _ in range(warm):
+            out = run()
         err = math.nan if want is None else ((out.float() - want).norm() / want.norm()).item()
         return bench(run), err
     except Exception as e:  # noqa: BLE001 - a peer that cannot run here (no Hub kernel offline, no sm90 ...)
@@ -194,6 +227,7 @@ def main() -> None:
     tokens = [int(t) for t in os.environ.get("TOKENS", "1,32,512,4096,16384" if CUDA else "1,8").split(",")]
     shapes = [s for s in os.environ.get("SHAPES", "deepseek_v3,qwen3_30b_a3b" if CUDA else "tiny").split(",") if s]
     peers = os.environ.get("PEERS", "1") != "0"
+    configs = compile_configs() if peers else []
     for name in shapes:
         E, H, I, K = SHAPES[name]
         g = torch.Generator(device=dev).manual_seed(0)
@@ -239,6 +273,14 @@ def main() -> None:
                                                                     dn_s, idx, w), want, skipped)
                     if r:
                         res["torch_scaled_grouped_mm"] = r
+                    for config in configs:
+                        label = f"torch_scaled_grouped_mm[{config}]"
+                        torch.compiler.reset()  # (this point's shapes compiled afresh: no recompile limit)
+                        r = try_peer(label, partial(compiled(scaled_grouped_forward, config), x, gu_t, gu_s, dn_t,
+                                                    dn_s, idx, w), want, skipped, warm=3)
+                        torch.compiler.reset()  # (frees its CUDA-graph pool)
+                        if r:
+                            res[label] = r
                     if tf is not None:
                         for label, fn in transformers_paths(tf, tf8).items():
                             r = try_peer(label, partial(fn, x, idx, w), want, skipped)

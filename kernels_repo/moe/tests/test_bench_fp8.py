@@ -40,3 +40,14 @@ def test_rows_go_to_out_as_json_lines(tmp_path):
     for r in points.values():
         assert (r["shape"], r["T"]) == ("tiny", 1)
         assert r["ms"] > 0 and r["frac_fp8_rate"] >= 0 and r["frac_bw"] >= 0 and r["relerr"] < 0.1
+
+
+def test_the_torch_peer_is_also_timed_compiled_and_its_failure_does_not_end_the_run(tmp_path):
+    """torch._scaled_grouped_mm's path under torch.compile (default and reduce-overhead) is a peer
+    configuration of its own; here (no CPU kernel for the op) each is skipped with its reason."""
+    run = smoke(tmp_path, PEERS="1")
+    for config in ("compiled", "reduce-overhead"):
+        assert f"skip torch_scaled_grouped_mm[{config}]: NotImplementedError" in run.stdout
+    assert "fp8 tiny T=1 summary" in run.stdout
+    none = smoke(tmp_path, PEERS="1", COMPILE="none")
+    assert "torch_scaled_grouped_mm[" not in none.stdout
