@@ -40,6 +40,9 @@ def test_rows_go_to_out_as_json_lines(tmp_path):
     for r in points.values():
         assert (r["shape"], r["T"]) == ("tiny", 1)
         assert r["ms"] > 0 and r["frac_fp8_rate"] >= 0 and r["frac_bw"] >= 0 and r["relerr"] < 0.1
+        H, I, K = 256, 128, 2  # the tiny shape (T=1): useful FLOPs 2 * T * K * 3 * H * I
+        assert abs(r["TFLOPs"] - 2 * K * 3 * H * I / (r["ms"] * 1e-3) / 1e12) <= 1e-6 * r["TFLOPs"]
+        assert abs(r["frac_fp8_rate"] - r["TFLOPs"] / ceiling[0]["fp8_mm_TFLOPs"]) <= 1e-6 * r["frac_fp8_rate"]
 
 
 def test_the_torch_peer_is_also_timed_compiled_and_its_failure_does_not_end_the_run(tmp_path):
@@ -51,3 +54,13 @@ def test_the_torch_peer_is_also_timed_compiled_and_its_failure_does_not_end_the_
     assert "fp8 tiny T=1 summary" in run.stdout
     none = smoke(tmp_path, PEERS="1", COMPILE="none")
     assert "torch_scaled_grouped_mm[" not in none.stdout
+
+
+def test_summarize_fp8_table(tmp_path):
+    smoke(tmp_path)
+    summarize = Path(__file__).resolve().parents[3] / "benchmarks" / "summarize.py"
+    run = subprocess.run([sys.executable, str(summarize), "fp8", str(tmp_path / "bench_fp8.jsonl")],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| tiny | 1 |")]
+    assert len(rows) == 1 and rows[0].count("|") == 12
