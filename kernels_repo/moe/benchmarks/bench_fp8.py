@@ -249,8 +249,23 @@ def main() -> None:
             # weight bytes the call must read: every touched expert's fp8 weights once (+ scales)
             touched = int(torch.unique(idx).numel())
             bound_ms = touched * 3 * H * I / (gbs * 1e6)
+            res: dict[str, tuple[float, float]] = {}
+
+            def record(label: str, r: tuple[float, float] | None, name=name, T=T, flops=flops,
+                       bound_ms=bound_ms, res=res) -> None:
+                """Print and write one implementation's row as soon as it is timed (a run cut by its
+                timeout keeps it)."""
+                if r is None:
+                    return
+                res[label] = r
+                ms, err = r
+                rate = flops / ms / 1e9
+                print(f"fp8 {name} T={T} {label}: {ms:.4f} ms  {rate:.0f} TF/s  {rate / fp8_rate:.2f} of fp8 rate  "
+                      f"bw {bound_ms / ms:.2f}  relerr {err:.3f}", flush=True)
+                emit(kind="fp8_fwd", shape=name, T=T, impl=label, ms=ms, TFLOPs=rate,
+                     frac_fp8_rate=rate / fp8_rate, bound_ms=bound_ms, frac_bw=bound_ms / ms, relerr=err)
+
             with torch.no_grad():
-                res: dict[str, tuple[float, float]] = {}
                 bf16 = partial(moe.fused_experts, x, gud, dnd, idx, w)
                 want = None
                 if "kernelhub_bf16" not in skipped:
@@ -262,36 +277,21 @@ def main() -> None:
                 for label, kw in (("kernelhub_fp8", {}), ("kernelhub_fp8_w8a16", {"variant": "sm80"})):
                     run = partial(moe.fused_experts, x, guq, dnq, idx, w, gate_up_proj_scale_inv=gus,
                                   down_proj_scale_inv=dns, **kw)
-                    r = try_peer(label, run, want, skipped)
-                    if r:
-                        res[label] = r
-                r = try_peer("kernelhub_bf16", bf16, want, skipped)
-                if r:
-                    res["kernelhub_bf16"] = r
+                    record(label, try_peer(label, run, want, skipped))
+                record("kernelhub_bf16", try_peer("kernelhub_bf16", bf16, want, skipped))
                 if peers:
-                    r = try_peer("torch_scaled_grouped_mm", partial(scaled_grouped_forward, x, gu_t, gu_s, dn_t,
-                                                                    dn_s, idx, w), want, skipped)
-                    if r:
-                        res["torch_scaled_grouped_mm"] = r
+                    record("torch_scaled_grouped_mm", try_peer("torch_scaled_grouped_mm", partial(
+                        scaled_grouped_forward, x, gu_t, gu_s, dn_t, dn_s, idx, w), want, skipped))
                     for config in configs:
                         label = f"torch_scaled_grouped_mm[{config}]"
                         torch.compiler.reset()  # (this point's shapes compiled afresh: no recompile limit)
                         r = try_peer(label, partial(compiled(scaled_grouped_forward, config), x, gu_t, gu_s, dn_t,
                                                     dn_s, idx, w), want, skipped, warm=3)
                         torch.compiler.reset()  # (frees its CUDA-graph pool)
-                        if r:
-                            res[label] = r
+                        record(label, r)
                     if tf is not None:
                         for label, fn in transformers_paths(tf, tf8).items():
-                            r = try_peer(label, partial(fn, x, idx, w), want, skipped)
-                            if r:
-                                res[label] = r
-            for label, (ms, err) in res.items():
-                rate = flops / ms / 1e9
-                print(f"fp8 {name} T={T} {label}: {ms:.4f} ms  {rate:.0f} TF/s  {rate / fp8_rate:.2f} of fp8 rate  "
-                      f"bw {bound_ms / ms:.2f}  relerr {err:.3f}", flush=True)
-                emit(kind="fp8_fwd", shape=name, T=T, impl=label, ms=ms, TFLOPs=rate,
-                     frac_fp8_rate=rate / fp8_rate, bound_ms=bound_ms, frac_bw=bound_ms / ms, relerr=err)
+                            record(label, try_peer(label, partial(fn, x, idx, w), want, skipped))
             ours = res.get("kernelhub_fp8")
             peer_ms = {k: ms for k, (ms, _) in res.items() if not k.startswith("kernelhub")}
             if ours:
