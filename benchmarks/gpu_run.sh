@@ -11,7 +11,8 @@
 # slice: bench_model_slice.py, one process per model (SLICE_MODELS, default qwen3_30b_a3b,deepseek_v3) at
 # SLICE_TOKENS (default 1,4096), each under SLICE_TIMEOUT (default 230 s). swiglu: SWIGLU_TIMEOUT (450 s).
 # fp8: bench_fp8.py (issue 31), one process per shape (FP8_SHAPES, default deepseek_v3,qwen3_30b_a3b) at
-# FP8_TOKENS (default 1,32,512,4096,16384), each under FP8_TIMEOUT (default 200 s), then its table.
+# FP8_TOKENS (default 1,32,512,4096,16384, run in that order), each under FP8_TIMEOUT (default 200 s), then
+# its table; FP8_COMPILE (default: COMPILE's value) the compiled configurations of its torch peer.
 # Runs from the source tree (PYTHONPATH=src) on the machine's own torch/triton/transformers; wheels
 # in .whl/ are installed first: kernelhub's own pure-Python dependencies the GPU image lacks (pydantic,
 # with pydantic-core wheels for each Python) and Liger-Kernel, a peer.
@@ -82,7 +83,7 @@ for step in $steps; do
       python3 benchmarks/summarize.py slice "$OUT/bench_model_slice.jsonl" ;;
     fp8) # one process per shape: each measures its ceilings first; rows are flushed per point
       for shape in $(echo "${FP8_SHAPES:-deepseek_v3,qwen3_30b_a3b}" | tr , ' '); do
-        OUT="$OUT" SHAPES=$shape TOKENS=${FP8_TOKENS:-1,32,512,4096,16384} timeout ${FP8_TIMEOUT:-200} \
+        OUT="$OUT" SHAPES=$shape TOKENS=${FP8_TOKENS:-1,32,512,4096,16384} COMPILE=${FP8_COMPILE:-${COMPILE:-default,reduce-overhead}} timeout ${FP8_TIMEOUT:-200} \
           python3 kernels_repo/moe/benchmarks/bench_fp8.py 2>&1 | tee -a "$OUT/bench_fp8.log" | grep -E "^ceiling|summary|^skip"
       done
       python3 benchmarks/summarize.py fp8 "$OUT/bench_fp8.jsonl" ;;
