@@ -154,7 +154,11 @@ def scaled_grouped_forward(x, gu_t, gu_s, dn_t, dn_s, idx, w):
     E = gu_t.shape[0]
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    ends = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    # offsets by searchsorted on the sorted ids, not cumsum(bincount): bincount's output size depends
+    # on the data (a host sync on CUDA, and no CUDA graph under reduce-overhead)
+    sorted_ids = flat[order]
+    ends = torch.searchsorted(sorted_ids, torch.arange(E, device=x.device, dtype=sorted_ids.dtype),
+                              right=True).to(torch.int32)
     xs = x[order // K]
     xq, xsc = rowwise(xs)
     gu = torch._scaled_grouped_mm(xq, gu_t, xsc, gu_s, offs=ends, out_dtype=torch.bfloat16)

@@ -64,3 +64,24 @@ def test_summarize_fp8_table(tmp_path):
     assert run.returncode == 0, run.stderr
     rows = [line for line in run.stdout.splitlines() if line.startswith("| tiny | 1 |")]
     assert len(rows) == 1 and rows[0].count("|") == 12
+
+
+def test_torch_peer_has_no_data_dependent_shapes():
+    """The torch._scaled_grouped_mm peer runs under FakeTensorMode: no op whose output size depends
+    on the data (bincount's would be a host sync on CUDA and no CUDA graph under reduce-overhead)."""
+    import importlib.util
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    spec = importlib.util.spec_from_file_location("bench_fp8_under_test", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    E, H, I, T, K = 4, 256, 128, 8, 2
+    with FakeTensorMode():
+        gu_t, gu_s = bench.rowwise_weights(torch.randn(E, 2 * I, H, dtype=torch.bfloat16))
+        dn_t, dn_s = bench.rowwise_weights(torch.randn(E, H, I, dtype=torch.bfloat16))
+        x = torch.randn(T, H, dtype=torch.bfloat16)
+        idx = torch.randint(0, E, (T, K))
+        out = bench.scaled_grouped_forward(x, gu_t, gu_s, dn_t, dn_s, idx, torch.rand(T, K))
+    assert out.shape == (T, H)
