@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One run on a GPU machine, from the repository root: versions, GPU tests, the demo, then the benchmarks.
-# Usage: bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [routing] [moe] [slice] [tune] [cfgab] [dirab]
+# Usage: bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [routing] [moe] [slice] [fp8] [tune] [cfgab] [dirab]
 #   diagnostics (scripts in tools/): [tiles] [profile] [moehost] [diag] [compdiag] [graphdiag] [sweep] [persist] [moeprof] [flatcheck] [ncu] [pairab]
 # Env: OUT (logs and JSON lines; default /tmp/kernelhub-out), GPU_TESTS (pytest paths for `tests`), GPU_K (its -k
 # expression), CFG_A, CFG_B, AB_ROUNDS=2 (cfgab), MOE_OLD (dirab), TESTS_TIMEOUT, MOE_TIMEOUT, SWEEP_TIMEOUT,
@@ -10,6 +10,9 @@
 # TOKENS (default 1,4096,16384), each under MOE_TIMEOUT (default 160 s), then the table of $OUT/bench_moe.jsonl.
 # slice: bench_model_slice.py, one process per model (SLICE_MODELS, default qwen3_30b_a3b,deepseek_v3) at
 # SLICE_TOKENS (default 1,4096), each under SLICE_TIMEOUT (default 230 s). swiglu: SWIGLU_TIMEOUT (450 s).
+# fp8: bench_fp8.py (issue 31), one process per shape (FP8_SHAPES, default deepseek_v3,qwen3_30b_a3b) at
+# FP8_TOKENS (default 1,32,512,4096,16384, run in that order), each under FP8_TIMEOUT (default 200 s), then
+# its table; FP8_COMPILE (default: COMPILE's value) the compiled configurations of its torch peer.
 # Runs from the source tree (PYTHONPATH=src) on the machine's own torch/triton/transformers; wheels
 # in .whl/ are installed first: kernelhub's own pure-Python dependencies the GPU image lacks (pydantic,
 # with pydantic-core wheels for each Python) and Liger-Kernel, a peer.
@@ -78,6 +81,12 @@ for step in $steps; do
           python3 benchmarks/bench_model_slice.py 2>&1 | tee -a "$OUT/bench_model_slice.log" | grep -E "^-- |^kind=slice_(error|model)"
       done
       python3 benchmarks/summarize.py slice "$OUT/bench_model_slice.jsonl" ;;
+    fp8) # one process per shape: each measures its ceilings first; rows are flushed per point
+      for shape in $(echo "${FP8_SHAPES:-deepseek_v3,qwen3_30b_a3b}" | tr , ' '); do
+        OUT="$OUT" SHAPES=$shape TOKENS=${FP8_TOKENS:-1,32,512,4096,16384} COMPILE=${FP8_COMPILE:-${COMPILE:-default,reduce-overhead}} timeout ${FP8_TIMEOUT:-200} \
+          python3 kernels_repo/moe/benchmarks/bench_fp8.py 2>&1 | tee -a "$OUT/bench_fp8.log" | grep -E "^ceiling|summary|^skip"
+      done
+      python3 benchmarks/summarize.py fp8 "$OUT/bench_fp8.jsonl" ;;
     moeprof) timeout ${PROF_TIMEOUT:-150} python3 tools/profile_moe.py 2>&1 | tee "$OUT/profile_moe.log" | grep -E "^==|^  " | head -${PROF_LINES:-80} ;;
     persist) timeout ${PERSIST_TIMEOUT:-300} python3 tools/sweep_persistent.py 2>&1 | tee "$OUT/sweep_persistent.log" | grep -E "^(==|persist|sum)|skip|Error" ;;
     flatcheck) timeout ${FLAT_TIMEOUT:-200} python3 tools/check_flat_wgrad.py 2>&1 | tee "$OUT/check_flat_wgrad.log" | tail -40 ;;

@@ -3,6 +3,7 @@
     python benchmarks/summarize.py swiglu benchmarks/results/2026-12-05-s14-call6/swiglu_bench.jsonl
     python benchmarks/summarize.py moe benchmarks/results/2026-12-05-s13-call3/bench_moe.jsonl [more.jsonl]
     python benchmarks/summarize.py slice $OUT/bench_model_slice.jsonl
+    python benchmarks/summarize.py fp8 $OUT/bench_fp8.jsonl
 """
 
 from __future__ import annotations
@@ -151,5 +152,35 @@ def model_slice(data: list[dict]) -> None:
         print(f"| {model} | {T} | " + " | ".join(cells) + " |")
 
 
+def fp8(data: list[dict]) -> None:
+    """Per (shape, T) of bench_fp8.py: kernelhub fp8 against the ceilings of its own process (the
+    fp8 matmul rate, the weight-bytes bound at copy bandwidth), kernelhub bf16 and the best peer."""
+    print("| shape | T | fp8 ms | of fp8 rate | of weight-bytes bound | W8A16 ms | bf16 ms | bf16 / fp8 "
+          "| best peer ms (which) | best peer / fp8 | ceilings fp8 TFLOP/s, copy GB/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    ceiling, points = None, {}
+    for r in data:  # (each process measures its ceilings first; the points after it use them)
+        if r.get("kind") == "fp8_ceiling":
+            ceiling = r
+        elif r.get("kind") == "fp8_fwd":
+            points.setdefault((r["shape"], r["T"]), ({}, ceiling))[0][r["impl"]] = r
+    for (shape, T), (impls, c) in points.items():
+        ours, bf16, w8 = impls.get("kernelhub_fp8"), impls.get("kernelhub_bf16"), impls.get("kernelhub_fp8_w8a16")
+        peers = [r for name, r in impls.items() if not name.startswith("kernelhub")]
+        best = min(peers, key=lambda r: r["ms"], default=None)
+
+        def ms(r: dict | None) -> str:
+            return "-" if r is None else f"{r['ms']:.4f}"
+
+        def ratio(a: dict | None, b: dict | None) -> str:
+            return "-" if a is None or b is None else f"{a['ms'] / b['ms']:.2f}x"
+
+        cells = [ms(ours), "-" if ours is None else f"{ours['frac_fp8_rate']:.2f}",
+                 "-" if ours is None else f"{ours['frac_bw']:.2f}", ms(w8), ms(bf16), ratio(bf16, ours),
+                 "-" if best is None else f"{best['ms']:.4f} ({best['impl']})", ratio(best, ours),
+                 "-" if c is None else f"{c['fp8_mm_TFLOPs']:.0f}, {c['copy_GBps']:.0f}"]
+        print(f"| {shape} | {T} | " + " | ".join(cells) + " |")
+
+
 if __name__ == "__main__":
-    {"swiglu": swiglu, "moe": moe, "slice": model_slice}[sys.argv[1]](rows(sys.argv[2:]))
+    {"swiglu": swiglu, "moe": moe, "slice": model_slice, "fp8": fp8}[sys.argv[1]](rows(sys.argv[2:]))

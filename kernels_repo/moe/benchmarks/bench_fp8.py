@@ -2,6 +2,11 @@
 
 Usage (repo root, GPU): PYTHONPATH=src python kernels_repo/moe/benchmarks/bench_fp8.py
   env: TOKENS=1,32,512,4096,16384  SHAPES=deepseek_v3,qwen3_30b_a3b  PEERS=0 (kernelhub only)
+       COMPILE=default,reduce-overhead: torch._scaled_grouped_mm's path also under torch.compile
+         (fullgraph, static shapes; compiled after a reset per point, first calls excluded, a
+         CUDA-graph step marked per reduce-overhead call); none: eager only
+       DEVICE=cpu: smoke test without a GPU, same code path (default SHAPES=tiny, TOKENS=1,8; a
+         plain timer; the Triton variants need TRITON_INTERPRET=1 there)
 Ceilings (same run): the dense fp8 matmul rate (`torch._scaled_mm`, 8192^3, bf16 out) and the
 copy bandwidth (a 2 GiB device copy). Per shape and T one line per implementation: ms (do_bench
 median), TFLOP/s of the useful FLOPs (2 * T * K * 3 * H * I), that rate over the fp8 matmul rate,
@@ -13,15 +18,20 @@ dequantized weights, and the peers: transformers `FP8Experts` (eager loop, group
 each needs a Hub kernel, `finegrained-fp8` or `deep-gemm`; with no network or cache they are
 skipped with the reason printed) and `torch._scaled_grouped_mm` with row-wise scales (tokens
 sorted by expert; weights re-quantized per output row, activations per token: what torch offers,
-a looser quantization than 128-column groups).
+a looser quantization than 128-column groups). Every line is also a JSON row appended to
+$OUT/bench_fp8.jsonl (default /tmp): kind=fp8_ceiling, fp8_fwd (one per point and implementation),
+fp8_summary. A peer that fails (kernelhub's bf16 path out of memory included) is skipped with its
+reason for the rest of the shape; the run goes on.
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the GPU machine has no network: fail fast, not on timeouts
 
+import math  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 import traceback  # noqa: E402
@@ -34,14 +44,22 @@ import triton  # noqa: E402
 from kernelhub._loader import load_kernel_from_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
-# E, H, I, K ("tiny": a CPU smoke run of this script, TRITON_INTERPRET=1 SHAPES=tiny)
+# E, H, I, K ("tiny": the CPU smoke run's, DEVICE=cpu)
 SHAPES = {"deepseek_v3": (256, 7168, 2048, 8), "qwen3_30b_a3b": (128, 2048, 768, 8), "tiny": (8, 256, 128, 2)}
 FP8 = torch.float8_e4m3fn
+DEV = torch.device(os.environ.get("DEVICE", "cuda" if torch.cuda.is_available() else "cpu"))
+CUDA = DEV.type == "cuda"
+
+
+def emit(**row) -> None:
+    """One JSON row to $OUT/bench_fp8.jsonl."""
+    with open(Path(os.environ.get("OUT", "/tmp")) / "bench_fp8.jsonl", "a") as log:
+        log.write(json.dumps(row) + "\n")
 
 
 def bench(fn) -> float:
     """Median ms (do_bench on CUDA; a plain timer elsewhere, for a CPU smoke run)."""
-    if torch.cuda.is_available():
+    if CUDA:
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
     fn()
     t0 = time.perf_counter()
@@ -54,7 +72,8 @@ def ceilings(dev: torch.device) -> tuple[float, float]:
     n = 8192 if dev.type == "cuda" else 256
     a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
-    print(f"ceiling bf16 matmul {2 * n**3 / bench(partial(torch.matmul, a, b)) / 1e9:.0f} TFLOP/s")
+    bf16_rate = 2 * n**3 / bench(partial(torch.matmul, a, b)) / 1e9
+    print(f"ceiling bf16 matmul {bf16_rate:.0f} TFLOP/s")
     a8, b8 = a.to(FP8), b.to(FP8).t().contiguous().t()
     one = torch.ones((), device=dev)
     fp8_rate = 2 * n**3 / bench(partial(torch._scaled_mm, a8, b8, one, one, out_dtype=torch.bfloat16)) / 1e9
@@ -64,6 +83,8 @@ def ceilings(dev: torch.device) -> tuple[float, float]:
     dst = torch.empty_like(src)
     gbs = 2 * src.numel() / bench(partial(dst.copy_, src)) / 1e6  # read + write
     print(f"ceiling copy bandwidth {gbs:.0f} GB/s")
+    emit(kind="fp8_ceiling", fp8_mm_TFLOPs=fp8_rate, bf16_mm_TFLOPs=bf16_rate, copy_GBps=gbs, n=n,
+         device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu")
     del src, dst
     return fp8_rate, gbs
 
@@ -98,6 +119,34 @@ def rowwise_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.transpose(1, 2), s
 
 
+COMPILE_MODES = {"default": "compiled", "reduce-overhead": "reduce-overhead"}
+
+
+def compile_configs() -> list[str]:
+    """The compiled configurations COMPILE names (default both; none: eager only)."""
+    out = []
+    for c in (c for c in os.environ.get("COMPILE", "default,reduce-overhead").split(",") if c):
+        if c == "none":
+            continue
+        if c not in COMPILE_MODES:
+            raise SystemExit(f"bench_fp8.py: COMPILE takes {', '.join(COMPILE_MODES)} or none, got {c!r}")
+        out.append(COMPILE_MODES[c])
+    return out
+
+
+def compiled(fn, config: str):
+    """torch.compile(fn, fullgraph=True) with static shapes; reduce-overhead marks a step per call."""
+    if config == "compiled":
+        return torch.compile(fn, fullgraph=True, dynamic=False)
+    graphed = torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
+
+    def stepped(*args):
+        torch.compiler.cudagraph_mark_step_begin()
+        return graphed(*args)
+
+    return stepped
+
+
 def scaled_grouped_forward(x, gu_t, gu_s, dn_t, dn_s, idx, w):
     """out [T, H]: tokens sorted by expert, x and h quantized per row, two grouped fp8 GEMMs with
     row-wise scales, SwiGLU and the weighted sum in torch (no host sync)."""
@@ -105,7 +154,11 @@ def scaled_grouped_forward(x, gu_t, gu_s, dn_t, dn_s, idx, w):
     E = gu_t.shape[0]
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    ends = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    # offsets by searchsorted on the sorted ids, not cumsum(bincount): bincount's output size depends
+    # on the data (a host sync on CUDA, and no CUDA graph under reduce-overhead)
+    sorted_ids = flat[order]
+    ends = torch.searchsorted(sorted_ids, torch.arange(E, device=x.device, dtype=sorted_ids.dtype),
+                              right=True).to(torch.int32)
     xs = x[order // K]
     xq, xsc = rowwise(xs)
     gu = torch._scaled_grouped_mm(xq, gu_t, xsc, gu_s, offs=ends, out_dtype=torch.bfloat16)
@@ -151,13 +204,15 @@ def transformers_paths(m, tf8) -> dict:
     return paths
 
 
-def try_peer(label, run, want, skipped: dict) -> tuple[float, float] | None:
-    """(ms, relative error) of a peer, or None with the reason recorded once per peer."""
+def try_peer(label, run, want, skipped: dict, warm: int = 1) -> tuple[float, float] | None:
+    """(ms, relative error) of a peer after `warm` untimed calls (compiled: compile, CUDA-graph
+    warm-up and recording), or None with the reason recorded once per peer."""
     if label in skipped:
         return None
     try:
-        out = run()
-        err = ((out.float() - want).norm() / want.norm()).item()
+        for _ in range(warm):
+            out = run()
+        err = math.nan if want is None else ((out.float() - want).norm() / want.norm()).item()
         return bench(run), err
     except Exception as e:  # noqa: BLE001 - a peer that cannot run here (no Hub kernel offline, no sm90 ...)
         reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
@@ -171,11 +226,12 @@ def try_peer(label, run, want, skipped: dict) -> tuple[float, float] | None:
 def main() -> None:
     moe = load_kernel_from_dir(ROOT / "kernels_repo" / "moe")
     ref = sys.modules[moe.__name__ + ".reference_fp8"]
-    dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    dev = DEV
     fp8_rate, gbs = ceilings(dev)
-    tokens = [int(t) for t in os.environ.get("TOKENS", "1,32,512,4096,16384").split(",")]
-    shapes = [s for s in os.environ.get("SHAPES", "deepseek_v3,qwen3_30b_a3b").split(",") if s]
+    tokens = [int(t) for t in os.environ.get("TOKENS", "1,32,512,4096,16384" if CUDA else "1,8").split(",")]
+    shapes = [s for s in os.environ.get("SHAPES", "deepseek_v3,qwen3_30b_a3b" if CUDA else "tiny").split(",") if s]
     peers = os.environ.get("PEERS", "1") != "0"
+    configs = compile_configs() if peers else []
     for name in shapes:
         E, H, I, K = SHAPES[name]
         g = torch.Generator(device=dev).manual_seed(0)
@@ -197,40 +253,63 @@ def main() -> None:
             # weight bytes the call must read: every touched expert's fp8 weights once (+ scales)
             touched = int(torch.unique(idx).numel())
             bound_ms = touched * 3 * H * I / (gbs * 1e6)
-            with torch.no_grad():
-                want = moe.fused_experts(x, gud, dnd, idx, w).float()
-                res: dict[str, tuple[float, float]] = {}
-                for label, kw in (("kernelhub_fp8", {}), ("kernelhub_fp8_w8a16", {"variant": "sm80"})):
-                    run = partial(moe.fused_experts, x, guq, dnq, idx, w, gate_up_proj_scale_inv=gus,
-                                  down_proj_scale_inv=dns, **kw)
-                    r = try_peer(label, run, want, skipped)
-                    if r:
-                        res[label] = r
-                res["kernelhub_bf16"] = (bench(partial(moe.fused_experts, x, gud, dnd, idx, w)), 0.0)
-                if peers:
-                    r = try_peer("torch_scaled_grouped_mm", partial(scaled_grouped_forward, x, gu_t, gu_s, dn_t,
-                                                                    dn_s, idx, w), want, skipped)
-                    if r:
-                        res["torch_scaled_grouped_mm"] = r
-                    if tf is not None:
-                        for label, fn in transformers_paths(tf, tf8).items():
-                            r = try_peer(label, partial(fn, x, idx, w), want, skipped)
-                            if r:
-                                res[label] = r
-            for label, (ms, err) in res.items():
+            res: dict[str, tuple[float, float]] = {}
+
+            def record(label: str, r: tuple[float, float] | None, name=name, T=T, flops=flops,
+                       bound_ms=bound_ms, res=res) -> None:
+                """Print and write one implementation's row as soon as it is timed (a run cut by its
+                timeout keeps it)."""
+                if r is None:
+                    return
+                res[label] = r
+                ms, err = r
                 rate = flops / ms / 1e9
                 print(f"fp8 {name} T={T} {label}: {ms:.4f} ms  {rate:.0f} TF/s  {rate / fp8_rate:.2f} of fp8 rate  "
                       f"bw {bound_ms / ms:.2f}  relerr {err:.3f}", flush=True)
+                emit(kind="fp8_fwd", shape=name, T=T, impl=label, ms=ms, TFLOPs=rate,
+                     frac_fp8_rate=rate / fp8_rate, bound_ms=bound_ms, frac_bw=bound_ms / ms, relerr=err)
+
+            with torch.no_grad():
+                bf16 = partial(moe.fused_experts, x, gud, dnd, idx, w)
+                want = None
+                if "kernelhub_bf16" not in skipped:
+                    try:  # (the errors' reference: kernelhub's bf16 path on the dequantized weights)
+                        want = bf16().float()
+                    except Exception as e:  # noqa: BLE001 - out of memory at the largest T, say
+                        skipped["kernelhub_bf16"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                        print(f"skip kernelhub_bf16: {skipped['kernelhub_bf16']}", flush=True)
+                for label, kw in (("kernelhub_fp8", {}), ("kernelhub_fp8_w8a16", {"variant": "sm80"})):
+                    run = partial(moe.fused_experts, x, guq, dnq, idx, w, gate_up_proj_scale_inv=gus,
+                                  down_proj_scale_inv=dns, **kw)
+                    record(label, try_peer(label, run, want, skipped))
+                record("kernelhub_bf16", try_peer("kernelhub_bf16", bf16, want, skipped))
+                if peers:
+                    record("torch_scaled_grouped_mm", try_peer("torch_scaled_grouped_mm", partial(
+                        scaled_grouped_forward, x, gu_t, gu_s, dn_t, dn_s, idx, w), want, skipped))
+                    for config in configs:
+                        label = f"torch_scaled_grouped_mm[{config}]"
+                        torch.compiler.reset()  # (this point's shapes compiled afresh: no recompile limit)
+                        r = try_peer(label, partial(compiled(scaled_grouped_forward, config), x, gu_t, gu_s, dn_t,
+                                                    dn_s, idx, w), want, skipped, warm=3)
+                        torch.compiler.reset()  # (frees its CUDA-graph pool)
+                        record(label, r)
+                    if tf is not None:
+                        for label, fn in transformers_paths(tf, tf8).items():
+                            record(label, try_peer(label, partial(fn, x, idx, w), want, skipped))
             ours = res.get("kernelhub_fp8")
-            peer_ms = [ms for k, (ms, _) in res.items() if not k.startswith("kernelhub")]
+            peer_ms = {k: ms for k, (ms, _) in res.items() if not k.startswith("kernelhub")}
             if ours:
-                bf16_ms = res["kernelhub_bf16"][0]
+                bf16_ms = res.get("kernelhub_bf16", (math.nan,))[0]
                 line = (f"fp8 {name} T={T} summary: kernelhub fp8 {ours[0]:.4f} ms, "
                         f"{flops / ours[0] / 1e9 / fp8_rate:.2f} of fp8 rate, "
                         f"{bf16_ms / ours[0]:.2f}x bf16 (time {ours[0] / bf16_ms:.2f}x)")
-                if peer_ms:
-                    line += f", {min(peer_ms) / ours[0]:.2f}x best peer"
+                best = min(peer_ms, key=peer_ms.get) if peer_ms else None
+                if best:
+                    line += f", {peer_ms[best] / ours[0]:.2f}x best peer ({best})"
                 print(line, flush=True)
+                emit(kind="fp8_summary", shape=name, T=T, ms=ours[0], frac_fp8_rate=flops / ours[0] / 1e9 / fp8_rate,
+                     speedup_bf16=bf16_ms / ours[0], best_peer=best,
+                     speedup_best_peer=peer_ms[best] / ours[0] if best else None)
         del guq, gus, gud, dnq, dns, dnd, gu_t, gu_s, dn_t, dn_s, tf
         if dev.type == "cuda":
             torch.cuda.empty_cache()

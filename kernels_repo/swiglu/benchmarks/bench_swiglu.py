@@ -301,7 +301,13 @@ def interleaved_eager(impls: dict, shapes, rounds: int, copy_bw: float) -> None:
             times: dict[str, list[float]] = {name: [] for name in calls}
             for _ in range(rounds):
                 for name, call in calls.items():
-                    times[name].append(time_eager(call, reps(300))[0])
+                    if name not in times:
+                        continue
+                    try:
+                        times[name].append(time_eager(call, reps(300))[0])
+                    except Exception as e:  # noqa: BLE001 - dropped from this shape; the others go on
+                        error(name, T, I, e)
+                        del times[name]
             for name, ms in times.items():
                 median = sorted(ms)[len(ms) // 2]
                 emit(kind="swiglu_interleaved", impl=name, pass_="fwdbwd" if backward else "fwd", T=T, I=I,
@@ -309,6 +315,28 @@ def interleaved_eager(impls: dict, shapes, rounds: int, copy_bw: float) -> None:
                      eager_us_max=max(ms) * 1e3, frac_copy_eager=tensors * T * I * 2 / (median * 1e-3) / copy_bw,
                      **dict(zip(("base", "config"), config_of(name))))
         del g, u, dy
+
+
+def error(name: str, T: int, I: int, e: Exception) -> None:
+    emit(kind="error", impl=name, T=T, I=I, error=f"{type(e).__name__}: {str(e)[:300]}")
+
+
+def host_overhead(impls: dict) -> None:
+    """Pure host overhead per call: a tiny problem, where the GPU finishes each kernel before the
+    next call. A failing implementation is an error row; the others are still timed."""
+    T, I = HOST_SHAPE
+    g = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    u = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(T, I, device=DEV, dtype=torch.bfloat16)
+    for name, fn in impls.items():
+        try:
+            for backward in (False, True):
+                gg, uu = (g, u) if backward else (g.detach(), u.detach())
+                ms, host = time_eager(call_fn(fn, gg, uu, dy, backward), reps(2000))
+                emit(kind="host_overhead", impl=name, pass_="fwdbwd" if backward else "fwd", T=T, I=I,
+                     us_per_call=ms * 1e3, host_us=host, **dict(zip(("base", "config"), config_of(name))))
+        except Exception as e:  # noqa: BLE001 - a peer that cannot run here must not end the run
+            error(name, T, I, e)
 
 
 def main() -> None:
@@ -329,18 +357,8 @@ def main() -> None:
     if os.environ.get("SHAPES"):
         shapes = [tuple(int(v) for v in s.split("x")) for s in os.environ["SHAPES"].split(",")]
 
-    # pure host overhead: a tiny problem, where the GPU finishes each kernel before the next call
-    T, I = HOST_SHAPE
-    g = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-    u = torch.randn(T, I, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(T, I, device=DEV, dtype=torch.bfloat16)
-    for name, fn in impls.items():
-        for backward in (False, True):
-            gg, uu = (g, u) if backward else (g.detach(), u.detach())
-            ms, host = time_eager(call_fn(fn, gg, uu, dy, backward), reps(2000))
-            emit(kind="host_overhead", impl=name, pass_="fwdbwd" if backward else "fwd", T=T, I=I,
-                 us_per_call=ms * 1e3, host_us=host, **dict(zip(("base", "config"), config_of(name))))
-    bench_packed(kernel, T, I, copy_bw, host_only=True)
+    host_overhead(impls)
+    bench_packed(kernel, *HOST_SHAPE, copy_bw, host_only=True)
 
     for T, I in shapes:
         n = T * I
@@ -371,7 +389,7 @@ def main() -> None:
                          frac_copy_graph=frac_copy(nbytes, graph_ms, copy_bw), base=base, config=config, **errs)
                 del g, u, dy
             except Exception as e:  # noqa: BLE001
-                emit(kind="error", impl=name, T=T, I=I, error=f"{type(e).__name__}: {str(e)[:300]}")
+                error(name, T, I, e)
             torch.cuda.empty_cache()
         bench_packed(kernel, T, I, copy_bw)
         torch.cuda.empty_cache()
