@@ -64,7 +64,8 @@ def profile(name: str, fn, n: int = 20) -> None:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as prof
 
-    fn()
+    for _ in range(3):  # past compiling and CUDA-graph recording (modes() reset Dynamo)
+        fn()
     torch.cuda.synchronize()
     with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         for _ in range(n):
@@ -90,12 +91,12 @@ class _Floor(Experts):
 
 
 class _OpOnly(Experts):
-    def __init__(self, op):
+    def __init__(self, op, variant: str):
         super().__init__()
-        self.op = op
+        self.op, self.variant = op, variant
 
     def forward(self, x, idx, w):
-        return self.op(x, self.gate_up_proj, self.down_proj, idx, w, "sm90", "")
+        return self.op(x, self.gate_up_proj, self.down_proj, idx, w, self.variant, "")
 
 
 class _FusedExperts(Experts):
@@ -128,6 +129,7 @@ def modes(module, x, idx, w) -> str:
 
 def point(T: int, module, compiled, reduce, moe, ops) -> None:
     x, idx, w = inputs(T)
+    variant = moe.select_variant(x.device)  # what the kernelized module runs on this GPU
     with torch.no_grad():
         ref = module(x, idx, w)
 
@@ -139,7 +141,7 @@ def point(T: int, module, compiled, reduce, moe, ops) -> None:
             "eager": lambda: module(x, idx, w),
             "compiled": lambda: compiled(x, idx, w),
             "reduce-overhead": ro,
-            "op direct": lambda: ops.fused_experts_op(x, module.gate_up_proj, module.down_proj, idx, w, "sm90", ""),
+            "op direct": lambda: ops.fused_experts_op(x, module.gate_up_proj, module.down_proj, idx, w, variant, ""),
             "eager graph replay": graphed(lambda: module(x, idx, w), ()),
         }
         for name, fn in paths.items():
@@ -147,7 +149,7 @@ def point(T: int, module, compiled, reduce, moe, ops) -> None:
             err = (out.float() - ref.float()).abs().max().item() if isinstance(out, torch.Tensor) else float("nan")
             ms = do_bench(fn, warmup=50, rep=300)
             print(f"T={T:6d} {name:20s} {ms * 1e3:9.1f} us   max|diff| vs eager {err:.3g}", flush=True)
-        floors = {"trivial op (floor)": _Floor(), "kernelhub op only": _OpOnly(ops.fused_experts_op),
+        floors = {"trivial op (floor)": _Floor(), "kernelhub op only": _OpOnly(ops.fused_experts_op, variant),
                   "fused_experts": _FusedExperts(moe), "kernelized": module}
         for name, mod in floors.items():
             print(f"T={T:6d} {name:20s} {modes(mod, x, idx, w)}", flush=True)
