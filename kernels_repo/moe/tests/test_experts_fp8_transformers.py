@@ -77,3 +77,14 @@ def test_unsupported_fp8_experts_are_named():
     assert "static activation scales" in moe.layers.fp8_unsupported_reason(static)
     m.block_size = None
     assert "block_size None" in moe.layers.fp8_unsupported_reason(m)
+
+
+def test_fp8_experts_with_blocks_other_than_128_are_unsupported():
+    """The Triton variants take 128x128 scale blocks only: a module quantized with other blocks is
+    turned down (kernelize and the "kernelhub" implementation keep its eager forward) instead of
+    being bound to a layer whose every forward on a GPU raises."""
+    m = build("deepseek_v3")
+    m.block_size = (64, 64)
+    assert "block_size (64, 64)" in moe.layers.fp8_unsupported_reason(m)
+    m.block_size = [128, 128]  # a list, as a model config gives it
+    assert moe.layers.fp8_unsupported_reason(m) is None

@@ -21,6 +21,7 @@ import math
 import torch
 from torch import nn
 
+from ._fp8_validate import BLOCK
 from ._variants import declared_layers
 from .experts import fused_experts
 
@@ -231,6 +232,8 @@ def fp8_unsupported_reason(module: nn.Module) -> str | None:
     block = getattr(module, "block_size", None)
     if not isinstance(block, (tuple, list)) or len(block) != 2:
         return f"{name}: block_size {block!r} is not a 2-D block (per-tensor/per-row scales are not supported)"
+    if tuple(block) != BLOCK:  # (the reference takes any block, but a GPU binds a Triton variant)
+        return f"{name}: block_size {tuple(block)!r} is not supported (the Triton kernels take {BLOCK} blocks)"
     if getattr(module, "activation_scheme", "dynamic") != "dynamic":
         return f"{name}: static activation scales are not supported (dynamic only)"
     if getattr(module, "has_bias", False) or not getattr(module, "has_gate", True):
