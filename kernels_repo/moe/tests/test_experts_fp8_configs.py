@@ -210,6 +210,27 @@ def test_config_dir_fp8_file_and_shape_buckets(tmp_path, monkeypatch):
         cfgs.clear_config_cache()
 
 
+
+@pytest.mark.parametrize(("text", "match"), [
+    ('{"shapes": {}}', r"fp8_sm90.json: needs a list 'buckets'"),
+    ('{"buckets": []}', r"fp8_sm90.json: needs a list 'buckets'"),
+    ('[1, 2]', r"fp8_sm90.json: must hold a JSON object"),
+    ('{"buckets": [BUCKET], "shapes": [BUCKET]}', r"fp8_sm90.json: 'shapes' must map"),
+    ('{"buckets": [BUCKET], "shapes": {"E5_H272_I144": {}}}', r"fp8_sm90.json: 'shapes' must map"),
+    ('{"buckets": [', r"fp8_sm90.json: not valid JSON"),
+])
+def test_malformed_fp8_config_file_raises_naming_it(tmp_path, monkeypatch, text, match):
+    """A file under KERNELHUB_MOE_CONFIG_DIR is untrusted: a ValueError naming it, not a KeyError,
+    IndexError or AttributeError from inside the bucket lookup."""
+    (tmp_path / "fp8_sm90.json").write_text(text.replace("BUCKET", json.dumps(BASE)))
+    monkeypatch.setenv("KERNELHUB_MOE_CONFIG_DIR", str(tmp_path))
+    cfgs.clear_config_cache()
+    try:
+        with pytest.raises(ValueError, match=match):
+            fp8c.pick_fp8_config("sm90", 5, 272, 144, 18)
+    finally:
+        cfgs.clear_config_cache()
+
 def test_stages_fit_the_shared_memory_of_smaller_cards():
     big = {"block_m": 128, "gate_up": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 4},
            "down": {"BLOCK_N": 256, "num_warps": 8, "num_stages": 4}}

@@ -142,6 +142,18 @@ def _check_decode(where: str, decode: object) -> None:
             raise ValueError(f"{at}['num_stages'] must be an int >= 1, got {c['num_stages']!r}")
 
 
+def _check_file(cfg: object, path: Path) -> None:
+    """The file's frame (the buckets are checked one by one after): an error naming the file, not a
+    KeyError or IndexError in the lookup (a file under KERNELHUB_MOE_CONFIG_DIR is untrusted)."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: must hold a JSON object, got {type(cfg).__name__}")
+    if not isinstance(cfg.get("buckets"), list) or not cfg["buckets"]:
+        raise ValueError(f"{path}: needs a list 'buckets' of at least one bucket")
+    shapes = cfg.get("shapes", {})
+    if not isinstance(shapes, dict) or not all(isinstance(b, list) for b in shapes.values()):
+        raise ValueError(f"{path}: 'shapes' must map E{{E}}_H{{H}}_I{{I}} keys to lists of buckets")
+
+
 def _read(variant: str) -> dict:
     env = os.environ.get("KERNELHUB_MOE_CONFIG_DIR")
     key = (env, variant)
@@ -155,7 +167,11 @@ def _read(variant: str) -> dict:
     path = directory / f"fp8_{variant}.json"
     if not path.exists():  # a directory of 16-bit tiles only: the shipped fp8 tiles
         path = _DIR / f"fp8_{variant}.json"
-    cfg = json.loads(path.read_text())
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    _check_file(cfg, path)
     for i, bucket in enumerate(cfg["buckets"]):
         check_fp8_bucket(bucket, f"{path}: buckets[{i}]", variant)
     for name, buckets in cfg.get("shapes", {}).items():
