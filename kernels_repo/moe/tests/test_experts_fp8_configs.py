@@ -243,6 +243,26 @@ def test_stages_fit_the_shared_memory_of_smaller_cards():
     assert big["gate_up"]["num_stages"] == 4  # a copy
 
 
+
+def test_stages_fit_counts_the_whole_group_depth_of_the_in_load_quantization(tmp_path, monkeypatch):
+    """"quant_x": false on sm90 quantizes x in the gate/up load, which steps whole 128-column groups
+    whatever the stage's BLOCK_K says (`_gemm`): its stages are fitted at that depth, or a bucket
+    that looks like it fits would not launch."""
+    gate_up = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+    mine = {**BASE, "block_m": 64, "quant_x": False, "max_rows_per_expert": None, "gate_up": gate_up}
+    (tmp_path / "fp8_sm90.json").write_text(json.dumps({"buckets": [mine]}))
+    monkeypatch.setenv("KERNELHUB_MOE_CONFIG_DIR", str(tmp_path))
+    cfgs.clear_config_cache()
+    try:
+        # 16-bit x tile plus the gate and up weight tiles, 128 deep: (64 * 2 + 2 * 128) * 128 B = 48 KB a stage
+        got = fp8c.picked_fp8_config("sm90", 8, 272, 144, 18, 101376)
+        assert got["gate_up"]["num_stages"] == 2
+        # the W8A16 math (sm80) steps 64 as the stage says: 24 KB a stage, 4 fit
+        (tmp_path / "fp8_sm80.json").write_text(json.dumps({"buckets": [mine]}))
+        assert fp8c.picked_fp8_config("sm80", 8, 272, 144, 18, 101376)["gate_up"]["num_stages"] == 4
+    finally:
+        cfgs.clear_config_cache()
+
 @pytest.fixture(scope="module")
 def tune():
     import importlib.util
