@@ -88,3 +88,16 @@ def test_fp8_experts_with_blocks_other_than_128_are_unsupported():
     assert "block_size (64, 64)" in moe.layers.fp8_unsupported_reason(m)
     m.block_size = [128, 128]  # a list, as a model config gives it
     assert moe.layers.fp8_unsupported_reason(m) is None
+
+
+def test_fp8_layer_sees_a_block_size_list_changed_in_place():
+    """The layers remember their answer per weights and block size: a block_size list (as a model
+    config gives it) changed in place is a change too."""
+    m = build("qwen3_moe")
+    m.block_size = [128, 128]
+    forward = moe.layers.MoEExpertsFP8Reference.forward.__get__(m)
+    x, idx, w = torch.randn(3, 256), torch.tensor([[0, 1, 2], [1, 2, 3], [2, 3, 4]]), torch.rand(3, 3)
+    assert forward(x, idx, w).shape == (3, 256)
+    m.block_size[0] = 64
+    with pytest.raises(ValueError, match=r"MoEExpertsFP8.forward: .*block_size \(64, 128\) is not supported"):
+        forward(x, idx, w)

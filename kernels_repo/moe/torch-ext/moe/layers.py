@@ -260,7 +260,10 @@ def _fp8_support(module: nn.Module) -> str | None:
     gu, dn = params.get("gate_up_proj"), params.get("down_proj")
     if gu is None or dn is None:  # not parameters (an unusual layout): the full check every call
         return fp8_unsupported_reason(module)
-    key = (gu.shape, gu.dtype, dn.shape, dn.dtype, getattr(module, "block_size", None))
+    block = getattr(module, "block_size", None)
+    if isinstance(block, list):  # (a copy: the same list changed in place must not match itself)
+        block = tuple(block)
+    key = (gu.shape, gu.dtype, dn.shape, dn.dtype, block)
     hit = module.__dict__.get(_FP8_SUPPORT_ATTR)
     if hit is not None and hit[0] == key:
         return hit[1]
