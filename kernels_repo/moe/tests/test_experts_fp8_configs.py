@@ -77,11 +77,17 @@ def test_sm90_quantize_pass_and_in_load_quantization_give_the_same_output(tma):
 def test_sm90_tma_loads_equal_pointer_loads(a_tma):
     """Weights (and down's h with "A_TMA") through descriptors: edge blocks read zero like masks;
     the gate tile's columns past I, which read up rows through the descriptor, are never stored."""
+    from kernelhub.device import CachedLaunch
+
     args = _inputs(seed=22)
     down = {**BASE["down"], "A_TMA": a_tma}
-    with_tma = _run(args, {**BASE, "down": down, "tma": True})
+    with CachedLaunch.recording() as calls:
+        with_tma = _run(args, {**BASE, "down": down, "tma": True})
     without = _run(args, {**BASE, "down": down, "tma": False})
     assert torch.equal(with_tma, without)
+    # (the descriptors were used: else the two runs take the same path and agree trivially)
+    gemms = [c.constexprs for c in calls if hasattr(c.constexprs, "B_TMA")]
+    assert [(g.B_TMA, g.A_TMA) for g in gemms] == [(True, False), (True, a_tma)]
 
 
 @pytest.mark.parametrize("tma", [True, False])
