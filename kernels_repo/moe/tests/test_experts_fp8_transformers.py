@@ -101,3 +101,28 @@ def test_fp8_layer_sees_a_block_size_list_changed_in_place():
     m.block_size[0] = 64
     with pytest.raises(ValueError, match=r"MoEExpertsFP8.forward: .*block_size \(64, 128\) is not supported"):
         forward(x, idx, w)
+
+
+def test_fp8_experts_whose_scales_are_not_the_block_layout_are_unsupported():
+    """transformers gives a gate_up scale at least two block rows ("room for both halves"): with
+    I <= 64 that is [E, 2, ceil(H/128)] where the 128x128 blocks of [gate; up] have one row. The
+    module is turned down (its eager forward runs) instead of every kernelized forward raising."""
+    cfg_name, cfg_kwargs = CONFIGS["deepseek_v3"]
+    cfg = getattr(transformers, cfg_name)(**{**cfg_kwargs, "moe_intermediate_size": 32})
+    cls = use_experts_implementation(experts_class=fp8_integration.FP8Experts,
+                                     experts_interface=fp8_integration.ALL_FP8_EXPERTS_FUNCTIONS,
+                                     has_bias=False, has_gate=True)
+    m = cls(cfg, block_size=(128, 128))
+    assert tuple(m.gate_up_proj_scale_inv.shape) == (4, 2, 2)  # (what transformers allocates)
+    reason = moe.layers.fp8_unsupported_reason(m)
+    assert reason is not None and "gate_up_proj_scale_inv" in reason and "[4, 1, 2]" in reason
+    assert moe.layers.fp8_unsupported_reason(build("deepseek_v3")) is None  # I = 128: the block layout
+    # a layer that served the module looks again when a scale's shape changes
+    m = build("deepseek_v3")
+    forward = moe.layers.MoEExpertsFP8Reference.forward.__get__(m)
+    x, idx, w = torch.randn(3, 256), torch.tensor([[0, 1], [1, 2], [2, 3]]), torch.rand(3, 2)
+    with torch.no_grad():
+        assert forward(x, idx, w).shape == (3, 256)
+        m.gate_up_proj_scale_inv = torch.nn.Parameter(torch.ones(4, 3, 2), requires_grad=False)
+        with pytest.raises(ValueError, match=r"MoEExpertsFP8.forward: .*`gate_up_proj_scale_inv` \[4, 3, 2\] is not"):
+            forward(x, idx, w)
