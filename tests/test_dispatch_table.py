@@ -28,8 +28,11 @@ QWEN2_MOE = {"model_type": "qwen2_moe", "hidden_size": 32, "intermediate_size": 
              "shared_expert_intermediate_size": 40, "num_experts": 4, "num_experts_per_tok": 2,
              "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "vocab_size": 64}
 # ... and the same model as an fp8 checkpoint declares it: transformers loads its experts as FP8Experts
-QWEN2_MOE_FP8 = {**QWEN2_MOE, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
-                                                      "activation_scheme": "dynamic"}}
+# (I = 128: with I <= 64 transformers gives gate_up two scale rows, not the 128x128 block layout the
+# fp8 kernels serve, and kernelize rightly keeps the eager forward)
+QWEN2_MOE_FP8 = {**QWEN2_MOE, "moe_intermediate_size": 128,
+                 "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                         "activation_scheme": "dynamic"}}
 # the layers whose rows the report shows, per model config
 REPORTED = {"qwen2_moe": ({"SwiGLUMLP", "MoEExperts"}, QWEN2_MOE),
             "qwen2_moe_fp8": ({"SwiGLUMLP", "MoEExpertsFP8"}, QWEN2_MOE_FP8)}

@@ -77,11 +77,17 @@ def test_sm90_quantize_pass_and_in_load_quantization_give_the_same_output(tma):
 def test_sm90_tma_loads_equal_pointer_loads(a_tma):
     """Weights (and down's h with "A_TMA") through descriptors: edge blocks read zero like masks;
     the gate tile's columns past I, which read up rows through the descriptor, are never stored."""
+    from kernelhub.device import CachedLaunch
+
     args = _inputs(seed=22)
     down = {**BASE["down"], "A_TMA": a_tma}
-    with_tma = _run(args, {**BASE, "down": down, "tma": True})
+    with CachedLaunch.recording() as calls:
+        with_tma = _run(args, {**BASE, "down": down, "tma": True})
     without = _run(args, {**BASE, "down": down, "tma": False})
     assert torch.equal(with_tma, without)
+    # (the descriptors were used: else the two runs take the same path and agree trivially)
+    gemms = [c.constexprs for c in calls if hasattr(c.constexprs, "B_TMA")]
+    assert [(g.B_TMA, g.A_TMA) for g in gemms] == [(True, False), (True, a_tma)]
 
 
 @pytest.mark.parametrize("tma", [True, False])
@@ -218,6 +224,27 @@ def test_config_dir_fp8_file_and_shape_buckets(tmp_path, monkeypatch):
         cfgs.clear_config_cache()
 
 
+
+@pytest.mark.parametrize(("text", "match"), [
+    ('{"shapes": {}}', r"fp8_sm90.json: needs a list 'buckets'"),
+    ('{"buckets": []}', r"fp8_sm90.json: needs a list 'buckets'"),
+    ('[1, 2]', r"fp8_sm90.json: must hold a JSON object"),
+    ('{"buckets": [BUCKET], "shapes": [BUCKET]}', r"fp8_sm90.json: 'shapes' must map"),
+    ('{"buckets": [BUCKET], "shapes": {"E5_H272_I144": {}}}', r"fp8_sm90.json: 'shapes' must map"),
+    ('{"buckets": [', r"fp8_sm90.json: not valid JSON"),
+])
+def test_malformed_fp8_config_file_raises_naming_it(tmp_path, monkeypatch, text, match):
+    """A file under KERNELHUB_MOE_CONFIG_DIR is untrusted: a ValueError naming it, not a KeyError,
+    IndexError or AttributeError from inside the bucket lookup."""
+    (tmp_path / "fp8_sm90.json").write_text(text.replace("BUCKET", json.dumps(BASE)))
+    monkeypatch.setenv("KERNELHUB_MOE_CONFIG_DIR", str(tmp_path))
+    cfgs.clear_config_cache()
+    try:
+        with pytest.raises(ValueError, match=match):
+            fp8c.pick_fp8_config("sm90", 5, 272, 144, 18)
+    finally:
+        cfgs.clear_config_cache()
+
 def test_stages_fit_the_shared_memory_of_smaller_cards():
     big = {"block_m": 128, "gate_up": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 4},
            "down": {"BLOCK_N": 256, "num_warps": 8, "num_stages": 4}}
@@ -227,6 +254,26 @@ def test_stages_fit_the_shared_memory_of_smaller_cards():
     assert fp8c.fit_fp8_shared_memory(big, 232448, 1) == big  # H100: 227 KB, 4 x 48 KB fits
     assert big["gate_up"]["num_stages"] == 4  # a copy
 
+
+
+def test_stages_fit_counts_the_whole_group_depth_of_the_in_load_quantization(tmp_path, monkeypatch):
+    """"quant_x": false on sm90 quantizes x in the gate/up load, which steps whole 128-column groups
+    whatever the stage's BLOCK_K says (`_gemm`): its stages are fitted at that depth, or a bucket
+    that looks like it fits would not launch."""
+    gate_up = {"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+    mine = {**BASE, "block_m": 64, "quant_x": False, "max_rows_per_expert": None, "gate_up": gate_up}
+    (tmp_path / "fp8_sm90.json").write_text(json.dumps({"buckets": [mine]}))
+    monkeypatch.setenv("KERNELHUB_MOE_CONFIG_DIR", str(tmp_path))
+    cfgs.clear_config_cache()
+    try:
+        # 16-bit x tile plus the gate and up weight tiles, 128 deep: (64 * 2 + 2 * 128) * 128 B = 48 KB a stage
+        got = fp8c.picked_fp8_config("sm90", 8, 272, 144, 18, 101376)
+        assert got["gate_up"]["num_stages"] == 2
+        # the W8A16 math (sm80) steps 64 as the stage says: 24 KB a stage, 4 fit
+        (tmp_path / "fp8_sm80.json").write_text(json.dumps({"buckets": [mine]}))
+        assert fp8c.picked_fp8_config("sm80", 8, 272, 144, 18, 101376)["gate_up"]["num_stages"] == 4
+    finally:
+        cfgs.clear_config_cache()
 
 @pytest.fixture(scope="module")
 def tune():

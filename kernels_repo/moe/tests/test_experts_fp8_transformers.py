@@ -77,3 +77,52 @@ def test_unsupported_fp8_experts_are_named():
     assert "static activation scales" in moe.layers.fp8_unsupported_reason(static)
     m.block_size = None
     assert "block_size None" in moe.layers.fp8_unsupported_reason(m)
+
+
+def test_fp8_experts_with_blocks_other_than_128_are_unsupported():
+    """The Triton variants take 128x128 scale blocks only: a module quantized with other blocks is
+    turned down (kernelize and the "kernelhub" implementation keep its eager forward) instead of
+    being bound to a layer whose every forward on a GPU raises."""
+    m = build("deepseek_v3")
+    m.block_size = (64, 64)
+    assert "block_size (64, 64)" in moe.layers.fp8_unsupported_reason(m)
+    m.block_size = [128, 128]  # a list, as a model config gives it
+    assert moe.layers.fp8_unsupported_reason(m) is None
+
+
+def test_fp8_layer_sees_a_block_size_list_changed_in_place():
+    """The layers remember their answer per weights and block size: a block_size list (as a model
+    config gives it) changed in place is a change too."""
+    m = build("qwen3_moe")
+    m.block_size = [128, 128]
+    forward = moe.layers.MoEExpertsFP8Reference.forward.__get__(m)
+    x, idx, w = torch.randn(3, 256), torch.tensor([[0, 1, 2], [1, 2, 3], [2, 3, 4]]), torch.rand(3, 3)
+    assert forward(x, idx, w).shape == (3, 256)
+    m.block_size[0] = 64
+    with pytest.raises(ValueError, match=r"MoEExpertsFP8.forward: .*block_size \(64, 128\) is not supported"):
+        forward(x, idx, w)
+
+
+def test_fp8_experts_whose_scales_are_not_the_block_layout_are_unsupported():
+    """transformers gives a gate_up scale at least two block rows ("room for both halves"): with
+    I <= 64 that is [E, 2, ceil(H/128)] where the 128x128 blocks of [gate; up] have one row. The
+    module is turned down (its eager forward runs) instead of every kernelized forward raising."""
+    cfg_name, cfg_kwargs = CONFIGS["deepseek_v3"]
+    cfg = getattr(transformers, cfg_name)(**{**cfg_kwargs, "moe_intermediate_size": 32})
+    cls = use_experts_implementation(experts_class=fp8_integration.FP8Experts,
+                                     experts_interface=fp8_integration.ALL_FP8_EXPERTS_FUNCTIONS,
+                                     has_bias=False, has_gate=True)
+    m = cls(cfg, block_size=(128, 128))
+    assert tuple(m.gate_up_proj_scale_inv.shape) == (4, 2, 2)  # (what transformers allocates)
+    reason = moe.layers.fp8_unsupported_reason(m)
+    assert reason is not None and "gate_up_proj_scale_inv" in reason and "[4, 1, 2]" in reason
+    assert moe.layers.fp8_unsupported_reason(build("deepseek_v3")) is None  # I = 128: the block layout
+    # a layer that served the module looks again when a scale's shape changes
+    m = build("deepseek_v3")
+    forward = moe.layers.MoEExpertsFP8Reference.forward.__get__(m)
+    x, idx, w = torch.randn(3, 256), torch.tensor([[0, 1], [1, 2], [2, 3]]), torch.rand(3, 2)
+    with torch.no_grad():
+        assert forward(x, idx, w).shape == (3, 256)
+        m.gate_up_proj_scale_inv = torch.nn.Parameter(torch.ones(4, 3, 2), requires_grad=False)
+        with pytest.raises(ValueError, match=r"MoEExpertsFP8.forward: .*`gate_up_proj_scale_inv` \[4, 3, 2\] is not"):
+            forward(x, idx, w)

@@ -142,6 +142,18 @@ def _check_decode(where: str, decode: object) -> None:
             raise ValueError(f"{at}['num_stages'] must be an int >= 1, got {c['num_stages']!r}")
 
 
+def _check_file(cfg: object, path: Path) -> None:
+    """The file's frame (the buckets are checked one by one after): an error naming the file, not a
+    KeyError or IndexError in the lookup (a file under KERNELHUB_MOE_CONFIG_DIR is untrusted)."""
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: must hold a JSON object, got {type(cfg).__name__}")
+    if not isinstance(cfg.get("buckets"), list) or not cfg["buckets"]:
+        raise ValueError(f"{path}: needs a list 'buckets' of at least one bucket")
+    shapes = cfg.get("shapes", {})
+    if not isinstance(shapes, dict) or not all(isinstance(b, list) for b in shapes.values()):
+        raise ValueError(f"{path}: 'shapes' must map E{{E}}_H{{H}}_I{{I}} keys to lists of buckets")
+
+
 def _read(variant: str) -> dict:
     env = os.environ.get("KERNELHUB_MOE_CONFIG_DIR")
     key = (env, variant)
@@ -155,7 +167,11 @@ def _read(variant: str) -> dict:
     path = directory / f"fp8_{variant}.json"
     if not path.exists():  # a directory of 16-bit tiles only: the shipped fp8 tiles
         path = _DIR / f"fp8_{variant}.json"
-    cfg = json.loads(path.read_text())
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from None
+    _check_file(cfg, path)
     for i, bucket in enumerate(cfg["buckets"]):
         check_fp8_bucket(bucket, f"{path}: buckets[{i}]", variant)
     for name, buckets in cfg.get("shapes", {}).items():
@@ -178,14 +194,16 @@ def pick_fp8_config(variant: str, num_experts: int, hidden: int, intermediate: i
     return buckets[-1]
 
 
-def fit_fp8_shared_memory(bucket: dict, smem_per_block: int, a_bytes: int) -> dict:
+def fit_fp8_shared_memory(bucket: dict, smem_per_block: int, a_bytes: int, in_load: bool = False) -> dict:
     """A copy of `bucket` whose num_stages fit `smem_per_block` (never below 2): the sm90 tiles
     also run on sm89 (~100 KB per block). Per stage: the A tile (a_bytes per element: 1 with fp8
-    activations, 2 for 16-bit) and the fp8 weight tiles (two for gate/up), all 128 deep."""
+    activations, 2 for 16-bit) and the fp8 weight tiles (two for gate/up), BLOCK_K deep (in_load:
+    gate/up quantizes x in its load, which steps whole 128-column groups whatever BLOCK_K says)."""
     out = dict(bucket)
     for stage, n_b in (("gate_up", 2), ("down", 1)):
         c = dict(bucket[stage])
-        per_stage = (c.get("BLOCK_M", bucket["block_m"]) * a_bytes + n_b * c["BLOCK_N"]) * c.get("BLOCK_K", 128)
+        depth = QUANT_GROUP if in_load and stage == "gate_up" else c.get("BLOCK_K", 128)
+        per_stage = (c.get("BLOCK_M", bucket["block_m"]) * a_bytes + n_b * c["BLOCK_N"]) * depth
         while c["num_stages"] > 2 and c["num_stages"] * per_stage > smem_per_block:
             c["num_stages"] -= 1
         out[stage] = c
@@ -202,8 +220,9 @@ def picked_fp8_config(variant: str, num_experts: int, hidden: int, intermediate:
         cfg = pick_fp8_config(variant, num_experts, hidden, intermediate, num_pairs)
         if smem_per_block:
             # (16-bit A tiles: W8A16 math, and x quantized in the gate/up load; down reads fp8 h there)
-            fp8_a = variant == "sm90" and not cfg.get("w8a16", False) and cfg.get("quant_x", True)
-            cfg = fit_fp8_shared_memory(cfg, smem_per_block, 1 if fp8_a else 2)
+            fp8_math = variant == "sm90" and not cfg.get("w8a16", False)
+            fp8_a = fp8_math and cfg.get("quant_x", True)
+            cfg = fit_fp8_shared_memory(cfg, smem_per_block, 1 if fp8_a else 2, in_load=fp8_math and not fp8_a)
         with _lock:
             if len(_picked) >= _MAX_PICKED:
                 _picked.clear()

@@ -6,7 +6,8 @@ says "quant_x": false; h in its SwiGLU epilogue, stored as fp8 with its scales),
 "sm80" W8A16 (weights converted in registers), "reference" the torch dequantization
 (`reference_fp8`). Tiles: configs/fp8_<variant>.json by rows per expert (`_fp8_configs`). Rows
 are aligned to experts by the same sync-free routing as the 16-bit path and combined by its fp32
-combine kernel.
+combine kernel; a bucket's "decode" key instead runs the two token-major kernels of `_fp8_decode`
+(W8A16 math, no routing or combine) for calls of a few tokens.
 
 Backward (gradients for x and topk_weights; the fp8 weights are frozen; `backward`): the W8A16
 kernels recompute the pre-activations and dY @ Wd per row, torch elementwise ops on the rows make
@@ -199,7 +200,8 @@ def decode_forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_s
 def forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_scale, down_scale, variant: str,
             config: dict | None = None):
     """out [T, H] by the Triton kernels (inside device_guard(x)): routing, (sm90: x quantized once),
-    gate/up + SwiGLU, down, combine. `config`: a pinned bucket (checked by the caller)."""
+    gate/up + SwiGLU, down, combine; or `decode_forward` where the bucket's "decode" covers T.
+    `config`: a pinned bucket (checked by the caller)."""
     T, H = x.shape
     E, two_i, _ = gate_up_proj.shape
     inter = two_i // 2

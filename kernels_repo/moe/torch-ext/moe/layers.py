@@ -21,6 +21,7 @@ import math
 import torch
 from torch import nn
 
+from ._fp8_validate import BLOCK
 from ._variants import declared_layers
 from .experts import fused_experts
 
@@ -231,6 +232,8 @@ def fp8_unsupported_reason(module: nn.Module) -> str | None:
     block = getattr(module, "block_size", None)
     if not isinstance(block, (tuple, list)) or len(block) != 2:
         return f"{name}: block_size {block!r} is not a 2-D block (per-tensor/per-row scales are not supported)"
+    if tuple(block) != BLOCK:  # (the reference takes any block, but a GPU binds a Triton variant)
+        return f"{name}: block_size {tuple(block)!r} is not supported (the Triton kernels take {BLOCK} blocks)"
     if getattr(module, "activation_scheme", "dynamic") != "dynamic":
         return f"{name}: static activation scales are not supported (dynamic only)"
     if getattr(module, "has_bias", False) or not getattr(module, "has_gate", True):
@@ -244,6 +247,13 @@ def fp8_unsupported_reason(module: nn.Module) -> str | None:
         return f"{name}: activation {type(act_fn).__name__} is not SiLU"
     if gu.dim() != 3 or dn.dim() != 3 or gu.shape[1] != 2 * dn.shape[2] or gu.shape[2] != dn.shape[1]:
         return f"{name}: weight shapes {tuple(gu.shape)}, {tuple(dn.shape)} are not [E, 2I, H], [E, H, I]"
+    # transformers allocates gate_up's scales >= 2 block rows (for I <= 64 not the [gate; up] blocks)
+    E, two_i, H = gu.shape
+    for attr, rows, cols in (("gate_up_proj_scale_inv", two_i, H), ("down_proj_scale_inv", H, two_i // 2)):
+        want = [E, -(-rows // BLOCK[0]), -(-cols // BLOCK[1])]
+        got = list(getattr(module, attr).shape)
+        if got != want:
+            return f"{name}: `{attr}` {got} is not the {BLOCK} block layout of its weight, {want}"
     return None
 
 
@@ -251,13 +261,18 @@ _FP8_SUPPORT_ATTR = "_kernelhub_moe_fp8_support"
 
 
 def _fp8_support(module: nn.Module) -> str | None:
-    """`fp8_unsupported_reason(module)`, remembered per module while its weights' shapes and dtypes
-    and its block size stay (as `_support`: a decode step must not re-read a dozen attributes)."""
+    """`fp8_unsupported_reason(module)`, remembered per module while its weights' shapes and dtypes,
+    its scales' shapes and its block size stay (as `_support`: a decode step must not re-read a
+    dozen attributes)."""
     params = module._parameters
     gu, dn = params.get("gate_up_proj"), params.get("down_proj")
     if gu is None or dn is None:  # not parameters (an unusual layout): the full check every call
         return fp8_unsupported_reason(module)
-    key = (gu.shape, gu.dtype, dn.shape, dn.dtype, getattr(module, "block_size", None))
+    block = getattr(module, "block_size", None)
+    if isinstance(block, list):  # (a copy: the same list changed in place must not match itself)
+        block = tuple(block)
+    scales = tuple(getattr(params.get(n), "shape", None) for n in _SCALES)
+    key = (gu.shape, gu.dtype, dn.shape, dn.dtype, block, scales)
     hit = module.__dict__.get(_FP8_SUPPORT_ATTR)
     if hit is not None and hit[0] == key:
         return hit[1]
