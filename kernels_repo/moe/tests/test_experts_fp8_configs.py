@@ -272,6 +272,8 @@ def test_stages_fit_counts_the_whole_group_depth_of_the_in_load_quantization(tmp
         # the W8A16 math (sm80) steps 64 as the stage says: 24 KB a stage, 4 fit
         (tmp_path / "fp8_sm80.json").write_text(json.dumps({"buckets": [mine]}))
         assert fp8c.picked_fp8_config("sm80", 8, 272, 144, 18, 101376)["gate_up"]["num_stages"] == 4
+        # float32 x: 4 bytes an element, (64 * 4 + 2 * 128) * 64 B = 32 KB a stage, 3 fit
+        assert fp8c.picked_fp8_config("sm80", 8, 272, 144, 18, 101376, 4)["gate_up"]["num_stages"] == 3
     finally:
         cfgs.clear_config_cache()
 

@@ -211,10 +211,11 @@ def fit_fp8_shared_memory(bucket: dict, smem_per_block: int, a_bytes: int, in_lo
 
 
 def picked_fp8_config(variant: str, num_experts: int, hidden: int, intermediate: int, num_pairs: int,
-                      smem_per_block: int | None) -> dict:
-    """`pick_fp8_config` (stages fitted to `smem_per_block` bytes when given) behind one dict lookup."""
+                      smem_per_block: int | None, x_bytes: int = 2) -> dict:
+    """`pick_fp8_config` (stages fitted to `smem_per_block` bytes when given, for 16-bit A tiles of
+    `x_bytes` per element: 4 for float32 x) behind one dict lookup."""
     key = (os.environ.get("KERNELHUB_MOE_CONFIG_DIR"), variant, num_experts, hidden, intermediate, num_pairs,
-           smem_per_block)
+           smem_per_block, x_bytes)
     cfg = _picked.get(key)
     if cfg is None:
         cfg = pick_fp8_config(variant, num_experts, hidden, intermediate, num_pairs)
@@ -222,7 +223,7 @@ def picked_fp8_config(variant: str, num_experts: int, hidden: int, intermediate:
             # (16-bit A tiles: W8A16 math, and x quantized in the gate/up load; down reads fp8 h there)
             fp8_math = variant == "sm90" and not cfg.get("w8a16", False)
             fp8_a = fp8_math and cfg.get("quant_x", True)
-            cfg = fit_fp8_shared_memory(cfg, smem_per_block, 1 if fp8_a else 2, in_load=fp8_math and not fp8_a)
+            cfg = fit_fp8_shared_memory(cfg, smem_per_block, 1 if fp8_a else x_bytes, in_load=fp8_math and not fp8_a)
         with _lock:
             if len(_picked) >= _MAX_PICKED:
                 _picked.clear()

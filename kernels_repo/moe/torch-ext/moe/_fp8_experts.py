@@ -78,7 +78,7 @@ def bucket(variant: str, x: torch.Tensor, E: int, H: int, inter: int, pairs: int
     if INTERPRET:
         return FP8_INTERPRETER_CONFIG
     smem = device_properties(x.device).shared_memory_per_block if x.is_cuda else None
-    return picked_fp8_config(variant, E, H, inter, pairs, smem)
+    return picked_fp8_config(variant, E, H, inter, pairs, smem, x.element_size())
 
 
 def _use_tma(cfg: dict, *weights: torch.Tensor) -> bool:
