@@ -118,6 +118,7 @@ def test_stages_fit_the_shared_memory_of_each_device_index(fake_gpus):
     (lambda c: c.pop("wgrad"), ValueError, "missing key 'wgrad'"),
     (lambda c: c.update(colour=1), ValueError, "unknown keys ['colour']"),
     (lambda c: c.update(block_m=24), ValueError, "['block_m'] must be a power of two"),
+    (lambda c: c.update(block_m=1 << 20), ValueError, "['block_m'] must be a power of two >= 16 and <= 256"),
     (lambda c: c["gate_up"].update(BLOCK_K=8), ValueError, "['gate_up']['BLOCK_K'] must be a power of two >= 16"),
     (lambda c: c["down"].update(num_warps=3), ValueError, "['down']['num_warps'] must be 1, 2, 4, 8 or 16"),
     (lambda c: c["dgrad"].pop("GROUP_M"), ValueError, "['dgrad']: missing key 'GROUP_M'"),

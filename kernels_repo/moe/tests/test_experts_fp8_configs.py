@@ -149,6 +149,7 @@ def test_pinned_config_tiles_are_used():
 
 @pytest.mark.parametrize(("patch", "err", "match"), [
     ({"block_m": 24}, ValueError, r"`config`\['block_m'\] must be a power of two"),
+    ({"block_m": 1 << 20}, ValueError, r"`config`\['block_m'\] must be a power of two >= 16 and <= 256"),
     ({"quant_x": 1}, TypeError, r"`config`\['quant_x'\] must be true or false"),
     ({"gate_up": {**BASE["gate_up"], "BLOCK_K": 256}}, ValueError, r"\['gate_up'\]\['BLOCK_K'\] must be 32, 64 or 128"),
     ({"down": {**BASE["down"], "RESCALE": 1}}, TypeError, r"`config`\['down'\]\['RESCALE'\] must be true or false"),

@@ -51,6 +51,9 @@ _BUCKET_OPTIONAL = {"max_rows_per_expert", "tma", "pair_m", "decode"}
 _DECODE_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 
 
+
+MAX_BLOCK_M = 256  # the largest routing alignment a bucket may ask for
+
 def _pow2(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1 and v & (v - 1) == 0
 
@@ -97,8 +100,10 @@ def check_bucket(bucket: object, where: str) -> None:
     for key in ("block_m", *stages):
         if key not in bucket:
             raise ValueError(f"{where}: missing key {key!r}")
-    if not _pow2(bucket["block_m"]) or bucket["block_m"] < 16:
-        raise ValueError(f"{where}['block_m'] must be a power of two >= 16, got {bucket['block_m']!r}")
+    # (an upper bound too: block_m pads every expert's rows, so a huge one from a file allocates E * block_m rows)
+    if not _pow2(bucket["block_m"]) or not 16 <= bucket["block_m"] <= MAX_BLOCK_M:
+        raise ValueError(f"{where}['block_m'] must be a power of two >= 16 and <= {MAX_BLOCK_M}, "
+                         f"got {bucket['block_m']!r}")
     limit = bucket.get("max_rows_per_expert")  # compared with the load T*K/E: a number (NaN never matches)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or not limit >= 0):
         raise ValueError(f"{where}['max_rows_per_expert'] must be a number >= 0 or null, got {limit!r}")

@@ -33,7 +33,7 @@ import os
 import threading
 from pathlib import Path
 
-from ._experts_configs import derived_cache, shape_key
+from ._experts_configs import MAX_BLOCK_M, derived_cache, shape_key
 
 _DIR = Path(__file__).resolve().parent / "configs"
 _lock = threading.Lock()
@@ -73,8 +73,8 @@ def check_fp8_bucket(bucket: object, where: str, variant: str | None = None) -> 
         if key not in bucket:
             raise ValueError(f"{where}: missing key {key!r}")
     bm = bucket["block_m"]
-    if _bad_int(bm, 16) or bm & (bm - 1):
-        raise ValueError(f"{where}['block_m'] must be a power of two >= 16, got {bm!r}")
+    if _bad_int(bm, 16) or bm & (bm - 1) or bm > MAX_BLOCK_M:
+        raise ValueError(f"{where}['block_m'] must be a power of two >= 16 and <= {MAX_BLOCK_M}, got {bm!r}")
     limit = bucket.get("max_rows_per_expert")
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit < 0):
         raise ValueError(f"{where}['max_rows_per_expert'] must be a number >= 0 or null, got {limit!r}")
