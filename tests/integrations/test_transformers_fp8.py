@@ -429,15 +429,21 @@ def test_report_shows_an_fp8_checkpoint_as_from_pretrained_builds_it(tmp_path, c
     pins.write_text("")
     argv = ["report", "--checkpoint", str(tmp_path / "fp8"), "--kernelhub-config", str(pins)]
     assert main([*argv, "--capability", "8.6", "--capability", "8.9"]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines() if ".mlp.experts" in line]
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if ".mlp.experts" in line]
     assert [(r[1], r[2], r[5]) for r in rows] == [("FP8Experts", "MoEExpertsFP8", "MoEExpertsFP8Sm80")] * 2 + [
         ("FP8Experts", "MoEExpertsFP8", "MoEExpertsFP8Sm90")] * 2
+    # loaded on an sm86 GPU, transformers would have dequantized the experts: said under that GPU only
+    sm86, sm89 = out.split("== a CUDA GPU of capability 8.9 ==")
+    assert "transformers dequantizes an fp8 checkpoint when it is loaded on a GPU of capability 8.6" in sm86
+    assert "dequantizes" not in sm89
     config = json.loads((tmp_path / "fp8" / "config.json").read_text())
     config["quantization_config"]["quant_method"] = "no_such_method"
     (tmp_path / "fp8" / "config.json").write_text(json.dumps(config))
     assert main([*argv, "--capability", "9.0"]) == 0
     out, err = capsys.readouterr()
     assert "report: note: the model's quantization_config could not be applied" in err
+    assert "dequantizes" not in out  # not an fp8 checkpoint any more
     rows = [line.split() for line in out.splitlines() if ".mlp.experts" in line]
     assert [(r[1], r[2], r[5]) for r in rows] == [("Qwen3MoeExperts", "MoEExperts", "MoEExpertsSm90")] * 2
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from kernelhub.cli._common import add_deprecated_spelling, add_subcommand
-from kernelhub.device import as_torch_device
+from kernelhub.device import as_torch_device, device_capability
 
 __all__ = ["add_parser", "build_meta_model", "report_model", "run"]
 
@@ -92,6 +92,21 @@ def _as_quantized(model: torch.nn.Module, config) -> torch.nn.Module:
         print(f"report: note: the model's quantization_config could not be applied ({type(e).__name__}: {e}); "
               "reporting its unquantized modules", file=sys.stderr)
     return model
+
+
+def _fp8_load_note(config, capability: int | None) -> str | None:
+    """What transformers does with an fp8 checkpoint where the report assumes fp8 modules: it
+    dequantizes at load on a GPU below sm89 (no fp8 tensor cores) or without a GPU, so a model
+    loaded there has 16-bit experts (MoEExperts), not FP8Experts."""
+    quantization = getattr(config, "quantization_config", None)
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else getattr(
+        quantization, "quant_method", None)
+    if str(getattr(method, "value", method)) != "fp8" or (capability is not None and capability >= 89):
+        return None
+    where = "without a GPU" if capability is None else f"on a GPU of capability {capability // 10}.{capability % 10}"
+    return (f"report: note: transformers dequantizes an fp8 checkpoint when it is loaded {where}: its "
+            "experts are then 16-bit (layer MoEExperts); the fp8 layers below serve fp8 experts that "
+            "reach this device from a model loaded on an sm89+ GPU")
 
 
 def _mode(name: str, compile_: bool):
@@ -176,13 +191,17 @@ def run(args) -> int:
     from kernelhub.config import load_config
 
     capabilities = [_capability(c) for c in args.capability or []]
-    model = build_meta_model(_transformers_config(args))
+    hf_config = _transformers_config(args)
+    model = build_meta_model(hf_config)
     config = load_config(args.kernelhub_config)
     mode = _mode(args.mode, args.compile)
     for capability in capabilities:
         with _assumed_gpu(capability) as device:
             ((_, report),) = report_model(model, [device], mode=mode, config=config)
         print(f"== a CUDA GPU of capability {capability // 10}.{capability % 10} ==")
+        note = _fp8_load_note(hf_config, capability)
+        if note:
+            print(note)
         # the assumed GPU's index is a placeholder no real GPU has: show it as one, not as cuda:127
         print(str(report).replace(str(device), "cuda:?".ljust(len(str(device)))))
     if capabilities:
@@ -192,5 +211,8 @@ def run(args) -> int:
         print("no GPU visible: reporting for cpu")
     for device, report in report_model(model, devices, mode=mode, config=config):
         print(f"== {device} ==")
+        note = _fp8_load_note(hf_config, device_capability(device) if device.type == "cuda" else None)
+        if note:
+            print(note)
         print(report)
     return 0
