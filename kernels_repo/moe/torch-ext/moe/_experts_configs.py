@@ -58,7 +58,9 @@ def _pow2(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1 and v & (v - 1) == 0
 
 
-def _check_stage(where: str, stage: object, required: tuple, optional: dict) -> None:
+def check_stage(where: str, stage: object, required: tuple, optional: dict) -> None:
+    """One GEMM stage of a bucket (also the fp8 buckets'): a dict of the required keys and known
+    optional ones (`optional`: key -> bool or int), each of a valid kind and range."""
     if not isinstance(stage, dict):
         raise TypeError(f"{where} must be a dict, got {type(stage).__name__}")
     unknown = sorted(set(stage) - set(required) - set(optional))
@@ -111,11 +113,11 @@ def check_bucket(bucket: object, where: str) -> None:
         if flag in bucket and not isinstance(bucket[flag], bool):
             raise TypeError(f"{where}[{flag!r}] must be true or false, got {bucket[flag]!r}")
     for stage in _GEMM_STAGES:
-        _check_stage(f"{where}[{stage!r}]", bucket[stage], _GEMM_KEYS, {**_GEMM_OPTIONAL, **_GEMM_ONLY})
+        check_stage(f"{where}[{stage!r}]", bucket[stage], _GEMM_KEYS, {**_GEMM_OPTIONAL, **_GEMM_ONLY})
         for key in _GATE_UP_ONLY:
             if stage != "gate_up" and key in bucket[stage]:
                 raise ValueError(f"{where}[{stage!r}]: {key!r} is a gate_up key")
-    _check_stage(f"{where}['wgrad']", bucket["wgrad"], _WGRAD_KEYS, _WGRAD_OPTIONAL)
+    check_stage(f"{where}['wgrad']", bucket["wgrad"], _WGRAD_KEYS, _WGRAD_OPTIONAL)
     if "decode" in bucket:
         _check_decode(f"{where}['decode']", bucket["decode"])
     if bucket["wgrad"].get("FLAT_STEPS") and not bucket["wgrad"].get("PERSISTENT"):
@@ -138,7 +140,7 @@ def _check_decode(where: str, decode: object) -> None:
     for stage in ("gate_up", "down"):
         c = decode[stage]
         # BLOCK_N may be as small as 4 here (rows of one expert's weight, not an MMA tile)
-        _check_stage(f"{where}[{stage!r}]", {**c, "BLOCK_N": 16} if isinstance(c, dict) and "BLOCK_N" in c else c,
+        check_stage(f"{where}[{stage!r}]", {**c, "BLOCK_N": 16} if isinstance(c, dict) and "BLOCK_N" in c else c,
                      _DECODE_KEYS, {})
         if not _pow2(c["BLOCK_N"]) or c["BLOCK_N"] < 4:
             raise ValueError(f"{where}[{stage!r}]['BLOCK_N'] must be a power of two >= 4, got {c['BLOCK_N']!r}")

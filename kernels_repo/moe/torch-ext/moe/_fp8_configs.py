@@ -33,7 +33,7 @@ import os
 import threading
 from pathlib import Path
 
-from ._experts_configs import MAX_BLOCK_M, derived_cache, shape_key
+from ._experts_configs import MAX_BLOCK_M, check_stage, derived_cache, shape_key
 
 _DIR = Path(__file__).resolve().parent / "configs"
 _lock = threading.Lock()
@@ -83,32 +83,16 @@ def check_fp8_bucket(bucket: object, where: str, variant: str | None = None) -> 
             raise TypeError(f"{where}[{flag!r}] must be true or false, got {bucket[flag]!r}")
     for stage in ("gate_up", "down"):
         c, at = bucket[stage], f"{where}[{stage!r}]"
-        if not isinstance(c, dict):
-            raise TypeError(f"{at} must be a dict, got {type(c).__name__}")
-        bad = sorted(set(c) - set(_STAGE_KEYS) - set(_STAGE_OPTIONAL))
-        if bad:
-            raise ValueError(f"{at}: unknown keys {bad}; allowed: {sorted({*_STAGE_KEYS, *_STAGE_OPTIONAL})}")
-        for key in _STAGE_KEYS:
-            if key not in c:
-                raise ValueError(f"{at}: missing key {key!r}")
-        bn = c["BLOCK_N"]
-        if _bad_int(bn, 16) or bn & (bn - 1) or bn > 256:
-            raise ValueError(f"{at}['BLOCK_N'] must be a power of two in [16, 256], got {bn!r}")
-        if c["num_warps"] not in (1, 2, 4, 8, 16) or isinstance(c["num_warps"], bool):
-            raise ValueError(f"{at}['num_warps'] must be 1, 2, 4, 8 or 16, got {c['num_warps']!r}")
-        if _bad_int(c["num_stages"], 1):
-            raise ValueError(f"{at}['num_stages'] must be an int >= 1, got {c['num_stages']!r}")
-        if "maxnreg" in c and (_bad_int(c["maxnreg"], 24) or c["maxnreg"] > 255):
-            raise ValueError(f"{at}['maxnreg'] must be an int in [24, 255], got {c['maxnreg']!r}")
-        if "BLOCK_M" in c and (_bad_int(c["BLOCK_M"], 16) or c["BLOCK_M"] & (c["BLOCK_M"] - 1)
-                               or c["BLOCK_M"] > bm):
+        # the 16-bit path's stage checks (dict, keys, powers of two, warps, stages, registers, flags),
+        # then the fp8 kernel's own ranges
+        check_stage(at, c, _STAGE_KEYS, _STAGE_OPTIONAL)
+        if c["BLOCK_N"] > 256:
+            raise ValueError(f"{at}['BLOCK_N'] must be a power of two in [16, 256], got {c['BLOCK_N']!r}")
+        if c.get("BLOCK_M", bm) > bm:
             raise ValueError(f"{at}['BLOCK_M'] must be a power of two in [16, block_m={bm}], got {c['BLOCK_M']!r}")
-        if "BLOCK_K" in c and (c["BLOCK_K"] not in (32, 64, 128) or isinstance(c["BLOCK_K"], bool)):
+        if c.get("BLOCK_K", 128) not in (32, 64, 128):
             raise ValueError(f"{at}['BLOCK_K'] must be 32, 64 or 128 (a divisor of the scale block), "
                              f"got {c['BLOCK_K']!r}")
-        for flag in ("A_TMA", "RESCALE"):
-            if flag in c and not isinstance(c[flag], bool):
-                raise TypeError(f"{at}[{flag!r}] must be true or false, got {c[flag]!r}")
     if "decode" in bucket:
         _check_decode(f"{where}['decode']", bucket["decode"])
     if "A_TMA" in bucket["gate_up"]:
