@@ -28,6 +28,11 @@ from .experts import fused_experts
 _SILU_NAMES = ("silu", "swish")
 
 
+def _is_silu(act_fn: object) -> bool:
+    return (isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
+            or act_fn is torch.nn.functional.silu)
+
+
 def unsupported_reason(module: nn.Module) -> str | None:
     """Why `fused_experts` cannot replace this experts module's forward, or None if it can."""
     name = type(module).__name__
@@ -52,8 +57,7 @@ def unsupported_reason(module: nn.Module) -> str | None:
         return f"{name}: custom gating `_apply_gate` (e.g. clamped SwiGLU) is not supported"
     act_fn = getattr(module, "act_fn", None)
     if act_fn is not None:  # the function the eager forward calls decides, whatever the config says
-        if not (isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
-                or act_fn is torch.nn.functional.silu):
+        if not _is_silu(act_fn):
             return f"{name}: activation {type(act_fn).__name__} is not SiLU"
     else:
         act = getattr(getattr(module, "config", None), "hidden_act", None)
@@ -176,9 +180,12 @@ def _check_inputs(fn: str, module: nn.Module, hidden_states, top_k_index, top_k_
 
 
 def _run(fn: str, module: nn.Module, hidden_states, top_k_index, top_k_weights, variant: str | None,
-         checked: bool = False):
+         checked: bool = False, fp8: bool = False):
+    """The layer forward: `module`'s experts on the call's routing, in the call's shape and dtype.
+    fp8: a transformers `FP8Experts` module (its scales and block size go along; the activations stay
+    16/32-bit, quantized in the kernels)."""
     if not checked:
-        reason = _support(module)
+        reason = (_fp8_support if fp8 else _support)(module)
         if reason is not None:
             raise ValueError(f"{fn}: {reason}")
     T, K = _check_inputs(fn, module, hidden_states, top_k_index, top_k_weights)
@@ -187,12 +194,16 @@ def _run(fn: str, module: nn.Module, hidden_states, top_k_index, top_k_weights, 
     # [..., H] -> [T, H] (a view when it can); sizes spelled out, as -1 is ambiguous for an empty batch
     x = hidden_states.reshape(T, hidden_states.shape[-1])
     gu = module.gate_up_proj
-    if x.dtype != gu.dtype:  # autocast / fp32 activations with bf16 weights
+    extra = {}
+    if fp8:
+        extra = dict(gate_up_proj_scale_inv=module.gate_up_proj_scale_inv,
+                     down_proj_scale_inv=module.down_proj_scale_inv, block_size=tuple(module.block_size))
+    elif x.dtype != gu.dtype:  # autocast / fp32 activations with bf16 weights
         x = x.to(gu.dtype)
     if torch._C._are_functorch_transforms_active():  # (vmap, grad, ...: the kernels cannot run there)
         variant = "reference"
     out = fused_experts(x, gu, module.down_proj, top_k_index.reshape(T, K), top_k_weights.reshape(T, K),
-                        variant=variant, check_indices=False)
+                        variant=variant, check_indices=False, **extra)
     if out.dtype != hidden_states.dtype:
         out = out.to(hidden_states.dtype)
     return out.view(hidden_states.shape)
@@ -209,11 +220,16 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     """
     reason = _support(self)
     if reason is not None:
-        eager = getattr(type(self).forward, "__wrapped__", None)
-        if eager is None:
-            raise ValueError(f"experts_forward: {reason}; no eager forward to fall back to")
-        return eager(self, hidden_states, top_k_index, top_k_weights)
+        return _eager("experts_forward", reason, self, hidden_states, top_k_index, top_k_weights)
     return _run("experts_forward", self, hidden_states, top_k_index, top_k_weights, None, checked=True)
+
+
+def _eager(fn: str, reason: str, module: nn.Module, hidden_states, top_k_index, top_k_weights):
+    """The module's own forward (`use_experts_implementation` keeps it as `forward.__wrapped__`)."""
+    eager = getattr(type(module).forward, "__wrapped__", None)
+    if eager is None:
+        raise ValueError(f"{fn}: {reason}; no eager forward to fall back to")
+    return eager(module, hidden_states, top_k_index, top_k_weights)
 
 
 def fp8_unsupported_reason(module: nn.Module) -> str | None:
@@ -242,8 +258,7 @@ def fp8_unsupported_reason(module: nn.Module) -> str | None:
         if getattr(module, attr, None) is not None:
             return f"{name}: `{attr}` (a modified SwiGLU) is not supported"
     act_fn = getattr(module, "act_fn", None)
-    if not (isinstance(act_fn, nn.SiLU) or type(act_fn).__name__ == "SiLUActivation"
-            or act_fn is torch.nn.functional.silu):
+    if not _is_silu(act_fn):
         return f"{name}: activation {type(act_fn).__name__} is not SiLU"
     if gu.dim() != 3 or dn.dim() != 3 or gu.shape[1] != 2 * dn.shape[2] or gu.shape[2] != dn.shape[1]:
         return f"{name}: weight shapes {tuple(gu.shape)}, {tuple(dn.shape)} are not [E, 2I, H], [E, H, I]"
@@ -281,25 +296,6 @@ def _fp8_support(module: nn.Module) -> str | None:
     return reason
 
 
-def _run_fp8(fn: str, module: nn.Module, hidden_states, top_k_index, top_k_weights, variant: str | None,
-             checked: bool = False):
-    if not checked:
-        reason = _fp8_support(module)
-        if reason is not None:
-            raise ValueError(f"{fn}: {reason}")
-    T, K = _check_inputs(fn, module, hidden_states, top_k_index, top_k_weights)
-    x = hidden_states.reshape(T, hidden_states.shape[-1])  # activations stay 16/32-bit (quantized in-kernel)
-    if torch._C._are_functorch_transforms_active():  # (vmap, grad, ...: the kernels cannot run there)
-        variant = "reference"
-    out = fused_experts(x, module.gate_up_proj, module.down_proj, top_k_index.reshape(T, K),
-                        top_k_weights.reshape(T, K), variant=variant, check_indices=False,
-                        gate_up_proj_scale_inv=module.gate_up_proj_scale_inv,
-                        down_proj_scale_inv=module.down_proj_scale_inv, block_size=tuple(module.block_size))
-    if out.dtype != hidden_states.dtype:
-        out = out.to(hidden_states.dtype)
-    return out.view(hidden_states.shape)
-
-
 def fp8_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                         top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers `FP8ExpertsInterface` implementation "kernelhub" for `FP8Experts` modules
@@ -310,11 +306,8 @@ def fp8_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_inde
     fn = "fp8_experts_forward"
     reason = _fp8_support(self)
     if reason is not None:
-        eager = getattr(type(self).forward, "__wrapped__", None)
-        if eager is None:
-            raise ValueError(f"{fn}: {reason}; no eager forward to fall back to")
-        return eager(self, hidden_states, top_k_index, top_k_weights)
-    return _run_fp8(fn, self, hidden_states, top_k_index, top_k_weights, None, checked=True)
+        return _eager(fn, reason, self, hidden_states, top_k_index, top_k_weights)
+    return _run(fn, self, hidden_states, top_k_index, top_k_weights, None, checked=True, fp8=True)
 
 
 class MoEExperts(nn.Module):
@@ -363,7 +356,7 @@ class MoEExpertsFP8(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        return _run_fp8("MoEExpertsFP8.forward", self, hidden_states, top_k_index, top_k_weights, None)
+        return _run("MoEExpertsFP8.forward", self, hidden_states, top_k_index, top_k_weights, None, fp8=True)
 
 
 class MoEExpertsFP8Sm90(MoEExpertsFP8):
@@ -371,7 +364,7 @@ class MoEExpertsFP8Sm90(MoEExpertsFP8):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        return _run_fp8("MoEExpertsFP8.forward", self, hidden_states, top_k_index, top_k_weights, "sm90")
+        return _run("MoEExpertsFP8.forward", self, hidden_states, top_k_index, top_k_weights, "sm90", fp8=True)
 
 
 class MoEExpertsFP8Sm80(MoEExpertsFP8):
@@ -379,7 +372,7 @@ class MoEExpertsFP8Sm80(MoEExpertsFP8):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        return _run_fp8("MoEExpertsFP8.forward", self, hidden_states, top_k_index, top_k_weights, "sm80")
+        return _run("MoEExpertsFP8.forward", self, hidden_states, top_k_index, top_k_weights, "sm80", fp8=True)
 
 
 class MoEExpertsFP8Reference(MoEExpertsFP8):
@@ -387,7 +380,7 @@ class MoEExpertsFP8Reference(MoEExpertsFP8):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        return _run_fp8("MoEExpertsFP8.forward", self, hidden_states, top_k_index, top_k_weights, "reference")
+        return _run("MoEExpertsFP8.forward", self, hidden_states, top_k_index, top_k_weights, "reference", fp8=True)
 
 
 def _declare_attributes() -> None:
