@@ -258,7 +258,7 @@ def main() -> None:
     import transformers
 
     print("torch", torch.__version__, "transformers", transformers.__version__,
-          torch.cuda.get_device_name() if CUDA else "cpu", flush=True)
+          torch.cuda.get_device_name(DEV) if CUDA else "cpu", flush=True)
     for knob in ("cache_size_limit", "recompile_limit"):
         if hasattr(torch._dynamo.config, knob):
             setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))

@@ -463,7 +463,7 @@ def main() -> None:
     import triton
 
     print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__,
-          torch.cuda.get_device_name() if CUDA else "cpu", torch.cuda.get_device_capability() if CUDA else "",
+          torch.cuda.get_device_name(DEV) if CUDA else "cpu", torch.cuda.get_device_capability(DEV) if CUDA else "",
           flush=True)
     # every (configuration, pass) compiles after a reset; the limits only guard against surprises
     for knob in ("cache_size_limit", "recompile_limit"):

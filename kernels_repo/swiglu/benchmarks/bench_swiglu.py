@@ -343,7 +343,7 @@ def main() -> None:
     import triton
 
     print("torch", torch.__version__, "triton", triton.__version__,
-          torch.cuda.get_device_name() if CUDA else "cpu", torch.cuda.get_device_capability() if CUDA else "",
+          torch.cuda.get_device_name(DEV) if CUDA else "cpu", torch.cuda.get_device_capability(DEV) if CUDA else "",
           flush=True)
     t_start = time.time()
     impls, kernel = implementations()
