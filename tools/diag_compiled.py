@@ -9,13 +9,18 @@ torch.compile adds to any call shows apart from what kernelhub adds. Then a torc
 of each path (GPU kernels and host ops per call): whether a compiled path runs other kernels,
 more kernels, copies, or only more host time.
 
-Usage (repo root): PYTHONPATH=src python tools/diag_compiled.py   env: TOKENS=1,4096 PROFILE=1
+BODY=1 (default): also the op body's own host time per call in each mode (the eager path that
+both the eager call and the custom op run, timed by a wrapper), and a cProfile of compiled calls:
+whether a slower compiled call spends the time inside kernelhub's Python or around it.
+
+Usage (repo root): PYTHONPATH=src python tools/diag_compiled.py   env: TOKENS=1,4096 PROFILE=1 BODY=1
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -158,6 +163,60 @@ def point(T: int, module, compiled, reduce, moe, ops) -> None:
                 profile(f"T={T} {name}", paths[name])
 
 
+def body_times(module, compiled, reduce, x, idx, w, n: int = 200) -> None:
+    """us per call spent inside `_experts_eager.run` (the op body) next to the whole call, per mode;
+    then the top of a cProfile of compiled calls (by own time)."""
+    import cProfile
+    import pstats
+    import time
+
+    moe_eager = next(m for name, m in sys.modules.items() if name.endswith("._experts_eager"))
+    inner = moe_eager.run
+    spent = [0]
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter_ns()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter_ns() - t0
+
+    def ro():
+        torch.compiler.cudagraph_mark_step_begin()
+        return reduce(x, idx, w)
+
+    moe_eager.run = timed
+    try:
+        for name, fn in (("eager", lambda: module(x, idx, w)), ("compiled", lambda: compiled(x, idx, w)),
+                         ("reduce-overhead", ro)):
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+            spent[0] = 0
+            t0 = time.perf_counter_ns()
+            for _ in range(n):
+                fn()
+            host = time.perf_counter_ns() - t0
+            torch.cuda.synchronize()
+            total = time.perf_counter_ns() - t0
+            print(f"body {name:16s} call host {host / n / 1e3:7.1f} us  (with GPU {total / n / 1e3:7.1f})   "
+                  f"inside the op body {spent[0] / n / 1e3:7.1f} us", flush=True)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(n):
+            compiled(x, idx, w)
+        prof.disable()
+        torch.cuda.synchronize()
+        print("### cProfile of compiled calls (tottime, us per call)")
+        st = pstats.Stats(prof)
+        rows = sorted(st.stats.items(), key=lambda kv: -kv[1][2])[:30]
+        for (file, line, fn_name), (_cc, nc, tt, ct, _) in rows:
+            print(f"  {tt / n * 1e6:7.2f} own {ct / n * 1e6:7.2f} cum  {nc / n:5.1f}/call  "
+                  f"{Path(file).name}:{line} {fn_name}")
+    finally:
+        moe_eager.run = inner
+
+
 def main() -> None:
     torch.manual_seed(0)
     tokens = [int(t) for t in os.environ.get("TOKENS", "1,4096").split(",")]
@@ -168,6 +227,9 @@ def main() -> None:
     reduce = torch.compile(module, fullgraph=True, mode="reduce-overhead")
     ops = sys.modules[moe.__name__ + "._experts_custom_ops"]
     for T in tokens:
+        if os.environ.get("BODY", "1") == "1":
+            with torch.no_grad():
+                body_times(module, compiled, reduce, *inputs(T))
         point(T, module, compiled, reduce, moe, ops)
 
 
