@@ -477,6 +477,85 @@ def test_gpu_fp8_decode_is_capturable_in_a_cuda_graph(variant):
     assert torch.equal(out, step())
 
 
+def _fp8_gpu_inputs(E, H, I, K, T, seed, weights=None):
+    """Inputs made on the GPU (real widths: a CPU quantization would take minutes); `weights`
+    (the fp8 weights and scales of another call) kept where given."""
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(seed)
+    x = torch.randn(T, H, device=dev, generator=g).bfloat16()
+    idx = torch.rand(T, E, device=dev, generator=g).argsort(1)[:, :K].contiguous()
+    w = torch.rand(T, K, device=dev, generator=g).bfloat16()
+    if weights is None:
+        guq, gus = moe.quantize_blocks(torch.randn(E, 2 * I, H, device=dev, generator=g) * H**-0.5)
+        dq, ds = moe.quantize_blocks(torch.randn(E, H, I, device=dev, generator=g) * I**-0.5)
+        weights = (guq, dq, gus, ds)
+    guq, dq, gus, ds = weights
+    return x, guq, dq, idx, w, gus, ds
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant,E,T", [
+    ("sm90", 128, 1), ("sm90", 128, 37), ("sm90", 128, 600),  # Qwen3-30B-A3B's buckets (fp8 MMA)
+    ("sm90", 16, 1),  # the generic W8A16 bucket on sm90: descriptors over the weights' uint8 views
+    ("sm80", 128, 1), ("sm80", 128, 37),
+])
+def test_gpu_fp8_inference_replays_give_the_ordinary_paths_bits(variant, E, T):
+    """fp8 inference replays like the 16-bit path: the key's second call records its launches, a
+    later call with new tokens, ids and routing weights (same weights) replays them with its own
+    addresses and gives the ordinary path's bits, on another stream too; the replay checks the
+    ids when asked; the plan keeps no weight alive."""
+    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("needs a CUDA GPU and TRITON_INTERPRET=0")
+    if variant == "sm90" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 tensor cores need sm89+")
+    import gc
+    import weakref
+
+    rp = importlib.import_module(moe.__name__ + "._experts_replay")
+    fp8 = importlib.import_module(moe.__name__ + "._fp8_experts")
+    H, I, K = 2048, 768, 8
+
+    def call(a, **kw):
+        return moe.fused_experts(*a[:5], variant=variant, gate_up_proj_scale_inv=a[5], down_proj_scale_inv=a[6],
+                                 **kw)
+
+    first = _fp8_gpu_inputs(E, H, I, K, T, seed=40)
+    second = _fp8_gpu_inputs(E, H, I, K, T, seed=41, weights=(first[1], first[2], first[5], first[6]))
+    with torch.no_grad():
+        rp._REPLAYS.clear()
+        call(first)  # the key is seen
+        key = fp8.replay_key(*second, (128, 128), variant)
+        assert key is not None and rp._REPLAYS.get(key) is rp._SEEN
+        call(first)  # recorded
+        plan = rp._REPLAYS.get(key)
+        assert isinstance(plan, rp._Replay), "the inference call was not recorded"
+        assert rp.replay(plan, second) is not None
+        replayed = call(second)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            on_stream = call(second)
+        torch.cuda.current_stream().wait_stream(stream)
+        bad = second[3].clone()
+        bad[0, 0] = E
+        with pytest.raises(ValueError, match=r"`topk_idx` entries must be in \[-1, "):
+            call(second[:3] + (bad,) + second[4:], check_indices=True)
+        rp._REPLAYS.clear()
+        ordinary = call(second)  # the ordinary path (the key is only seen)
+        x, guq, dq, idx, w, gus, ds = second
+        scales = {"gate_up_proj_scale_inv": gus, "down_proj_scale_inv": ds}
+        # float64 on the GPU: the dequantized weights' reference, and its activation-quantized emulation
+        ref = moe.fused_experts_fp8_reference(x.double(), guq, dq, idx, w.double(), **scales)
+        emu = emulation(x, guq, dq, idx, w, scales) if variant == "sm90" else None
+    assert torch.equal(replayed, ordinary) and torch.equal(on_stream, ordinary)
+    tol = 1.25 * rel(emu, ref) if emu is not None else 1e-2
+    assert rel(ordinary, ref) <= tol
+    weight = weakref.ref(first[1])
+    del first, second, x, guq, dq, idx, w, gus, ds, scales
+    gc.collect()
+    assert weight() is None, "a kept replay holds the weights"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["sm80", "sm90"])
 def test_gpu_fp8_gradients_for_x_and_topk_weights(variant):

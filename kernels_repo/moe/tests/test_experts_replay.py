@@ -91,3 +91,81 @@ def test_routing_buffers_start_16_byte_aligned(T, K, E):
         t = getattr(r, name)
         assert (t.data_ptr() - t.untyped_storage().data_ptr()) % 16 == 0, name
 
+
+
+def _fp8_cuda_inputs(fake_cuda_tensor, T=2, E=4, H=256, I=128, K=2, scale_dtype=torch.float32):
+    x = fake_cuda_tensor((T, H), 1, torch.bfloat16)
+    gu = fake_cuda_tensor((E, 2 * I, H), 1, torch.float8_e4m3fn)
+    dn = fake_cuda_tensor((E, H, I), 1, torch.float8_e4m3fn)
+    idx = fake_cuda_tensor((T, K), 1, torch.int64)
+    w = fake_cuda_tensor((T, K), 1, torch.bfloat16)
+    gus = fake_cuda_tensor((E, 2 * I // 128, H // 128), 1, scale_dtype)
+    ds = fake_cuda_tensor((E, H // 128, I // 128), 1, scale_dtype)
+    return x, gu, dn, idx, w, gus, ds
+
+
+def test_fp8_replay_key_covers_the_scales_and_refuses_calls_the_ordinary_path_copies_for(fake_gpus):
+    """The fp8 path's replay key: the 16-bit key's fields plus both scales' device, dtype, shape and
+    strides, the variant and the block size. None where the ordinary path runs a torch op that a
+    replay would not repeat (UE8M0 scales read as an fp32 copy; a column-strided x quantized from a
+    contiguous copy), for a block size given as a list or with non-int entries (the checks reject
+    what a replayed call would not see), and where a gradient is needed."""
+    from conftest import fake_cuda_tensor
+
+    fp8 = importlib.import_module(moe.__name__ + "._fp8_experts")
+    ext = _fp8_cuda_inputs(fake_cuda_tensor)
+    key = fp8.replay_key(*ext, (128, 128), None)
+    assert key is not None and key == fp8.replay_key(*_fp8_cuda_inputs(fake_cuda_tensor), (128, 128), None)
+    assert fp8.replay_key(*ext, (128, 128), "sm90") != key  # the variant
+    wider = ext[:5] + (ext[5].as_strided(ext[5].shape, (8, 1, 4)), ext[6])  # a scale's strides
+    assert fp8.replay_key(*wider, (128, 128), None) not in (None, key)
+    if hasattr(torch, "float8_e8m0fnu"):
+        ue8m0 = _fp8_cuda_inputs(fake_cuda_tensor, scale_dtype=torch.float8_e8m0fnu)
+        assert fp8.replay_key(*ue8m0, (128, 128), None) is None
+    x_cols = fake_cuda_tensor((256, 2), 1, torch.bfloat16).t()
+    assert fp8.replay_key(x_cols, *ext[1:], (128, 128), None) is None
+    assert fp8.replay_key(*ext, [128, 128], None) is None
+    assert fp8.replay_key(*ext, (128, 128.0), None) is None
+    assert fp8.replay_key(*ext, (128, True), None) is None
+    grad = fake_cuda_tensor((2, 2), 1, torch.bfloat16).requires_grad_()
+    assert fp8.replay_key(*ext[:4], grad, *ext[5:], (128, 128), None) is None
+    with torch.no_grad():
+        assert fp8.replay_key(*ext[:4], grad, *ext[5:], (128, 128), None) is not None
+
+
+def test_a_replay_rebuilds_a_descriptor_over_a_dtype_view_of_a_weight(monkeypatch):
+    """The W8A16 kernels read fp8 weights' bits through a TMA descriptor over weight.view(uint8):
+    the replay rebuilds it over the new weight's view of that dtype. A descriptor over any other
+    view inside a weight (an offset, another shape) is refused: the replay could not rebuild it."""
+    TensorDescriptor = pytest.importorskip("triton.tools.tensor_descriptor").TensorDescriptor
+    rp = importlib.import_module(moe.__name__ + "._experts_replay")
+    tl_mod = importlib.import_module("kernelhub.triton_launch")
+
+    class Launcher:
+        @staticmethod
+        def split_hit(call):
+            return "hit"
+
+    def externals():
+        return make_inputs(6, 32, 16, 4, 2, dtype=torch.bfloat16, seed=82)
+
+    ext = externals()
+    out = torch.empty(6, 32, dtype=torch.bfloat16)
+    bits = ext[1].view(torch.int16)  # same element size, another dtype
+
+    def call_over(t):
+        desc = TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 16, 16])
+        return tl_mod.SplitLaunch(Launcher, (2,), -1, (t, out), (desc,), (5,), (), 4, 3)
+
+    plan = rp._plan([call_over(bits)], ext, out)
+    assert plan is not None
+    launched = []
+    monkeypatch.setattr(tl_mod.CachedLaunch, "run_hit", staticmethod(lambda *a: launched.append(a)))
+    new = externals()
+    rp.replay(plan, new)
+    (_, _, _, args), = launched
+    ptr, out_ptr, desc = args[:3]
+    assert ptr == new[1].data_ptr() and desc.base.data_ptr() == new[1].data_ptr()
+    assert (desc.base.dtype, desc.base.shape, desc.base.stride()) == (torch.int16, new[1].shape, new[1].stride())
+    assert rp._plan([call_over(ext[1][1:].view(torch.int16))], ext, out) is None
+    assert rp._plan([call_over(ext[1].view(torch.int16)[:, :16])], ext, out) is None

@@ -54,29 +54,31 @@ class _Replay:
         self.out_shape = out_shape
 
 
-def replay_key(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant: object) -> tuple | None:
+def replay_key(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant: object, *scales) -> tuple | None:
     """Everything the checks of `fused_experts` and the recorded launches depend on, for an
     inference call with the shipped (or KERNELHUB_MOE_CONFIG_DIR) buckets; None where the call is
     not replayed: not all tensors, not CUDA, a gradient is needed, no pairs, compiling, Triton
     hooks set, or ids that are not contiguous (the ordinary path copies them, a buffer a replay
-    would not fill)."""
-    tensors = (x, gate_up_proj, down_proj, topk_idx, topk_weights)
+    would not fill). `scales`: the fp8 path's block scales, externals after topk_weights."""
+    tensors = (x, gate_up_proj, down_proj, topk_idx, topk_weights, *scales)
     if not all(isinstance(t, torch.Tensor) for t in tensors) or not x.is_cuda:
         return None
     if not topk_idx.numel() or not topk_idx.is_contiguous() or torch.compiler.is_compiling():
         return None
-    if torch.is_grad_enabled() and (x.requires_grad or gate_up_proj.requires_grad or down_proj.requires_grad
-                                    or topk_weights.requires_grad):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return None
     state = CachedLaunch.launch_state()
     if state is None:
         return None
-    return (state, os.environ.get("KERNELHUB_MOE_CONFIG_DIR"), _routing_checks.sms_version, variant,
-            x.device, x.dtype, x.shape, x.stride(),
-            gate_up_proj.device, gate_up_proj.dtype, gate_up_proj.shape, gate_up_proj.stride(),
-            down_proj.device, down_proj.dtype, down_proj.shape, down_proj.stride(),
-            topk_idx.device, topk_idx.dtype, topk_idx.shape,
-            topk_weights.device, topk_weights.dtype, topk_weights.shape, topk_weights.stride())
+    key = (state, os.environ.get("KERNELHUB_MOE_CONFIG_DIR"), _routing_checks.sms_version, variant,
+           x.device, x.dtype, x.shape, x.stride(),
+           gate_up_proj.device, gate_up_proj.dtype, gate_up_proj.shape, gate_up_proj.stride(),
+           down_proj.device, down_proj.dtype, down_proj.shape, down_proj.stride(),
+           topk_idx.device, topk_idx.dtype, topk_idx.shape,
+           topk_weights.device, topk_weights.dtype, topk_weights.shape, topk_weights.stride())
+    for s in scales:
+        key += (s.device, s.dtype, s.shape, s.stride())
+    return key
 
 
 def recorded(key: tuple) -> _Replay | None:
@@ -87,8 +89,9 @@ def recorded(key: tuple) -> _Replay | None:
 
 def replay(plan: _Replay, externals: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
     """The output of the recorded launches run on these tensors (x, gate_up_proj, down_proj,
-    topk_idx, topk_weights); None where an address is not 16-byte aligned (the compiled kernels
-    assume it; the ordinary path then launches through Triton). Call with x's device current."""
+    topk_idx, topk_weights, then any fp8 scales, in the recording's order); None where an address
+    is not 16-byte aligned (the compiled kernels assume it; the ordinary path then launches through
+    Triton). Call with x's device current."""
     x = externals[0]
     ptrs = [t.data_ptr() for t in externals]
     bits = 0
@@ -112,6 +115,8 @@ def replay(plan: _Replay, externals: tuple[torch.Tensor, ...]) -> torch.Tensor |
 def _descriptor_base(source, externals: tuple[torch.Tensor, ...], workspace: torch.Tensor) -> torch.Tensor:
     if type(source) is int:
         return externals[source]
+    if len(source) == 2:  # an external read as another dtype of the same size (fp8 weights as uint8)
+        return externals[source[0]].view(source[1])
     offset, dtype, shape, strides = source
     return workspace[offset:].view(dtype).as_strided(shape, strides)
 
@@ -147,6 +152,16 @@ def _make_room() -> None:
 def _storage(t: torch.Tensor) -> tuple[int, int]:
     storage = t.untyped_storage()
     return storage.data_ptr(), storage.nbytes()
+
+
+def _same_view(t: torch.Tensor, externals: tuple[torch.Tensor, ...]) -> tuple[int, torch.dtype] | None:
+    """(i, dtype) where `t` is externals[i].view(dtype): the same address, shape and strides, an
+    element of the same size (the W8A16 kernels read fp8 weights' bits as uint8 through TMA)."""
+    for i, x in enumerate(externals):
+        if (x.data_ptr() == t.data_ptr() and x.element_size() == t.element_size() and x.shape == t.shape
+                and x.stride() == t.stride() and x.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()):
+            return i, t.dtype
+    return None
 
 
 def _plan(calls: list, externals: tuple[torch.Tensor, ...], out: torch.Tensor) -> _Replay | None:
@@ -192,6 +207,8 @@ def _plan(calls: list, externals: tuple[torch.Tensor, ...], out: torch.Tensor) -
             if not isinstance(t, torch.Tensor) or not dataclasses.is_dataclass(e):
                 return None
             source = next((i for i, x in enumerate(externals) if x is t), None)
+            if source is None:
+                source = _same_view(t, externals)
             if source is None:  # a view of an internal buffer: rebuilt over the workspace each call
                 start, nbytes = _storage(t)
                 if any(s == start for s, _ in spans) or (t.data_ptr() - start) % 16:

@@ -33,11 +33,10 @@ def fused_experts_fp8_op(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj:
         if variant == "reference":
             return fp8_reference_unchecked(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
                                            down_proj_scale_inv, tuple(block_size))
-        if x.shape[0] == 0:
-            return x.new_zeros(x.shape)
-        with device_guard(x):
-            return fp8.forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
-                               down_proj_scale_inv, variant, json.loads(config) if config else None)
+        # the eager inference path (variant resolved while tracing): a compiled graph replays too
+        return fp8.run(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
+                       down_proj_scale_inv, tuple(block_size), variant, False, None,
+                       json.loads(config) if config else None)
 
 
 @fused_experts_fp8_op.register_fake

@@ -25,10 +25,11 @@ import torch
 from kernelhub.device import CachedLaunch, device_capability, device_guard, device_properties
 
 from . import _experts_launch as launch
+from . import _experts_replay as replay
 from . import _experts_sm90 as sm90
 from ._constexpr_spec import constexpr_spec
 from ._experts_routing import align_rows
-from ._experts_validate import FN, INTERPRET, checked_variant, needs_grad
+from ._experts_validate import FN, INTERPRET, check_ids, checked_variant, needs_grad
 from ._fp8_configs import FP8_INTERPRETER_CONFIG, QUANT_GROUP, check_fp8_bucket, picked_fp8_config
 from ._fp8_decode import _fp8_decode_down_kernel, _fp8_decode_gate_up_kernel
 from ._fp8_kernels import _fp8_gemm_kernel, _quantize_x_kernel
@@ -325,11 +326,41 @@ class FP8ExpertsFunction(torch.autograd.Function):
                 None)
 
 
+def replay_key(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_scale, down_scale, block_size,
+               variant: str | None) -> tuple | None:
+    """`_experts_replay.replay_key` with the scales, or None where the ordinary path would run a
+    torch op a replay does not repeat: UE8M0 scales (read as an fp32 copy) and a column-strided x
+    (quantized from a contiguous copy)."""
+    if not (isinstance(x, torch.Tensor) and x.dim() == 2 and x.stride(1) == 1 and isinstance(block_size, tuple)
+            and all(type(b) is int for b in block_size)):
+        return None
+    if not all(isinstance(s, torch.Tensor) and s.dtype == torch.float32 for s in (gate_up_scale, down_scale)):
+        return None
+    if torch._C._are_functorch_transforms_active():
+        return None
+    return replay.replay_key(x, gate_up_proj, down_proj, topk_idx, topk_weights, ("fp8", variant, block_size),
+                             gate_up_scale, down_scale)
+
+
 def run(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv, down_proj_scale_inv,
-        block_size, variant: str | None, check_indices: bool, default_variant: Callable[[torch.device], str],
-        config: dict | None = None):
+        block_size, variant: str | None, check_indices: bool,
+        default_variant: Callable[[torch.device], str] | None, config: dict | None = None):
     """`fused_experts` on fp8 weights (eager): checks, variant, then the reference or the kernels
-    (`config`: a pinned bucket of configs/fp8_<variant>.json, checked for the variant)."""
+    (`config`: a pinned bucket of configs/fp8_<variant>.json, checked for the variant;
+    `default_variant` asked where `variant` is None). Inference
+    with the shipped buckets replays a key's recorded launches from its third call, as the 16-bit
+    path does (`_experts_replay`)."""
+    externals = (x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv, down_proj_scale_inv)
+    key = replay_key(*externals, block_size, variant) if config is None else None
+    plan = replay.recorded(key) if key is not None else None
+    if plan is not None:
+        if check_indices:
+            check_ids(x, topk_idx, gate_up_proj.shape[0])
+            check_indices = False  # done, also for the ordinary path below (a misaligned address)
+        with device_guard(x):
+            out = replay.replay(plan, externals)
+        if out is not None:
+            return out
     bs = validate_fp8_inputs(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
                              down_proj_scale_inv, block_size, check_indices)
     if variant is None and torch._C._are_functorch_transforms_active():
@@ -353,5 +384,11 @@ def run(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_i
         return FP8ExpertsFunction.apply(x, topk_weights, gate_up_proj, down_proj, topk_idx, gate_up_proj_scale_inv,
                                         down_proj_scale_inv, variant, bs, config)
     with device_guard(x):
-        return forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
-                       down_proj_scale_inv, variant, config)
+        if key is None or not replay.should_record(key):
+            return forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
+                           down_proj_scale_inv, variant, config)
+        with CachedLaunch.recording() as calls:  # the second call of a replay key
+            out = forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
+                          down_proj_scale_inv, variant, config)
+    replay.remember(key, calls, externals, out)
+    return out
