@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run on a GPU machine, from the repository root: versions, GPU tests, the demo, then the benchmarks.
 # Usage: bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [routing] [moe] [slice] [fp8] [tune] [cfgab] [dirab]
-#   diagnostics (scripts in tools/): [tiles] [profile] [moehost] [diag] [compdiag] [graphdiag] [sweep] [persist] [moeprof] [flatcheck] [ncu] [pairab] [fp8ab]
+#   diagnostics (scripts in tools/): [tiles] [profile] [moehost] [diag] [compdiag] [graphdiag] [sweep] [persist] [moeprof] [flatcheck] [ncu] [pairab]
 # Env: OUT (logs and JSON lines; default /tmp/kernelhub-out), GPU_TESTS (pytest paths for `tests`), GPU_K (its -k
 # expression), CFG_A, CFG_B, AB_ROUNDS=2 (cfgab), MOE_OLD (dirab), TESTS_TIMEOUT, MOE_TIMEOUT, SWEEP_TIMEOUT,
 # PERSIST_TIMEOUT, TUNE_TIMEOUT, TUNE_ARGS, and the benchmarks' own (SHAPES, TOKENS, IMPLS, MODES, COMPILE...).
@@ -87,8 +87,6 @@ for step in $steps; do
           python3 kernels_repo/moe/benchmarks/bench_fp8.py 2>&1 | tee -a "$OUT/bench_fp8.log" | grep -E "^ceiling|summary|^skip"
       done
       python3 benchmarks/summarize.py fp8 "$OUT/bench_fp8.jsonl" ;;
-    fp8ab) # opt-in sm90 fp8 stage keys ("WS") against the shipped tiles at large T (tools/ab_fp8_ws.py)
-      timeout ${FP8AB_TIMEOUT:-300} python3 tools/ab_fp8_ws.py 2>&1 | tee "$OUT/ab_fp8_ws.log" | grep -E "^(device|ceiling|probe|fp8ab)|Error" ;;
     moeprof) timeout ${PROF_TIMEOUT:-150} python3 tools/profile_moe.py 2>&1 | tee "$OUT/profile_moe.log" | grep -E "^==|^  " | head -${PROF_LINES:-80} ;;
     persist) timeout ${PERSIST_TIMEOUT:-300} python3 tools/sweep_persistent.py 2>&1 | tee "$OUT/sweep_persistent.log" | grep -E "^(==|persist|sum)|skip|Error" ;;
     flatcheck) timeout ${FLAT_TIMEOUT:-200} python3 tools/check_flat_wgrad.py 2>&1 | tee "$OUT/check_flat_wgrad.log" | tail -40 ;;

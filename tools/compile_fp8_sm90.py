@@ -7,11 +7,9 @@ configs/fp8_sm90.json (or of DIR/fp8_sm90.json) with the constexprs `_fp8_expert
 gate/up (x by the quantize pass, and quantized in the load: "quant_x": false) and down, for bf16
 and fp16 activations, plus the quantize pass and any "decode" key's token-major kernels;
 --candidates also every tile `tune_moe.py --fp8` may time (so the sweep spends no GPU time on
-tiles that spill); --ws only the candidates of tools/ab_fp8_ws.py (the opt-in "WS" stages and the
-shipped stages they are timed against, at the DeepSeek-V3 and Qwen3-30B-A3B large-T buckets) with
-the PTX facts of each (warps, wgmma, wait_group, setmaxnreg, mbarrier waits: `ptx_facts`).
+tiles that spill).
 Usage (repo root, TRITON_INTERPRET unset):
-    PYTHONPATH=src python tools/compile_fp8_sm90.py [--dir DIR] [--candidates | --ws]
+    PYTHONPATH=src python tools/compile_fp8_sm90.py [--dir DIR] [--candidates]
 Prints one line per kernel (registers, spill bytes, shared memory) and exits 1 if any fails,
 spills or exceeds the shared memory.
 """
@@ -66,22 +64,6 @@ def candidates() -> list[tuple[str, dict]]:
     return out
 
 
-def ws_candidates() -> list[tuple[str, dict]]:
-    """tools/ab_fp8_ws.py's candidates at each of its shapes' large-T bucket (one stage each, once)."""
-    sys.path.insert(0, str(ROOT / "tools"))
-    import ab_fp8_ws as ab
-
-    out, seen = [], set()
-    for shape, (E, H, I, K) in ab.SHAPES.items():
-        for name, b in ab.candidates(cc8.fp8c.pick_fp8_config("sm90", E, H, I, 16384 * K)):
-            for stage in ("gate_up", "down"):
-                key = json.dumps([stage, b["block_m"], b[stage]], sort_keys=True)
-                if key not in seen:
-                    seen.add(key)
-                    out.append((f"{shape} {name} {stage}", b))
-    return out
-
-
 def check(label: str, rep: dict | None) -> int:
     if rep is None:
         return 1
@@ -99,16 +81,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", type=Path, default=None, help="a config directory (tune_moe.py --fp8 --out)")
     ap.add_argument("--candidates", action="store_true", help="also every tile tune_moe.py --fp8 may time")
-    ap.add_argument("--ws", action="store_true", help="only tools/ab_fp8_ws.py's candidates, with PTX facts")
     args = ap.parse_args()
     fails = 0
-    if args.ws:
-        for where, b in ws_candidates():
-            stage = where.split()[-1]
-            fails += check(where, cc8.check_gemm(90, "sm90", b, stage, label=where, facts=True))
-        fails += check("quantize gather", cc8.check_quantize(90, gather=True))
-        print(f"over budget or failed: {fails}")
-        sys.exit(1 if fails else 0)
     for where, b in buckets(args.dir):
         dtypes = ("bf16", "fp16")
         for dtype in dtypes:

@@ -50,21 +50,7 @@ def compile_report(fn, sig: dict, const: dict, cap: int, num_warps: int, num_sta
     rep = cc.ptxas_report(k.asm["ptx"], cap)
     regs = re.search(r"regs=(\S+)", rep).group(1)
     return {"smem": k.metadata.shared, "regs": int(regs) if regs.isdigit() else -1,
-            "spills": int(re.search(r"spill_bytes=(\d+)", rep).group(1)), "facts": ptx_facts(k)}
-
-
-def ptx_facts(k) -> str:
-    """What the PTX says about the MMA pipeline: warps launched (a warp-specialized kernel adds its
-    partitions' warps), wgmma instructions, each `wgmma.wait_group N` (0: the warp group waits for
-    all its MMAs), setmaxnreg (registers moved between producer and consumer warp groups) and
-    mbarrier waits (producer/consumer hand-offs)."""
-    ptx = k.asm["ptx"]
-    waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)
-    regs = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)
-    bar_waits = len(re.findall(r"mbarrier\.try_wait", ptx))
-    return (f"warps={k.metadata.num_warps} wgmma={ptx.count('wgmma.mma_async')} wait_group=[{','.join(waits)}] "
-            f"setmaxnreg=[{','.join(f'{d}{n}' for d, n in sorted(set(regs)))}] "
-            f"mbarrier_waits={bar_waits}")
+            "spills": int(re.search(r"spill_bytes=(\d+)", rep).group(1))}
 
 
 def gemm_signature(cap: int, variant: str, bucket: dict, stage: str, dtype: str = "bf16",
@@ -83,11 +69,7 @@ def gemm_signature(cap: int, variant: str, bucket: dict, stage: str, dtype: str 
     else:
         a_dtype, c_dtype = ("fp8e4nv" if fp8_dot else dtype), dtype
     w_dtype = "fp8e4nv" if fp8_dot else "u8"  # (W8A16: bits)
-    # "WS": A fp8 rows in routing order (gate/up: the gathering quantize pass) by an in-kernel descriptor
-    warp_spec = fp8_dot and tma and bool(c.get("WS", False))
-    if warp_spec and gate_up:
-        a_dtype = "fp8e4nv"
-    a_tma = tma and not gate_up and c.get("A_TMA", False) and not warp_spec
+    a_tma = tma and not gate_up and c.get("A_TMA", False)
     sig = {"a_ptr": f"*{a_dtype}", "as_ptr": "*fp32", "b_ptr": f"*{w_dtype}", "bs_ptr": "*fp32",
            "c_ptr": f"*{c_dtype}", "cs_ptr": "*fp32", "rows_ptr": "*i32", "row_expert_ptr": "*i32"}
     const = {}
@@ -102,12 +84,11 @@ def gemm_signature(cap: int, variant: str, bucket: dict, stage: str, dtype: str 
         sig["a_desc"] = f"tensordesc<{a_dtype}[{bm}, {bk}]>"
     else:
         const["a_desc"] = None
-    gather = (gate_up and not warp_spec) or backward == "gather"
+    gather = gate_up or backward == "gather"
     const.update(EPILOGUE=1 if gate_up else 0, GATHER_A=gather, TOPK=8, FP8_DOT=fp8_dot,
                  QUANT_A=quant_a, QUANT_C=fp8_dot and gate_up, EMULATE=False,
                  PRECISION="ieee" if a_dtype == "fp32" else None, SCALE_N=128, SCALE_K=128, B_TMA=tma, A_TMA=a_tma,
-                 RESCALE=fp8_dot and bool(c.get("RESCALE", False)), WARP_SPEC=warp_spec,
-                 ONE_SCALE=warp_spec and fp8k.one_scale_block(bn, int(gate_up)),
+                 RESCALE=fp8_dot and bool(c.get("RESCALE", False)),
                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     for name in _UNIT if not (backward and stage == "down") else ("stride_ak", "stride_cn"):  # (transposed W)
         const[name] = 1
@@ -116,13 +97,12 @@ def gemm_signature(cap: int, variant: str, bucket: dict, stage: str, dtype: str 
 
 
 def check_gemm(cap: int, variant: str, bucket: dict, stage: str, dtype: str = "bf16", backward: str | None = None,
-               label: str = "", facts: bool = False) -> dict | None:
-    """Compile one launch and print its line (facts: with `ptx_facts`); the report, or None on a
-    compile error."""
+               label: str = "") -> dict | None:
+    """Compile one launch and print its line; the report, or None on a compile error."""
     if cap < 90 and variant == "sm90":  # sm89: stages fitted to its shared memory, as the launcher does
         bucket = fp8c.fit_fp8_shared_memory(bucket, SM89_SMEM, 1 if not bucket.get("w8a16", False) else 2)
     sig, const, c = gemm_signature(cap, variant, bucket, stage, dtype, backward)
-    flags = [k for k in ("B_TMA", "A_TMA", "QUANT_A", "FP8_DOT", "RESCALE", "WARP_SPEC") if const[k]]
+    flags = [k for k in ("B_TMA", "A_TMA", "QUANT_A", "FP8_DOT", "RESCALE") if const[k]]
     text = (f"fp8 {variant} {backward + ' backward' if backward else stage} x={dtype} block_m={bucket['block_m']} "
             f"{json.dumps(c, sort_keys=True)} {' '.join(flags)} {label}").rstrip()
     try:
@@ -131,25 +111,21 @@ def check_gemm(cap: int, variant: str, bucket: dict, stage: str, dtype: str = "b
     except Exception as e:  # noqa: BLE001
         print(f"FAIL sm{cap} {text}: {type(e).__name__}: {str(e)[:400]}", flush=True)
         return None
-    print(f"ok   sm{cap} {text} smem={rep['smem']} regs={rep['regs']} spill_bytes={rep['spills']}"
-          f"{' ' + rep['facts'] if facts else ''}", flush=True)
+    print(f"ok   sm{cap} {text} smem={rep['smem']} regs={rep['regs']} spill_bytes={rep['spills']}", flush=True)
     return rep
 
 
-def check_quantize(cap: int, dtype: str = "bf16", gather: bool = False) -> dict | None:
-    """x's quantize pass (gather: in routing order, for "WS" gate/up stages)."""
+def check_quantize(cap: int, dtype: str = "bf16") -> dict | None:
     fn = kern._quantize_x_kernel
-    sig = {"x_ptr": f"*{dtype}", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "rows_ptr": "*i32"}
-    const = {"EMULATE": False, "GATHER": gather, "TOPK": 8, "BLOCK_T": fp8k._QUANT_ROWS, "GROUP": 128}
+    sig = {"x_ptr": f"*{dtype}", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
+    const = {"EMULATE": False, "BLOCK_T": fp8k._QUANT_ROWS, "GROUP": 128}
     full = {n: sig.get(n, "constexpr" if n in const else cc.I32) for n in fn.arg_names}
     try:
         rep = compile_report(fn, full, const, cap, 4, None)
     except Exception as e:  # noqa: BLE001
-        print(f"FAIL sm{cap} fp8 quantize x={dtype}{' GATHER' * gather}: {type(e).__name__}: {str(e)[:400]}",
-              flush=True)
+        print(f"FAIL sm{cap} fp8 quantize x={dtype}: {type(e).__name__}: {str(e)[:400]}", flush=True)
         return None
-    print(f"ok   sm{cap} fp8 quantize x={dtype}{' GATHER' * gather} smem={rep['smem']} regs={rep['regs']} "
-          f"spill_bytes={rep['spills']}",
+    print(f"ok   sm{cap} fp8 quantize x={dtype} smem={rep['smem']} regs={rep['regs']} spill_bytes={rep['spills']}",
           flush=True)
     return rep
 
@@ -195,7 +171,6 @@ def main() -> None:
             b = shipped(variant)[-1]
             fails += check_gemm(cap, variant, {**b, "quant_x": False}, "gate_up") is None
             fails += check_quantize(cap) is None  # (sm90 variant only: fp8e4nv stores need sm89+)
-            fails += check_quantize(cap, gather=True) is None  # (a "WS" gate/up stage's)
     for cap in (90, 80):
         for stage, tiles in DECODE_TILES.items():
             for c in tiles:

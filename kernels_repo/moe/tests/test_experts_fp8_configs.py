@@ -108,104 +108,6 @@ def test_sm90_rescaled_accumulator_gives_the_same_sum(tma):
     assert torch.equal(_run(args, {**w8, **stages}), _run(args, w8))
 
 
-WS = {"block_m": 128, "gate_up": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 1, "WS": True},
-      "down": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 1, "WS": True}}
-
-
-def _plain(bucket: dict) -> dict:
-    return {**bucket, **{s: {k: v for k, v in bucket[s].items() if k != "WS"} for s in ("gate_up", "down")}}
-
-
-@pytest.mark.parametrize("I", [144, 256])
-def test_sm90_warp_specialized_stages_give_the_plain_loops_output(I):
-    """"WS": both GEMMs take the warp-specialized loop (A rows by a descriptor the kernel makes;
-    gate/up reads x quantized in routing order instead of gathering it; down's weight scale one
-    scalar per K step). The interpreter runs that code but not the specialization itself (its
-    tl.range ignores warp_specialize): the same values as the plain loop, bit for bit. I=144: up
-    tiles across two scale blocks; 256: inside one."""
-    from kernelhub.device import CachedLaunch
-
-    args = _inputs(seed=28, H=400, I=I)  # 4 K-blocks in gate/up
-    with CachedLaunch.recording() as calls:
-        ws = _run(args, WS)
-    gemms = [c.constexprs for c in calls if hasattr(c.constexprs, "WARP_SPEC")]
-    assert [(g.WARP_SPEC, g.GATHER_A, g.ONE_SCALE) for g in gemms] == [(True, False, False), (True, False, True)]
-    quant = [c.constexprs for c in calls if hasattr(c.constexprs, "GATHER") and not hasattr(c.constexprs, "WARP_SPEC")]
-    assert [q.GATHER for q in quant] == [True]  # x quantized once, in routing order
-    assert torch.equal(ws, _run(args, _plain(WS)))
-    ref, emu = oracle(*args), emulation(*args)
-    err_emu = rel(emu, ref)
-    assert rel(ws, ref) <= 1.25 * err_emu and rel(ws, emu) < 0.4 * err_emu
-
-
-def test_sm90_warp_specialized_stage_falls_back_where_a_cannot_go_by_tma():
-    """Without TMA (the bucket's "tma": false, or rows whose stride TMA cannot take) a "WS" stage
-    runs the plain loop with its tiles."""
-    from kernelhub.device import CachedLaunch
-
-    args = _inputs(seed=29)
-    with CachedLaunch.recording() as calls:
-        out = _run(args, {**WS, "tma": False})
-    assert not any(getattr(c.constexprs, "WARP_SPEC", False) for c in calls)
-    assert torch.equal(out, _run(args, {**_plain(WS), "tma": False}))
-
-
-def _gemm_launches(args, config) -> list:
-    from kernelhub.device import CachedLaunch
-
-    with CachedLaunch.recording() as calls:
-        _run(args, config)
-    return [c for c in calls if hasattr(c.constexprs, "WARP_SPEC")]
-
-
-def _replay_poisoned(call) -> tuple[torch.Tensor, torch.Tensor]:
-    """The recorded GEMM launch again into NaN-filled outputs (c, and h's scales for gate/up):
-    (c as fp32, its scales or an empty tensor)."""
-    t = list(call.tensors)  # a, a_scale, b, b_scale, c, c_scale, rows, row_expert
-    quant_c = call.constexprs.QUANT_C
-    t[4] = torch.full_like(t[4], float("nan"))
-    if quant_c:
-        t[5] = torch.full_like(t[5], float("nan"))
-    call.launcher.split(call.grid, call.device_index, tuple(t), call.ints, call.constexprs,
-                        num_warps=call.num_warps, num_stages=call.num_stages, extras=call.extras)
-    return t[4].float(), t[5] if quant_c else torch.empty(0)
-
-
-def test_sm90_warp_specialized_dead_blocks_store_nothing():
-    """A "WS" kernel has no early return: a block past the last used row (row_expert -1) runs its
-    K loop for no step with expert 0 and must store nothing, as the plain loop's `return` does.
-    Each GEMM is launched again into NaN-filled outputs: the WS and plain launches leave the same
-    elements NaN (exactly the dead blocks' rows) and write the same bits everywhere else."""
-    args = _inputs(seed=30, H=400, I=144)
-    ws, plain = _gemm_launches(args, WS), _gemm_launches(args, _plain(WS))
-    assert [c.constexprs.WARP_SPEC for c in ws] == [True, True]
-    assert [c.constexprs.WARP_SPEC for c in plain] == [False, False]
-    for w_call, p_call in zip(ws, plain):
-        row_expert, bm = w_call.tensors[7], w_call.constexprs.BLOCK_M
-        dead = (row_expert.view(-1, bm)[:, :1] < 0).expand(-1, bm).reshape(-1)
-        assert dead.any() and not dead.all()  # (the routing's static bound leaves dead blocks)
-        (c, cs), (want_c, want_cs) = _replay_poisoned(w_call), _replay_poisoned(p_call)
-        assert c.isnan()[dead].all() and not c.isnan()[~dead].any()
-        torch.testing.assert_close(c, want_c, rtol=0, atol=0, equal_nan=True)
-        if w_call.constexprs.QUANT_C:
-            assert cs.isnan()[dead].all() and not cs.isnan()[~dead].any()
-            torch.testing.assert_close(cs, want_cs, rtol=0, atol=0, equal_nan=True)
-
-
-def test_quantize_pass_in_routing_order_is_the_gathered_quantize_pass():
-    g = torch.Generator().manual_seed(6)
-    x = (torch.randn(11, 200, generator=g) * 3).to(torch.bfloat16)
-    rows = torch.tensor([4, -1, 0, 21, 7, -1, 3, 10], dtype=torch.int32)  # pair t*K+k, -1: padding
-    q, s = fp8x.quantize_x(x, rows, 2)
-    want_q, want_s = fp8x.quantize_x(x)
-    tok = (rows.clamp(min=0) // 2).long()
-    pad = rows < 0
-    assert q.shape == (8, 200) and s.shape == (8, 2)
-    assert torch.equal(q[~pad].view(torch.uint8), want_q[tok[~pad]].view(torch.uint8))
-    assert torch.equal(s[~pad], want_s[tok[~pad]])
-    assert not q[pad].float().any()
-
-
 @pytest.mark.parametrize("block_k", [32, 64])
 @pytest.mark.parametrize("variant", ["sm90", "sm80"])
 def test_k_steps_shorter_than_the_scale_block(variant, block_k):
@@ -256,13 +158,6 @@ def test_pinned_config_tiles_are_used():
     ({"down": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}}, ValueError,
      r"\['down'\]\['BLOCK_M'\] must be a power of two in \[16, block_m=16\]"),
     ({"gate_up": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 1, "A_TMA": True}}, ValueError, "a down key"),
-    ({**WS, "down": {**WS["down"], "WS": 1}}, TypeError, r"`config`\['down'\]\['WS'\] must be true or false"),
-    ({**WS, "down": {**WS["down"], "num_warps": 8}}, ValueError, r"\['down'\]: 'WS' needs num_warps 4"),
-    ({**WS, "gate_up": {**WS["gate_up"], "BLOCK_M": 64}}, ValueError, r"\['gate_up'\]: 'WS' needs a 128-row tile"),
-    ({**WS, "block_m": 64}, ValueError, r"'WS' needs a 128-row tile \(BLOCK_M, or block_m\), got 64"),
-    ({**WS, "down": {**WS["down"], "RESCALE": True}}, ValueError, "'WS' and 'RESCALE' do not combine"),
-    ({**WS, "w8a16": True}, ValueError, r"'WS' runs the fp8 math; the bucket says 'w8a16'"),
-    ({**WS, "quant_x": False}, ValueError, r"\['gate_up'\]: 'WS' quantizes x in its own pass"),
 ])
 @pytest.mark.parametrize("variant", ["sm90", "reference"])
 def test_bad_fp8_config_raises_naming_the_key(patch, err, match, variant):
@@ -440,31 +335,6 @@ def test_shipped_sm90_fp8_tiles_compile_without_spills_within_shared_memory(tmp_
     assert res.stdout.count("ok   sm90") == 4 * (len(shipped) + len(swept)) + in_load + 1 + decode, res.stdout[-2000:]
 
 
-@pytest.mark.skipif(tuple(int(v) for v in __import__("triton").__version__.split(".")[:2]) < (3, 7),
-                    reason="compile_check.py builds ASTSource signatures in Triton 3.7's format")
-def test_ws_candidates_compile_warp_specialized_for_sm90(tmp_path):
-    """tools/compile_fp8_sm90.py --ws (no GPU): every stage tools/ab_fp8_ws.py times compiles for
-    sm90, and each "WS" stage really is warp-specialized (a producer warp group beside the two
-    consumer ones: 12 warps, registers moved by setmaxnreg). Spills are reported, not asserted:
-    the "WS" gate/up stage spills a few hundred bytes with Triton 3.7 (the A/B decides)."""
-    import os
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parents[3] / "tools" / "compile_fp8_sm90.py"
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
-    res = subprocess.run([sys.executable, str(script), "--ws"], capture_output=True, text=True, timeout=900, env=env)
-    out = res.stdout
-    assert "FAIL" not in out and "Traceback" not in res.stderr, (out[-3000:], res.stderr[-3000:])
-    ws = [line for line in out.splitlines() if line.startswith("ok   sm90") and " WARP_SPEC " in line]
-    assert {line.split(" WARP_SPEC ")[1].split()[2] for line in ws} == {"gate_up", "down"}, out[-3000:]
-    for line in ws:
-        assert " warps=12 " in line and re.search(r"setmaxnreg=\[\S+\]", line), line
-    assert "ok   sm90 fp8 quantize x=bf16 GATHER" in out, out[-3000:]
-
-
 DECODE = {"max_tokens": 4, "gate_up": {"BLOCK_N": 8, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1},
           "down": {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1}}
 
@@ -543,8 +413,6 @@ LARGE = {"block_m": 128, "gate_up": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps":
     (600, {**LARGE, "tma": False}, True),
     (600, {**LARGE, "down": {**LARGE["down"], "A_TMA": False}}, True),
     (600, {**LARGE, "w8a16": True, "gate_up": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}}, False),
-    (600, {**LARGE, "gate_up": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "WS": True},
-           "down": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "WS": True}}, True),
     (4, {**BASE, "decode": DECODE}, False),
 ])
 def test_gpu_sm90_pinned_paths_match_the_oracle(T, config, quantized):

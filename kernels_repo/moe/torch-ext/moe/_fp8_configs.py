@@ -13,11 +13,7 @@ fp32 accumulators plus the per-K-block products and spills, where two 64-row til
 scale block, fewer registers per step for the W8A16 conversion; x quantized in the load always
 steps 128); "RESCALE" (with fp8 activations, the accumulator kept divided by the current
 K-block's scales so that the MMA accumulates in place, without the per-K-block product's
-registers: the same sum, one more fp32 rounding per K-block; see `_fp8_gemm_kernel`); "WS" (sm90
-fp8 math, opt-in: the K loop warp-specialized by Triton, a TMA producer warp group and two
-consumer warp groups of 64 rows, so one consumer's per-K-block scaling overlaps the other's MMAs;
-needs num_warps 4 and a 128-row tile; gate/up then reads x quantized in routing order, by TMA,
-instead of gathering rows; falls back to the plain loop where A cannot go by TMA); down only
+registers: the same sum, one more fp32 rounding per K-block; see `_fp8_gemm_kernel`); down only
 "A_TMA" (h through a TMA descriptor). Bucket flags: "tma" (sm90: weights through TMA
 descriptors, default true), "quant_x" (sm90: x quantized by its own pass before the gate/up
 GEMM, default true; false: quantized inside that GEMM's load, once per column tile), "w8a16"
@@ -55,8 +51,7 @@ FP8_INTERPRETER_CONFIG = {
 }
 
 _STAGE_KEYS = ("BLOCK_N", "num_warps", "num_stages")
-_STAGE_OPTIONAL = {"maxnreg": int, "A_TMA": bool, "BLOCK_M": int, "RESCALE": bool, "BLOCK_K": int, "WS": bool}
-WS_BLOCK_M = 128  # a "WS" tile's rows: two consumer warp groups of 64 (wgmma's M)
+_STAGE_OPTIONAL = {"maxnreg": int, "A_TMA": bool, "BLOCK_M": int, "RESCALE": bool, "BLOCK_K": int}
 _FLAGS = ("tma", "quant_x", "w8a16")
 QUANT_GROUP = 128  # columns per activation scale (= the weights' scale block columns)
 
@@ -100,32 +95,12 @@ def check_fp8_bucket(bucket: object, where: str, variant: str | None = None) -> 
                              f"got {c['BLOCK_K']!r}")
     if "decode" in bucket:
         _check_decode(f"{where}['decode']", bucket["decode"])
-    for stage in ("gate_up", "down"):
-        if bucket[stage].get("WS", False):
-            _check_ws(f"{where}[{stage!r}]", bucket[stage], bucket, stage)
     if "A_TMA" in bucket["gate_up"]:
         raise ValueError(f"{where}['gate_up']: 'A_TMA' is a down key (gate/up gathers its rows)")
     if variant == "sm90" and not bucket.get("w8a16", False) and bucket["gate_up"]["BLOCK_N"] != QUANT_GROUP:
         raise ValueError(f"{where}['gate_up']['BLOCK_N'] must be {QUANT_GROUP} on variant 'sm90' with fp8 "
                          f"activations (one quantization group of h per tile), got {bucket['gate_up']['BLOCK_N']!r}; "
                          "'w8a16': true lifts this")
-
-
-def _check_ws(at: str, c: dict, bucket: dict, stage: str) -> None:
-    """A "WS" stage: the shape Triton's sm90 warp specialization splits into one producer and two
-    consumer warp groups (num_warps 4 per group; 128 rows, 64 per consumer), fp8 math only (its
-    K loop is the FP8_DOT one, without RESCALE, which the specialization does not compile)."""
-    if c["num_warps"] != 4:
-        raise ValueError(f"{at}: 'WS' needs num_warps 4 (warps per warp group), got {c['num_warps']!r}")
-    if c.get("BLOCK_M", bucket["block_m"]) != WS_BLOCK_M:
-        raise ValueError(f"{at}: 'WS' needs a {WS_BLOCK_M}-row tile (BLOCK_M, or block_m), "
-                         f"got {c.get('BLOCK_M', bucket['block_m'])!r}")
-    if c.get("RESCALE", False):
-        raise ValueError(f"{at}: 'WS' and 'RESCALE' do not combine")
-    if bucket.get("w8a16", False):
-        raise ValueError(f"{at}: 'WS' runs the fp8 math; the bucket says 'w8a16'")
-    if stage == "gate_up" and bucket.get("quant_x", True) is False:
-        raise ValueError(f"{at}: 'WS' quantizes x in its own pass (rows in routing order); drop 'quant_x': false")
 
 
 def _check_decode(where: str, decode: object) -> None:

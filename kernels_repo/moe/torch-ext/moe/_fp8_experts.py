@@ -21,8 +21,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import triton
-from triton.runtime import _allocation
 
 from kernelhub.device import CachedLaunch, device_capability, device_guard, device_properties
 
@@ -43,8 +41,8 @@ from .reference_fp8 import fp8_reference_unchecked
 _gemm_launch = CachedLaunch(_fp8_gemm_kernel)
 _quant_launch = CachedLaunch(_quantize_x_kernel)
 Fp8GemmConstexprs = constexpr_spec(_fp8_gemm_kernel, """EPILOGUE GATHER_A TOPK FP8_DOT QUANT_A QUANT_C EMULATE
-    PRECISION SCALE_N SCALE_K B_TMA A_TMA RESCALE WARP_SPEC ONE_SCALE BLOCK_M BLOCK_N BLOCK_K""")
-QuantConstexprs = constexpr_spec(_quantize_x_kernel, "EMULATE GATHER TOPK BLOCK_T GROUP")
+    PRECISION SCALE_N SCALE_K B_TMA A_TMA RESCALE BLOCK_M BLOCK_N BLOCK_K""")
+QuantConstexprs = constexpr_spec(_quantize_x_kernel, "EMULATE BLOCK_T GROUP")
 _decode_gate_up_launch = CachedLaunch(_fp8_decode_gate_up_kernel)
 _decode_down_launch = CachedLaunch(_fp8_decode_down_kernel)
 DecodeGateUpConstexprs = constexpr_spec(_fp8_decode_gate_up_kernel,
@@ -99,52 +97,19 @@ def _index(t: torch.Tensor) -> int:
     return t.get_device() if t.is_cuda else -1
 
 
-def quantize_x(x: torch.Tensor, rows: torch.Tensor | None = None, topk: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 [T, H], fp32 scales [T, cdiv(H, 128)]): x quantized per token and 128-column group, one
-    pass (the gate/up GEMM then loads fp8 rows instead of quantizing x once per column tile).
-    rows (the routing's aligned rows, int32 [P]): instead [P, H] and [P, groups] in that order,
-    row p from token rows[p] // topk (zeros for padding), for a gate/up GEMM that reads A by TMA."""
+    pass (the gate/up GEMM then loads fp8 rows instead of quantizing x once per column tile)."""
     T, H = x.shape
-    n = T if rows is None else rows.shape[0]
-    q = torch.empty(n, H, device=x.device, dtype=torch.float8_e4m3fn)
-    s = torch.empty(n, launch.cdiv(H, QUANT_GROUP), device=x.device, dtype=torch.float32)
-    grid = (launch.cdiv(n, _QUANT_ROWS), s.shape[1])
-    if n and H and x.stride(1) == 1:
-        _quant_launch.split(grid, _index(x), (x, q, s, rows if rows is not None else s),
-                            (n, H, x.stride(0), q.stride(0), s.stride(0)),
-                            QuantConstexprs(EMULATE=INTERPRET, GATHER=rows is not None, TOPK=topk,
-                                            BLOCK_T=_QUANT_ROWS, GROUP=QUANT_GROUP), num_warps=4)
-    elif n and H:  # (a column-strided x: one contiguous copy first)
-        return quantize_x(x.contiguous(), rows, topk)
+    q = torch.empty(T, H, device=x.device, dtype=torch.float8_e4m3fn)
+    s = torch.empty(T, launch.cdiv(H, QUANT_GROUP), device=x.device, dtype=torch.float32)
+    grid = (launch.cdiv(T, _QUANT_ROWS), s.shape[1])
+    if T and H and x.stride(1) == 1:
+        _quant_launch.split(grid, _index(x), (x, q, s), (T, H, x.stride(0), q.stride(0), s.stride(0)),
+                            QuantConstexprs(EMULATE=INTERPRET, BLOCK_T=_QUANT_ROWS, GROUP=QUANT_GROUP), num_warps=4)
+    elif T and H:  # (a column-strided x: one contiguous copy first)
+        return quantize_x(x.contiguous())
     return q, s
-
-
-def ws_applies(stage: dict, a: torch.Tensor, fp8_a: bool, gather_a: bool) -> bool:
-    """A stage's "WS" (warp-specialized K loop) runs where its kernel can: fp8 A rows read in order
-    (not gathered) through a TMA descriptor; else the stage runs without it (same tiles)."""
-    return bool(stage.get("WS", False)) and fp8_a and not gather_a and sm90.tma_ok(a)
-
-
-def one_scale_block(bn: int, epilogue: int) -> bool:
-    """A "WS" stage's weight scale per K step as one scalar (ONE_SCALE): the down GEMM with tiles
-    of a divisor of 128 rows, each inside one scale block. Not gate/up: its up tiles start at row
-    I (inside one block only where 128 divides I), and there ptxas spills the consumers'
-    accumulators with the scalar form (1.6 KB at 128 x 128) where the per-column form spills
-    a few scalars only."""
-    return epilogue == 0 and BLOCK[0] % bn == 0
-
-
-def _tma_scratch_allocator() -> None:
-    """A kernel that makes TMA descriptors itself needs Triton's global scratch memory, which Triton
-    allocates only through `triton.set_allocator` (per thread context): a torch allocator on the
-    current stream where none is set, so that a user's own allocator is kept."""
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_torch_scratch)
-
-
-def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    # (called by Triton's launcher inside the launch's device_guard: the current device is the input's)
-    return torch.empty(size, device=torch.device("cuda", torch.cuda.current_device()), dtype=torch.int8)
 
 
 def _gemm(a, a_scale, weight, scale_inv, out, out_scale, routing, stage: dict, *, n: int, k: int, epilogue: int,
@@ -166,13 +131,9 @@ def _gemm(a, a_scale, weight, scale_inv, out, out_scale, routing, stage: dict, *
     if transposed:
         ws, ss = (ws[0], ws[2], ws[1]), (ss[0], ss[2], ss[1])
     b_desc = a_desc = None
-    warp_spec = False
     if tma and not transposed:
         b_desc = sm90.weight_descriptor(w, bn, bk)
-        warp_spec = ws_applies(stage, a, fp8_dot and not quant_a, gather_a)
-        if warp_spec:  # (A by a descriptor the kernel makes: see _fp8_gemm_kernel)
-            _tma_scratch_allocator()
-        elif stage.get("A_TMA", False) and not gather_a and bm <= 256 and sm90.tma_ok(a):
+        if stage.get("A_TMA", False) and not gather_a and bm <= 256 and sm90.tma_ok(a):
             a_desc = sm90.rows_descriptor(a, bm, bk)
     _launcher(stage).split(
         grid, _index(a),
@@ -187,8 +148,7 @@ def _gemm(a, a_scale, weight, scale_inv, out, out_scale, routing, stage: dict, *
             QUANT_A=quant_a, QUANT_C=out_scale is not None, EMULATE=INTERPRET,
             PRECISION="ieee" if (INTERPRET or a.dtype == torch.float32) else None,
             SCALE_N=BLOCK[0], SCALE_K=BLOCK[1], B_TMA=b_desc is not None, A_TMA=a_desc is not None,
-            RESCALE=fp8_dot and bool(stage.get("RESCALE", False)), WARP_SPEC=warp_spec,
-            ONE_SCALE=warp_spec and one_scale_block(bn, epilogue), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk),
+            RESCALE=fp8_dot and bool(stage.get("RESCALE", False)), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk),
         num_warps=stage["num_warps"], num_stages=stage["num_stages"], extras=(b_desc, a_desc),
     )
 
@@ -258,19 +218,15 @@ def forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_scale, d
     routing = align_rows(topk_idx, E, cfg["block_m"])
     P, dev = routing.num_rows, x.device
     a, a_scale = x, None
-    # a "WS" gate/up stage reads A rows in routing order by TMA: x quantized in that order
-    gather = not (fp8_dot and tma and cfg["gate_up"].get("WS", False))
     if fp8_dot:  # h as fp8 with one scale per row and 128-column group (gate/up BLOCK_N = 128)
         h = torch.empty(P, inter, device=dev, dtype=torch.float8_e4m3fn)
         h_scale = torch.empty(P, launch.cdiv(inter, QUANT_GROUP), device=dev, dtype=torch.float32)
-        if not gather:
-            a, a_scale = quantize_x(x, routing.rows, K)
-        elif cfg.get("quant_x", True):
+        if cfg.get("quant_x", True):
             a, a_scale = quantize_x(x)
     else:
         h, h_scale = torch.empty(P, inter, device=dev, dtype=x.dtype), None
     _gemm(a, a_scale, gate_up_proj, gate_up_scale, h, h_scale, routing, cfg["gate_up"], n=inter, k=H, epilogue=1,
-          gather_a=gather, topk=K, fp8_dot=fp8_dot, tma=tma)
+          gather_a=True, topk=K, fp8_dot=fp8_dot, tma=tma)
     y = torch.empty(P, H, device=dev, dtype=x.dtype)
     _gemm(h, h_scale, down_proj, down_scale, y, None, routing, cfg["down"], n=H, k=inter, epilogue=0, gather_a=False,
           topk=K, fp8_dot=fp8_dot, tma=tma)

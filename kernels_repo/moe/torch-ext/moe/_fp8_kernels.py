@@ -70,51 +70,34 @@ def _quantize_rows(v, EMULATE: tl.constexpr):
 @triton.jit
 def _weight_tile(b_ptr, bs_ptr, b_desc, e, offs_k, offs_n, n0, k0, k_blk, n_limit, K, stride_be, stride_bn,
                  stride_bk, stride_bse, stride_bsn, stride_bsk, SCALE_N: tl.constexpr, B_TMA: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_SCALE: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """fp8 (or its uint8 bits) tile [BLOCK_K, BLOCK_N] of expert e's weight [N, K] and its scales per
     column (zero past n_limit). B_TMA: one TMA copy of the [1, BLOCK_N, BLOCK_K] box at (e, n0, k0);
     out-of-box rows and columns read zero, rows of the next half (gate past N: up rows) only
-    where the caller's columns are discarded or multiplied by zero (see the kernel). ONE_SCALE
-    (B_TMA, the tile's rows inside one scale block): the scale is one scalar, not a vector held
-    per column in registers (out-of-box columns read zero weights, so they need no zero scale)."""
+    where the caller's columns are discarded or multiplied by zero (see the kernel)."""
     n_ok = offs_n < n_limit
     if B_TMA:
         b = tl.trans(b_desc.load([e.to(tl.int32), n0, k0]).reshape(BLOCK_N, BLOCK_K))
     else:
         ptrs = b_ptr + e * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
         b = tl.load(ptrs, mask=(offs_k[:, None] < K) & n_ok[None, :], other=0.0)
-    if ONE_SCALE:
-        s = tl.load(bs_ptr + e * stride_bse + (n0 // SCALE_N) * stride_bsn + k_blk * stride_bsk)
-    else:
-        s = tl.load(bs_ptr + e * stride_bse + (offs_n // SCALE_N) * stride_bsn + k_blk * stride_bsk, mask=n_ok,
-                    other=0.0)
+    s = tl.load(bs_ptr + e * stride_bse + (offs_n // SCALE_N) * stride_bsn + k_blk * stride_bsk, mask=n_ok, other=0.0)
     return b, s
 
 
 @triton.jit
-def _quantize_x_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, T, H, stride_xt, stride_qt, stride_st,
-                       EMULATE: tl.constexpr, GATHER: tl.constexpr, TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
-                       GROUP: tl.constexpr):
+def _quantize_x_kernel(x_ptr, q_ptr, s_ptr, T, H, stride_xt, stride_qt, stride_st,
+                       EMULATE: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr):
     """x [T, H] -> fp8 [T, H] and fp32 scales [T, cdiv(H, GROUP)], per token and GROUP-column group:
     the rounding of the GEMM's in-load quantization (`_quantize_rows`), done once per token instead
-    of once per column tile of the gate/up GEMM. Grid (cdiv(T, BLOCK_T), cdiv(H, GROUP)).
-    GATHER: T counts aligned rows instead, row p quantizes token rows[p] // TOPK (zeros where
-    rows[p] < 0), so that the warp-specialized gate/up GEMM reads its A rows by TMA (no gather)."""
+    of once per column tile of the gate/up GEMM. Grid (cdiv(T, BLOCK_T), cdiv(H, GROUP))."""
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     g = tl.program_id(1)
     offs_h = g * GROUP + tl.arange(0, GROUP)
-    if GATHER:
-        flat = tl.load(rows_ptr + offs_t, mask=offs_t < T, other=-1)
-        src = tl.where(flat >= 0, flat // TOPK, 0).to(tl.int64)
-        ok = flat >= 0
-    else:
-        src = offs_t
-        ok = offs_t < T
-    mask = ok[:, None] & (offs_h[None, :] < H)
-    v = tl.load(x_ptr + src[:, None] * stride_xt + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
+    mask = (offs_t[:, None] < T) & (offs_h[None, :] < H)
+    v = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
     q, s = _quantize_rows(v, EMULATE)
-    out = (offs_t[:, None] < T) & (offs_h[None, :] < H)
-    tl.store(q_ptr + offs_t[:, None] * stride_qt + offs_h[None, :], q.to(q_ptr.dtype.element_ty), mask=out)
+    tl.store(q_ptr + offs_t[:, None] * stride_qt + offs_h[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + offs_t * stride_st + g, s, mask=offs_t < T)
 
 
@@ -138,8 +121,6 @@ def _fp8_gemm_kernel(
     B_TMA: tl.constexpr,      # weights through b_desc (sm90), a TMA descriptor over [E, N, K]
     A_TMA: tl.constexpr,      # A (not gathered, already fp8 or 16-bit) through a_desc over [P, K]
     RESCALE: tl.constexpr,    # FP8_DOT: the accumulator kept divided by the current K-block's scales (below)
-    WARP_SPEC: tl.constexpr,  # FP8_DOT, A fp8 not gathered, B_TMA: producer/consumer warp groups (below)
-    ONE_SCALE: tl.constexpr,  # B_TMA, every weight tile inside one scale block: a scalar scale per K step
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile: rows [pid_m * BLOCK_M, +BLOCK_M) (one expert's or padding)."""
@@ -147,17 +128,10 @@ def _fp8_gemm_kernel(
     pid_n = tl.program_id(1)
     m0 = pid_m.to(tl.int64) * BLOCK_M
     e = tl.load(row_expert_ptr + m0).to(tl.int64)
-    k_hi = K
-    if WARP_SPEC:  # (no early return: Triton's warp specialization rejects a branch out of the kernel)
-        live = e >= 0
-        e = tl.maximum(e, 0)
-        k_hi = tl.where(live, K, 0)
-    elif e < 0:  # a block past the last used row
+    if e < 0:  # a block past the last used row
         return
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_mask = offs_m < P
-    if WARP_SPEC:  # a dead block's K loop runs no step and stores nothing
-        m_mask = m_mask & live
     flat = tl.load(rows_ptr + offs_m, mask=m_mask, other=-1)
     if GATHER_A:
         row_ok = flat >= 0
@@ -179,15 +153,10 @@ def _fp8_gemm_kernel(
     pa = tl.full((BLOCK_M,), 1.0, tl.float32)
     pg = tl.full((BLOCK_N,), 1.0, tl.float32)
     pu = tl.full((BLOCK_N,), 1.0, tl.float32)
-    if WARP_SPEC:
-        # made here, not on the host: the warp specialization splits the A box between its two
-        # consumer warp groups (BLOCK_M / 2 rows each) and can rewrite only an in-kernel descriptor
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[P, K], strides=[stride_am, 1],
-                                           block_shape=[BLOCK_M, BLOCK_K])
-    for k0 in tl.range(0, k_hi, BLOCK_K, warp_specialize=WARP_SPEC):
+    for k0 in range(0, K, BLOCK_K):
         k_blk = k0 // SCALE_K  # (QUANT_A: BLOCK_K = SCALE_K, its amax spans one group)
         offs_k = k0 + offs_kk
-        if A_TMA or WARP_SPEC:
+        if A_TMA:
             a = a_desc.load([m0.to(tl.int32), k0])
         else:
             a = tl.load(a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak,
@@ -202,8 +171,7 @@ def _fp8_gemm_kernel(
         elif EMULATE:
             a = a.to(tl.float32)
         b, s = _weight_tile(b_ptr, bs_ptr, b_desc, e, offs_k, offs_n, n0, k0, k_blk, N, K, stride_be, stride_bn,
-                            stride_bk, stride_bse, stride_bsn, stride_bsk, SCALE_N, B_TMA, BLOCK_N, BLOCK_K,
-                            ONE_SCALE)
+                            stride_bk, stride_bse, stride_bsn, stride_bsk, SCALE_N, B_TMA, BLOCK_N, BLOCK_K)
         if FP8_DOT and RESCALE:
             b = b.to(a.dtype)
             a_s = tl.where(a_s > 0, a_s, 1.0)
@@ -212,10 +180,7 @@ def _fp8_gemm_kernel(
             pg = s
         elif FP8_DOT:
             b = b.to(a.dtype)  # (EMULATE: fp32 from fp8, exact; else fp8 stays fp8)
-            if ONE_SCALE:  # (the same products a_s * s, one per row)
-                acc += tl.dot(a, b, input_precision=PRECISION) * (a_s * s)[:, None]
-            else:
-                acc += tl.dot(a, b, input_precision=PRECISION) * (a_s[:, None] * s[None, :])
+            acc += tl.dot(a, b, input_precision=PRECISION) * (a_s[:, None] * s[None, :])
         else:  # uint8 bits -> fp16 (value / 256) -> activation dtype, both exact
             b = _e4m3_bits(b).to(a.dtype)
             acc += tl.dot(a, b, input_precision=PRECISION) * (s * 256.0)[None, :]
@@ -224,7 +189,7 @@ def _fp8_gemm_kernel(
             # up columns read zero past 2N, so h is 0 there, as QUANT_C's amax needs)
             bu, su = _weight_tile(b_ptr, bs_ptr, b_desc, e, offs_k, offs_n + N, n0 + N, k0, k_blk, B_N_TOTAL, K,
                                   stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, SCALE_N,
-                                  B_TMA, BLOCK_N, BLOCK_K, ONE_SCALE)
+                                  B_TMA, BLOCK_N, BLOCK_K)
             if FP8_DOT and RESCALE:
                 bu = bu.to(a.dtype)
                 su = tl.where(su > 0, su, 1.0)
@@ -232,10 +197,7 @@ def _fp8_gemm_kernel(
                 pu = su
             elif FP8_DOT:
                 bu = bu.to(a.dtype)
-                if ONE_SCALE:
-                    acc_u += tl.dot(a, bu, input_precision=PRECISION) * (a_s * su)[:, None]
-                else:
-                    acc_u += tl.dot(a, bu, input_precision=PRECISION) * (a_s[:, None] * su[None, :])
+                acc_u += tl.dot(a, bu, input_precision=PRECISION) * (a_s[:, None] * su[None, :])
             else:
                 bu = _e4m3_bits(bu).to(a.dtype)
                 acc_u += tl.dot(a, bu, input_precision=PRECISION) * (su * 256.0)[None, :]
