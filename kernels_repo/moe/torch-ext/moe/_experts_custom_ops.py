@@ -56,18 +56,32 @@ def _meta_sizes(P: int, E: int, pairs: int) -> list[int]:
     return [P, P, E, E, pairs]
 
 
-@torch.library.custom_op(f"{_NS}::fused_experts", mutates_args=())
-def fused_experts_op(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, topk_idx: torch.Tensor,
-                     topk_weights: torch.Tensor, variant: str, config: str) -> torch.Tensor:
+# The inference op is defined through a `Library`, not `torch.library.custom_op`: it needs no
+# autograd (compiled_fused_experts calls it only where no gradient is needed), and custom_op's
+# Python layers around the body (an autograd kernel, alias checks of every input and output)
+# cost more host time a call than a replayed decode step's whole body.
+_LIB = torch.library.Library(_NS, "FRAGMENT")
+_LIB.define("fused_experts(Tensor x, Tensor gate_up_proj, Tensor down_proj, Tensor topk_idx, Tensor topk_weights, "
+            "str variant, str config) -> Tensor")
+
+
+def _fused_experts_infer(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant: str, config: str):
     # the eager path (variant resolved while tracing), so a compiled graph replays recorded launches too
     with torch.no_grad():
         return eager.run(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant,
                          json.loads(config) if config else None, False)
 
 
-@fused_experts_op.register_fake
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("fused_experts", _fused_experts_infer, _key)
+
+
+@torch.library.register_fake(f"{_NS}::fused_experts", lib=_LIB)
 def _(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, config):
     return x.new_empty(x.shape)
+
+
+fused_experts_op = getattr(torch.ops, _NS).fused_experts.default
 
 
 @torch.library.custom_op(f"{_NS}::fused_experts_train", mutates_args=())
