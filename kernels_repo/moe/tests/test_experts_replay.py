@@ -36,19 +36,26 @@ def test_replay_keys_seen_once_make_room_before_recordings(monkeypatch):
         rp._REPLAYS.clear()
 
 
-def test_a_replay_rebuilds_descriptors_over_weights_and_internal_buffers(monkeypatch):
-    """A recorded launch whose extras are TMA descriptors over a weight (an external) and over an
-    internal buffer (the down GEMM's h with "A_TMA"): the replay passes a fresh descriptor over
-    the new weight and one over the workspace region whose address the same launch gets for h,
-    with the recorded dtype, shape, strides and box; a descriptor over the output is refused."""
+def _plan_parts():
+    """(TensorDescriptor, _experts_replay, kernelhub.triton_launch, a launcher whose every call hits)
+    for tests that record a launch by hand."""
     TensorDescriptor = pytest.importorskip("triton.tools.tensor_descriptor").TensorDescriptor
-    rp = importlib.import_module(moe.__name__ + "._experts_replay")
-    tl_mod = importlib.import_module("kernelhub.triton_launch")
 
     class Launcher:
         @staticmethod
         def split_hit(call):
             return "hit"
+
+    return (TensorDescriptor, importlib.import_module(moe.__name__ + "._experts_replay"),
+            importlib.import_module("kernelhub.triton_launch"), Launcher)
+
+
+def test_a_replay_rebuilds_descriptors_over_weights_and_internal_buffers(monkeypatch):
+    """A recorded launch whose extras are TMA descriptors over a weight (an external) and over an
+    internal buffer (the down GEMM's h with "A_TMA"): the replay passes a fresh descriptor over
+    the new weight and one over the workspace region whose address the same launch gets for h,
+    with the recorded dtype, shape, strides and box; a descriptor over the output is refused."""
+    TensorDescriptor, rp, tl_mod, Launcher = _plan_parts()
 
     def externals():
         return make_inputs(6, 32, 16, 4, 2, dtype=torch.bfloat16, seed=81)
@@ -137,14 +144,7 @@ def test_a_replay_rebuilds_a_descriptor_over_a_dtype_view_of_a_weight(monkeypatc
     """The W8A16 kernels read fp8 weights' bits through a TMA descriptor over weight.view(uint8):
     the replay rebuilds it over the new weight's view of that dtype. A descriptor over any other
     view inside a weight (an offset, another shape) is refused: the replay could not rebuild it."""
-    TensorDescriptor = pytest.importorskip("triton.tools.tensor_descriptor").TensorDescriptor
-    rp = importlib.import_module(moe.__name__ + "._experts_replay")
-    tl_mod = importlib.import_module("kernelhub.triton_launch")
-
-    class Launcher:
-        @staticmethod
-        def split_hit(call):
-            return "hit"
+    TensorDescriptor, rp, tl_mod, Launcher = _plan_parts()
 
     def externals():
         return make_inputs(6, 32, 16, 4, 2, dtype=torch.bfloat16, seed=82)
