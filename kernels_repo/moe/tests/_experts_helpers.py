@@ -152,3 +152,18 @@ def restore_kernelhub(interface, previous) -> None:
     else:
         interface.register("kernelhub", previous)
 
+
+class GraphRecorder:
+    """A torch.compile backend that keeps the FX graphs it is given and runs them as aot_eager."""
+
+    def __init__(self):
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        self.ops: list[str] = []
+
+        def keep(gm, example_inputs):
+            self.ops += [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+            return make_boxed_func(gm.forward)
+
+        self.backend = aot_autograd(fw_compiler=keep, bw_compiler=keep)

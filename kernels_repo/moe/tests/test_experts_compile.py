@@ -10,6 +10,7 @@ import torch
 from _experts_helpers import (
     NAMES,
     TRITON_VARIANTS,
+    GraphRecorder,
     build_experts,
     cfgs,
     make_inputs,
@@ -18,22 +19,6 @@ from _experts_helpers import (
     run_with_grads,
     with_decode,
 )
-
-
-class _GraphRecorder:
-    """A torch.compile backend that keeps the FX graphs it is given and runs them as aot_eager."""
-
-    def __init__(self):
-        from functorch.compile import make_boxed_func
-        from torch._dynamo.backends.common import aot_autograd
-
-        self.ops: list[str] = []
-
-        def keep(gm, example_inputs):
-            self.ops += [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
-            return make_boxed_func(gm.forward)
-
-        self.backend = aot_autograd(fw_compiler=keep, bw_compiler=keep)
 
 
 @pytest.mark.parametrize(("T", "ids", "variant"), [(0, None, "sm80"), (3, -1, "reference"), (3, -1, "sm80")])
@@ -67,7 +52,7 @@ def test_torch_compile_fullgraph_gives_the_eager_bits(variant):
     """Under torch.compile fused_experts is one custom op forward and one backward: no graph break
     (fullgraph), the eager path's output and gradients bit for bit."""
     x, gu, dn, idx, w = make_inputs(5, 32, 16, 4, 2, drop=1)
-    rec = _GraphRecorder()
+    rec = GraphRecorder()
 
     def f(x, gu, dn, idx, w):
         return moe.fused_experts(x, gu, dn, idx, w, variant=variant)

@@ -28,7 +28,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from _experts_helpers import loop_reference, moe
+from _experts_helpers import GraphRecorder, loop_reference, moe
 
 from kernelhub.device import clear_device_caches
 
@@ -303,15 +303,21 @@ def test_torch_compile_fullgraph_forward_and_backward_match_eager(variant):
         return moe.fused_experts(a, guq, dq, idx, b, variant=variant, **scales)
 
     results = []
-    for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True)):
+    rec = GraphRecorder()
+    for fn in (f, torch.compile(f, backend=rec.backend, fullgraph=True)):
         xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
         out = fn(xs, ws)
         out.backward(dy)
         results.append((out.detach(), xs.grad, ws.grad))
     for eager, compiled in zip(*results, strict=True):
         assert torch.equal(eager, compiled)
+    assert any(op.endswith("fused_experts_fp8.default") for op in rec.ops), rec.ops
+    assert not any("fused_experts_fp8_infer" in op for op in rec.ops), rec.ops
+    # no gradient needed: the inference op (no autograd layers), the same bits
+    infer = GraphRecorder()
     with torch.no_grad():
-        assert torch.equal(torch.compile(f, backend="aot_eager", fullgraph=True)(x, w), results[0][0])
+        assert torch.equal(torch.compile(f, backend=infer.backend, fullgraph=True)(x, w), results[0][0])
+    assert any(op.endswith("fused_experts_fp8_infer.default") for op in infer.ops), infer.ops
 
 
 # ---- validation ----

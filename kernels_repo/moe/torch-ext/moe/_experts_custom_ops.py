@@ -1,7 +1,8 @@
-"""`fused_experts` as torch custom ops, used only while torch.compile traces (no graph breaks).
+"""`fused_experts` as torch ops, used only while torch.compile traces (no graph breaks).
 
 Eager calls never go through these (the dispatcher costs microseconds a call, and the eager path
-has its own replay of inference launches). Three ops: inference; training, which also returns the
+has its own replay of inference launches). Three ops: inference (`_inference_ops`: no autograd
+layers); training, which also returns the
 saved activation [g | u] and the routing (copied into one int32 tensor: a custom op's outputs may
 not alias each other); and its backward, which computes only the gradients asked for. The config
 is passed as JSON ("" = the shipped buckets) and the variant by name (resolved and checked by
@@ -22,6 +23,7 @@ from . import _experts_eager as eager
 from . import _experts_pipeline as pipeline
 from ._experts_configs import shape_buckets
 from ._experts_routing import ExpertRows, max_rows
+from ._inference_ops import define_inference_op
 from .reference_experts import reference_unchecked
 
 _NS = "kernelhub_" + __name__.replace(".", "_")
@@ -56,15 +58,6 @@ def _meta_sizes(P: int, E: int, pairs: int) -> list[int]:
     return [P, P, E, E, pairs]
 
 
-# The inference op is defined through a `Library`, not `torch.library.custom_op`: it needs no
-# autograd (compiled_fused_experts calls it only where no gradient is needed), and custom_op's
-# Python layers around the body (an autograd kernel, alias checks of every input and output)
-# cost more host time a call than a replayed decode step's whole body.
-_LIB = torch.library.Library(_NS, "FRAGMENT")
-_LIB.define("fused_experts(Tensor x, Tensor gate_up_proj, Tensor down_proj, Tensor topk_idx, Tensor topk_weights, "
-            "str variant, str config) -> Tensor")
-
-
 def _fused_experts_infer(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant: str, config: str):
     # the eager path (variant resolved while tracing), so a compiled graph replays recorded launches too
     with torch.no_grad():
@@ -72,16 +65,14 @@ def _fused_experts_infer(x, gate_up_proj, down_proj, topk_idx, topk_weights, var
                          json.loads(config) if config else None, False)
 
 
-for _key in ("CPU", "CUDA"):
-    _LIB.impl("fused_experts", _fused_experts_infer, _key)
-
-
-@torch.library.register_fake(f"{_NS}::fused_experts", lib=_LIB)
-def _(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, config):
+def _fused_experts_fake(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, config):
     return x.new_empty(x.shape)
 
 
-fused_experts_op = getattr(torch.ops, _NS).fused_experts.default
+_LIB = torch.library.Library(_NS, "FRAGMENT")  # (kept: the ops live as long as the library object)
+fused_experts_op = define_inference_op(
+    _LIB, "fused_experts", "(Tensor x, Tensor gate_up_proj, Tensor down_proj, Tensor topk_idx, Tensor topk_weights, "
+    "str variant, str config) -> Tensor", _fused_experts_infer, _fused_experts_fake)
 
 
 @torch.library.custom_op(f"{_NS}::fused_experts_train", mutates_args=())

@@ -1,9 +1,10 @@
-"""`fused_experts` on fp8 weights as torch custom ops, used only while torch.compile traces.
+"""`fused_experts` on fp8 weights as torch ops, used only while torch.compile traces.
 
 As `_experts_custom_ops` does for the 16-bit path: the forward (any variant, resolved while
-tracing) is one opaque op, so Dynamo never traces the Triton launches (it cannot) or the
-reference's data-dependent `nonzero`; the backward (x, topk_weights; the fp8 weights are frozen)
-is a second op: the Triton variants' W8A16 backward, or the reference's vector-Jacobian product.
+tracing) is one opaque op (an inference op where no gradient is needed), so Dynamo never traces
+the Triton launches (it cannot) or the reference's data-dependent `nonzero`; the backward (x,
+topk_weights; the fp8 weights are frozen) is a second op: the Triton variants' W8A16 backward,
+or the reference's vector-Jacobian product.
 """
 
 from __future__ import annotations
@@ -16,19 +17,14 @@ from kernelhub.device import device_guard
 
 from . import _fp8_experts as fp8
 from ._fp8_validate import refuse_weight_gradients
+from ._inference_ops import define_inference_op
 from .reference_fp8 import fp8_reference_unchecked
 
 _NS = "kernelhub_" + __name__.replace(".", "_")
 
 
-@torch.library.custom_op(f"{_NS}::fused_experts_fp8", mutates_args=())
-def fused_experts_fp8_op(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                         topk_idx: torch.Tensor, topk_weights: torch.Tensor, gate_up_proj_scale_inv: torch.Tensor,
-                         down_proj_scale_inv: torch.Tensor, variant: str, block_size: list[int],
-                         weight_needs: list[bool], config: str = "") -> torch.Tensor:
-    """`weight_needs`: which fp8 weights / scales required grad while tracing (read by `fused_experts`:
-    AOT autograd does not report an fp8 input's need in needs_input_grad), refused in backward.
-    `config`: a pinned bucket as JSON (`config_arg`; an op takes no dicts), "" for none."""
+def _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv, down_proj_scale_inv,
+             variant: str, block_size, config: str) -> torch.Tensor:
     with torch.no_grad():
         if variant == "reference":
             return fp8_reference_unchecked(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
@@ -39,10 +35,36 @@ def fused_experts_fp8_op(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj:
                        json.loads(config) if config else None)
 
 
+@torch.library.custom_op(f"{_NS}::fused_experts_fp8", mutates_args=())
+def fused_experts_fp8_op(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                         topk_idx: torch.Tensor, topk_weights: torch.Tensor, gate_up_proj_scale_inv: torch.Tensor,
+                         down_proj_scale_inv: torch.Tensor, variant: str, block_size: list[int],
+                         weight_needs: list[bool], config: str = "") -> torch.Tensor:
+    """The training op (a gradient is needed: x's or topk_weights', or an fp8 weight's, refused in
+    backward). `weight_needs`: which fp8 weights / scales required grad while tracing (AOT autograd
+    does not report an fp8 input's need in needs_input_grad). `config`: a pinned bucket as JSON
+    (`config_arg`; an op takes no dicts), "" for none."""
+    return _forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv, down_proj_scale_inv,
+                    variant, block_size, config)
+
+
 @fused_experts_fp8_op.register_fake
 def _(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv, down_proj_scale_inv, variant,
       block_size, weight_needs, config=""):
     return x.new_empty(x.shape)
+
+
+def _infer_fake(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv, down_proj_scale_inv,
+                variant, block_size, config):
+    return x.new_empty(x.shape)
+
+
+_LIB = torch.library.Library(_NS, "FRAGMENT")  # (kept: the ops live as long as the library object)
+# where no gradient is needed (`_inference_ops`: no autograd layers)
+fused_experts_fp8_infer_op = define_inference_op(
+    _LIB, "fused_experts_fp8_infer", "(Tensor x, Tensor gate_up_proj, Tensor down_proj, Tensor topk_idx, "
+    "Tensor topk_weights, Tensor gate_up_proj_scale_inv, Tensor down_proj_scale_inv, str variant, int[] block_size, "
+    "str config) -> Tensor", _forward, _infer_fake)
 
 
 @torch.compiler.assume_constant_result

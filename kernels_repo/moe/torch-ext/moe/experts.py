@@ -142,6 +142,10 @@ def _fused_experts_fp8(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_
         _fp8_experts.check_config(config, variant)
         weight_needs = [grad and t.requires_grad for t in (gate_up_proj, down_proj, gate_up_proj_scale_inv,
                                                            down_proj_scale_inv)]
+        if not (any(weight_needs) or needs_grad(x, topk_weights)):
+            return _fp8_custom_ops.fused_experts_fp8_infer_op(
+                x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv, down_proj_scale_inv,
+                variant, list(bs), _fp8_custom_ops.config_arg(config))
         return _fp8_custom_ops.fused_experts_fp8_op(x, gate_up_proj, down_proj, topk_idx, topk_weights,
                                                     gate_up_proj_scale_inv, down_proj_scale_inv, variant, list(bs),
                                                     weight_needs, _fp8_custom_ops.config_arg(config))
