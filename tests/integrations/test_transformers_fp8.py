@@ -505,3 +505,33 @@ def test_fp8_experts_with_ue8m0_scales_are_served(layer):
     err = ((out.double() - ref).norm() / ref.norm()).item()
     # bf16 activations; the Sm90 layer also rounds them to fp8 per 128-column group (~4-5% on random data)
     assert err < (7e-2 if layer.endswith("Sm90") else 1e-2), err
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_fp8_inference_fullgraph_static_and_dynamic(kind, dynamic, tmp_path, fp8_loading):
+    """An fp8 checkpoint kernelized for `INFERENCE | TORCH_COMPILE` compiles with fullgraph=True, with
+    static and dynamic shapes: two sequence lengths give the uncompiled kernelized model's logits,
+    and the graph holds the fp8 inference op (no gradient is needed), one per MoE layer."""
+    write_fp8_checkpoint(kind, tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp8").eval()
+    layer = "MoEExpertsFP8Sm80"
+    with use_kernel_mapping({"MoEExpertsFP8": {Device("cpu"): LocalLayerRepository(MOE, layer_name=layer)}}):
+        kernelize(model, mode=Mode.INFERENCE | Mode.TORCH_COMPILE, config={})
+    bound = [e.layer for e in kernelize_report(model).entries if e.layer_name == "MoEExpertsFP8"]
+    assert bound and set(bound) == {layer}
+    ops: list[str] = []
+
+    def backend(gm, example_inputs):
+        ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic)
+    with torch.no_grad():
+        for n, length in enumerate((5, 7)):
+            ids = torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(40 + n))
+            torch.testing.assert_close(compiled(input_ids=ids).logits, model(input_ids=ids).logits,
+                                       rtol=1e-6, atol=1e-6)
+    per_graph = len(bound)
+    assert sum(op.endswith("fused_experts_fp8_infer.default") for op in ops) == per_graph * (1 if dynamic else 2), ops
