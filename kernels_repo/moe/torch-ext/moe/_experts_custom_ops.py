@@ -2,13 +2,12 @@
 
 Eager calls never go through these (the dispatcher costs microseconds a call, and the eager path
 has its own replay of inference launches). Three ops: inference (`_inference_ops`: no autograd
-layers); training, which also returns the
-saved activation [g | u] and the routing (copied into one int32 tensor: a custom op's outputs may
-not alias each other); and its backward, which computes only the gradients asked for. The config
-is passed as JSON ("" = the shipped buckets) and the variant by name (resolved and checked by
-`fused_experts` while tracing), so that every argument has a schema type. The op namespace
-carries the module name, which carries the kernel's path digest, so two loaded versions of this
-kernel register distinct ops.
+layers); training, which also returns the saved activation [g | u] and the routing (copied into one
+int32 tensor: a custom op's outputs may not alias each other); and its backward, which computes
+only the gradients asked for. The config is passed as JSON ("" = the shipped buckets) and the
+variant by name (resolved and checked by `fused_experts` while tracing), so that every argument has
+a schema type. The op namespace carries the module name, which carries the kernel's path digest, so
+two loaded versions of this kernel register distinct ops.
 """
 
 from __future__ import annotations

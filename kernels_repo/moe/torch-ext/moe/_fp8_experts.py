@@ -347,9 +347,8 @@ def run(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_i
         default_variant: Callable[[torch.device], str] | None, config: dict | None = None):
     """`fused_experts` on fp8 weights (eager): checks, variant, then the reference or the kernels
     (`config`: a pinned bucket of configs/fp8_<variant>.json, checked for the variant;
-    `default_variant` asked where `variant` is None). Inference
-    with the shipped buckets replays a key's recorded launches from its third call, as the 16-bit
-    path does (`_experts_replay`)."""
+    `default_variant` asked where `variant` is None). Inference with the shipped buckets replays a
+    key's recorded launches from its third call, as the 16-bit path does (`_experts_replay`)."""
     externals = (x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv, down_proj_scale_inv)
     key = replay_key(*externals, block_size, variant) if config is None else None
     plan = replay.recorded(key) if key is not None else None
