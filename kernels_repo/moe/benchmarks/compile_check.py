@@ -6,6 +6,7 @@ the whole pipeline up to ptxas. Usage (repo root, TRITON_INTERPRET unset):
     PYTHONPATH=src python kernels_repo/moe/benchmarks/compile_check.py
     PAIR=1 ...: also the block_m=128 buckets' GEMM tiles as block_m=64 with "pair_m" (128-row tiles)
     PTX_DIR=DIR ...: also write each kernel's PTX there
+    ... 90: only the capabilities named (default 90 80; the tests run one process per capability)
 """
 
 from __future__ import annotations
@@ -213,7 +214,7 @@ PAIR_TOO = os.environ.get("PAIR") == "1"  # also compile the block_m=128 buckets
 
 def main() -> None:
     failures = 0
-    for cap in (90, 80):
+    for cap in [int(c) for c in sys.argv[1:]] or (90, 80):
         failures += others(cap)
         data = cfgs._load(cap)
         buckets = list(data["buckets"])

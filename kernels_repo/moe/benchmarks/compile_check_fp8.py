@@ -7,7 +7,8 @@ for sm90 and sm89 (no TMA there, stages fitted to its shared memory), "sm80" (W8
 as uint8 bits converted in registers) for sm80/sm86, plus the quantize pass and the backward's
 GEMMs. The interpreter never runs the GPU code path (EMULATE=False), so this is where its fp8
 casts, dots and descriptors are checked. Usage (repo root, TRITON_INTERPRET unset):
-    PYTHONPATH=src python kernels_repo/moe/benchmarks/compile_check_fp8.py
+    PYTHONPATH=src python kernels_repo/moe/benchmarks/compile_check_fp8.py [CAP ...]
+CAP (90, 89, 80, 86): only those capabilities (default all; the tests run two processes).
 Each line: ok/FAIL, capability, label, shared memory bytes, registers and spill bytes (ptxas).
 """
 
@@ -161,8 +162,11 @@ def shipped(variant: str) -> list[dict]:
 
 def main() -> None:
     fails = 0
+    caps = {int(c) for c in sys.argv[1:]} or {90, 89, 80, 86}
     for cap, variant, dtypes in ((90, "sm90", ("bf16", "fp16")), (89, "sm90", ("bf16",)),
                                  (80, "sm80", ("bf16", "fp16", "fp32")), (86, "sm80", ("bf16",))):
+        if cap not in caps:
+            continue
         for b in shipped(variant):
             for dtype in dtypes:
                 for stage in ("gate_up", "down"):
@@ -171,7 +175,7 @@ def main() -> None:
             b = shipped(variant)[-1]
             fails += check_gemm(cap, variant, {**b, "quant_x": False}, "gate_up") is None
             fails += check_quantize(cap) is None  # (sm90 variant only: fp8e4nv stores need sm89+)
-    for cap in (90, 80):
+    for cap in [c for c in (90, 80) if c in caps]:
         for stage, tiles in DECODE_TILES.items():
             for c in tiles:
                 fails += check_decode(cap, stage, c) is None

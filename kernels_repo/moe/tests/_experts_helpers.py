@@ -167,3 +167,25 @@ class GraphRecorder:
             return make_boxed_func(gm.forward)
 
         self.backend = aot_autograd(fw_compiler=keep, bw_compiler=keep)
+
+
+def run_compile_checks(script, tmp_path, groups: list[list[str]]) -> list[str]:
+    """The stdout of `script` (a benchmarks/compile_check*.py) run once per group of capability
+    arguments, the processes side by side (ptxas and LLVM keep one core each busy), each with its
+    own Triton cache under tmp_path and TRITON_INTERPRET unset; fails on any non-zero exit."""
+    import os
+    import subprocess
+    import sys
+
+    procs = []
+    for i, caps in enumerate(groups):
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {
+            "TRITON_CACHE_DIR": str(tmp_path / f"cache{i}")}
+        procs.append(subprocess.Popen([sys.executable, str(script), *caps], stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, env=env))
+    outs = []
+    for caps, proc in zip(groups, procs, strict=True):
+        out, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, (caps, out[-3000:], err[-3000:])
+        outs.append(out)
+    return outs
