@@ -56,11 +56,11 @@ import torch._dynamo
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+from kernelhub._bench_compile import compile_configs, compiled, raise_recompile_limit  # noqa: E402
 
 DEV = torch.device(os.environ.get("DEVICE", "cuda"))
 CUDA = DEV.type == "cuda"
 OUT = os.environ.get("OUT", "/tmp")
-COMPILE_MODES = {"default": "compiled", "reduce-overhead": "reduce-overhead"}
 ROWS: list[dict] = []
 # transformers' experts dispatch calls lru_cache'd version checks, which dynamo warns about on every compile
 warnings.filterwarnings("ignore", message=".*functools.lru_cache.*", category=UserWarning)
@@ -176,18 +176,6 @@ def describe(name: str, model) -> dict:
                 dtype="bfloat16")
 
 
-def compile_fn(model, config: str) -> Callable:
-    if config == "compiled":
-        return torch.compile(model, fullgraph=True, dynamic=False)
-    graphed = torch.compile(model, fullgraph=True, dynamic=False, mode="reduce-overhead")
-
-    def stepped(**kwargs):
-        torch.compiler.cudagraph_mark_step_begin()
-        return graphed(**kwargs)
-
-    return stepped
-
-
 def unique_graphs() -> int:
     try:
         from torch._dynamo.utils import counters
@@ -197,19 +185,19 @@ def unique_graphs() -> int:
         return 0
 
 
-def configurations(T: int, compile_configs: list[str]) -> tuple[list, list]:
+def configurations(T: int, configs: list[str]) -> tuple[list, list]:
     """(core, extra) lists of (name, base, config) in run order. Core: hf_grouped_mm eager first (the
     reference), then kernelhub next to its closest peer in each mode, then hf_eager; extra (T <= 32):
     hf_batched_mm. Every T runs its core before any T runs its extras, so that a run cut short by its
     timeout still has the main comparison at every T."""
     core = [("hf_grouped_mm", "hf_grouped_mm", "eager"), ("kernelhub", "kernelhub", "eager")]
-    for c in compile_configs:
+    for c in configs:
         core += [(f"hf_grouped_mm[{c}]", "hf_grouped_mm", c), (f"kernelhub[{c}]", "kernelhub", c)]
     core.append(("hf_eager", "hf_eager", "eager"))
     extra = []
     if T <= 32:  # (batched_mm gathers the weights of every (token, expert) pair)
         extra = [("hf_batched_mm", "hf_batched_mm", "eager")]
-        extra += [(f"hf_batched_mm[{c}]", "hf_batched_mm", c) for c in compile_configs]
+        extra += [(f"hf_batched_mm[{c}]", "hf_batched_mm", c) for c in configs]
     return core, extra
 
 
@@ -231,7 +219,7 @@ def prepare(model, base: str, config: str) -> None:
 
 def measure(model, name: str, base: str, config: str, ids, ref, model_name: str, T: int) -> torch.Tensor:
     prepare(model, base, config)
-    fn = model if config == "eager" else compile_fn(model, config)
+    fn = model if config == "eager" else compiled(model, config)
     if config != "eager":
         torch.compiler.reset()
 
@@ -259,18 +247,10 @@ def main() -> None:
 
     print("torch", torch.__version__, "transformers", transformers.__version__,
           torch.cuda.get_device_name(DEV) if CUDA else "cpu", flush=True)
-    for knob in ("cache_size_limit", "recompile_limit"):
-        if hasattr(torch._dynamo.config, knob):
-            setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
+    raise_recompile_limit()
     tokens = [int(t) for t in env_list("TOKENS", "1,32,512,4096" if CUDA else "1,8")]
     wanted = env_list("IMPLS", "")
-    compile_configs = []
-    for c in env_list("COMPILE", "default,reduce-overhead"):
-        if c == "none":
-            continue
-        if c not in COMPILE_MODES:
-            raise SystemExit(f"bench_model_slice.py: COMPILE takes {', '.join(COMPILE_MODES)} or none, got {c!r}")
-        compile_configs.append(COMPILE_MODES[c])
+    configs = compile_configs("bench_model_slice.py")
     for model_name in env_list("MODELS", "qwen3_30b_a3b,deepseek_v3"):
         if model_name not in ("qwen3_30b_a3b", "deepseek_v3"):
             raise SystemExit(f"bench_model_slice.py: MODELS takes qwen3_30b_a3b, deepseek_v3, got {model_name!r}")
@@ -283,7 +263,7 @@ def main() -> None:
         for phase in (0, 1):  # every T's core configurations, then the extras
             for T in tokens:
                 t0 = time.time()
-                for name, base, config in configurations(T, compile_configs)[phase]:
+                for name, base, config in configurations(T, configs)[phase]:
                     if wanted and name not in wanted and base not in wanted:
                         continue
                     try:

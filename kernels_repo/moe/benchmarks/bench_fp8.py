@@ -41,6 +41,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from kernelhub._bench_compile import compile_configs, compiled  # noqa: E402
 from kernelhub._loader import load_kernel_from_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -117,34 +118,6 @@ def rowwise_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     for e in range(0, w.shape[0], 16):
         q[e:e + 16], s[e:e + 16] = rowwise(w[e:e + 16])
     return q.transpose(1, 2), s
-
-
-COMPILE_MODES = {"default": "compiled", "reduce-overhead": "reduce-overhead"}
-
-
-def compile_configs() -> list[str]:
-    """The compiled configurations COMPILE names (default both; none: eager only)."""
-    out = []
-    for c in (c for c in os.environ.get("COMPILE", "default,reduce-overhead").split(",") if c):
-        if c == "none":
-            continue
-        if c not in COMPILE_MODES:
-            raise SystemExit(f"bench_fp8.py: COMPILE takes {', '.join(COMPILE_MODES)} or none, got {c!r}")
-        out.append(COMPILE_MODES[c])
-    return out
-
-
-def compiled(fn, config: str):
-    """torch.compile(fn, fullgraph=True) with static shapes; reduce-overhead marks a step per call."""
-    if config == "compiled":
-        return torch.compile(fn, fullgraph=True, dynamic=False)
-    graphed = torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
-
-    def stepped(*args):
-        torch.compiler.cudagraph_mark_step_begin()
-        return graphed(*args)
-
-    return stepped
 
 
 def scaled_grouped_forward(x, gu_t, gu_s, dn_t, dn_s, idx, w):
@@ -231,7 +204,7 @@ def main() -> None:
     tokens = [int(t) for t in os.environ.get("TOKENS", "1,32,512,4096,16384" if CUDA else "1,8").split(",")]
     shapes = [s for s in os.environ.get("SHAPES", "deepseek_v3,qwen3_30b_a3b" if CUDA else "tiny").split(",") if s]
     peers = os.environ.get("PEERS", "1") != "0"
-    configs = compile_configs() if peers else []
+    configs = compile_configs("bench_fp8.py") if peers else []
     for name in shapes:
         E, H, I, K = SHAPES[name]
         g = torch.Generator(device=dev).manual_seed(0)

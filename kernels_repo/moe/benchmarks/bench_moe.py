@@ -60,6 +60,7 @@ import torch._dynamo
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "src"))
+from kernelhub._bench_compile import compile_configs, compiled, raise_recompile_limit  # noqa: E402
 from kernelhub._loader import load_kernel_from_dir  # noqa: E402
 
 # MOE_DIR: another copy of the kernel repository (an older commit, say), for an A/B in one call
@@ -77,7 +78,6 @@ SHAPES = {
 }
 # transformers' experts dispatch calls lru_cache'd version checks, which dynamo warns about on every compile
 warnings.filterwarnings("ignore", message=".*functools.lru_cache.*", category=UserWarning)
-COMPILE_MODES = {"default": "compiled", "reduce-overhead": "reduce-overhead"}
 ROWS: list[dict] = []  # this run's rows, for the closing table
 
 
@@ -194,27 +194,13 @@ class Impl:
     fwdbwd: Callable | None
 
 
-def compile_fn(target, config: str) -> Callable:
-    """torch.compile(target, fullgraph=True) with static shapes; under reduce-overhead every call
-    first marks a new CUDA-graph step (outputs of the previous replay may be overwritten)."""
-    if config == "compiled":
-        return torch.compile(target, fullgraph=True, dynamic=False)
-    fn = torch.compile(target, fullgraph=True, dynamic=False, mode="reduce-overhead")
-
-    def stepped(*args):
-        torch.compiler.cudagraph_mark_step_begin()
-        return fn(*args)
-
-    return stepped
-
-
 def kernelhub_compiled(base, idx, w, config: str) -> tuple[Callable, Callable]:
     """(forward, forward+backward) of kernelhub under torch.compile in `config`."""
     if MOE_DIR or os.environ.get("KH_COMPILED", "kernelize") == "function":
         def kh(xx):
             return moe.fused_experts(xx, base.gate_up_proj, base.down_proj, idx, w)
 
-        fn = compile_fn(kh, config)
+        fn = compiled(kh, config)
         return fn, fn
     from kernelhub import Mode, kernelize, kernelize_report
 
@@ -225,7 +211,7 @@ def kernelhub_compiled(base, idx, w, config: str) -> tuple[Callable, Callable]:
         entry = kernelize_report(mod).entries[0]
         if entry.fallback_reason is not None:
             raise RuntimeError(f"kernelize({mode}) left the experts eager: {entry.fallback_reason}")
-        cm = compile_fn(mod, config)
+        cm = compiled(mod, config)
         fns.append(lambda xx, cm=cm: cm(xx, idx, w))
     return fns[0], fns[1]
 
@@ -282,7 +268,7 @@ def impls_for(base, T, E, H, I, K, idx, w, wanted, configs, compiled_bases, phas
         add("hf_" + impl, "eager", lambda hf=hf: (hf, hf))
         for config in configs if "hf_" + impl in compiled_bases else ():
             def build(impl=impl, config=config):
-                cm = compile_fn(experts_view(base, impl), config)
+                cm = compiled(experts_view(base, impl), config)
                 fn = lambda xx: cm(xx, idx, w)  # noqa: E731
                 return fn, fn
 
@@ -300,7 +286,7 @@ def impls_for(base, T, E, H, I, K, idx, w, wanted, configs, compiled_bases, phas
 
         add("liger", "eager", lambda: (liger, liger))
         for config in configs if "liger" in compiled_bases else ():
-            add("liger", config, lambda config=config: (compile_fn(liger, config),) * 2)
+            add("liger", config, lambda config=config: (compiled(liger, config),) * 2)
     # eager configurations first (no compile), then each compiled mode with kernelhub next to its
     # closest peers: a point cut short by a timeout still holds comparable pairs
     config_rank = {"eager": 0, "graph": 1, "compiled": 2, "reduce-overhead": 3}
@@ -466,21 +452,13 @@ def main() -> None:
           torch.cuda.get_device_name(DEV) if CUDA else "cpu", torch.cuda.get_device_capability(DEV) if CUDA else "",
           flush=True)
     # every (configuration, pass) compiles after a reset; the limits only guard against surprises
-    for knob in ("cache_size_limit", "recompile_limit"):
-        if hasattr(torch._dynamo.config, knob):
-            setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
+    raise_recompile_limit()
     copy_bw, mm = ceilings()
     only = env_list("SHAPES", "" if CUDA else "tiny")
     tokens = [int(t) for t in env_list("TOKENS", "1,32,512,4096,16384" if CUDA else "1,8")]
     wanted = ["kernelhub[compiled]" if s == "kernelhub_compiled" else s for s in env_list("IMPLS", "")]
     modes = env_list("MODES", "fwd,fwdbwd")
-    configs = []
-    for c in env_list("COMPILE", "default,reduce-overhead"):
-        if c == "none":
-            continue
-        if c not in COMPILE_MODES:
-            raise SystemExit(f"bench_moe.py: COMPILE takes {', '.join(COMPILE_MODES)} or none, got {c!r}")
-        configs.append(COMPILE_MODES[c])
+    configs = compile_configs("bench_moe.py")
     compiled_bases = env_list("COMPILE_IMPLS", "kernelhub,hf_grouped_mm,hf_batched_mm,liger")
     variant = moe.select_variant(DEV)
     cfgs = __import__(moe.__name__ + "._experts_configs", fromlist=["pick_config"])

@@ -47,7 +47,6 @@ SHAPES = [(8192, 14336), (32768, 4096), (4096, 6144), (64, 14336)]
 HOST_SHAPE = (1, 128)
 DEV = torch.device(os.environ.get("DEVICE", "cuda:0"))
 CUDA = DEV.type == "cuda"
-COMPILE_MODES = {"default": "compiled", "reduce-overhead": "reduce-overhead"}
 
 
 def reps(n: int) -> int:
@@ -65,19 +64,6 @@ def config_of(name: str) -> tuple[str, str]:
     return name, "eager"
 
 
-def compiled(fn, config: str):
-    """torch.compile(fn, fullgraph=True) with static shapes; reduce-overhead marks a step per call."""
-    if config == "compiled":
-        return torch.compile(fn, fullgraph=True, dynamic=False)
-    graphed = torch.compile(fn, fullgraph=True, dynamic=False, mode="reduce-overhead")
-
-    def stepped(g, u):
-        torch.compiler.cudagraph_mark_step_begin()
-        return graphed(g, u)
-
-    return stepped
-
-
 def emit(**row) -> None:
     global _log
     if _log is None:
@@ -90,20 +76,13 @@ def emit(**row) -> None:
 
 def implementations() -> tuple[dict, object]:
     sys.path.insert(0, str(REPO.parents[1] / "src"))
+    from kernelhub._bench_compile import compile_configs, compiled, raise_recompile_limit
     from kernelhub.hub import get_local_kernel
 
     k = get_local_kernel(REPO)
     # one compile per shape and grad mode must not exhaust dynamo's recompile limit (eager fallback)
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    if hasattr(torch._dynamo.config, "recompile_limit"):  # (newer torch's name; cache_size_limit its alias)
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    configs = []
-    for c in (c for c in os.environ.get("COMPILE", "default,reduce-overhead").split(",") if c):
-        if c == "none":
-            continue
-        if c not in COMPILE_MODES:
-            raise SystemExit(f"bench_swiglu.py: COMPILE takes {', '.join(COMPILE_MODES)} or none, got {c!r}")
-        configs.append(COMPILE_MODES[c])
+    raise_recompile_limit()
+    configs = compile_configs("bench_swiglu.py")
 
     # one function per configuration: each its own code object, so its own compiled cache (guards of
     # one configuration's graphs are not checked on the calls of another)
