@@ -11,6 +11,13 @@ if os.environ.get("KERNELHUB_TEST_GPU") != "1":
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Under pytest-xdist (`-n`), the workers share the cores: each takes its part for torch's threads
+# and for the processes it starts, instead of every worker oversubscribing all of them.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _threads = max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
+    torch.set_num_threads(_threads)
+
 from kernelhub.device import clear_device_caches  # noqa: E402
 
 

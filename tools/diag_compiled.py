@@ -77,7 +77,11 @@ def profile(name: str, fn, n: int = 20) -> None:
             fn()
         torch.cuda.synchronize()
     print(f"\n### {name}: {n} calls")
-    print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=70))
+    events = p.key_averages()
+    print(events.table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=70))
+    # CUDA runtime/driver calls per call (a sync or a memcpy here serializes host and GPU time)
+    api = [(e.key, e.count / n, e.cpu_time_total / n) for e in events if e.key.startswith(("cuda", "cu"))]
+    print(f"T=api {name}: " + "  ".join(f"{k} x{c:g} {t:.1f}us" for k, c, t in sorted(api, key=lambda a: -a[2])))
 
 
 @torch.library.custom_op("kernelhub_diag::clone5", mutates_args=())
