@@ -7,7 +7,10 @@ call, the kernelized module compiled both ways, and at decode a replayed CUDA gr
 Shapes Qwen3-30B-A3B, Mixtral 8x7B, DeepSeek-V3; T in 1, 32, 512, 4096, 16384; forward (no_grad) and
 forward+backward. The best peer of a point is the fastest of all peer configurations, named with its
 configuration (`hf_grouped_mm[reduce-overhead]`). Floor = max(FLOPs / measured bf16 matmul rate,
-touched-weight bytes / measured copy rate), with touched experts = distinct ids in topk_idx. Also
+touched-weight bytes / measured copy rate), with touched experts = distinct ids in topk_idx; for
+forward+backward, max(3 x those FLOPs / the rate, bytes / the copy rate) with bytes = the touched weights
+read twice (forward, dx) plus the weight gradients of all E experts written (a parameter's gradient is
+dense: zeros for an expert no token reached, which dominates at small T) plus x, dy, dx and out. Also
 prints peak memory of forward+backward and the tile config chosen, so `tune_moe.py` knows where to look.
 
 Compiled configurations are compiled once per (implementation, shape, T, pass) with static shapes,
@@ -356,7 +359,8 @@ def fields(impl: Impl) -> dict:
     return dict(impl=impl.name, base=impl.base, config=impl.config)
 
 
-def measure(impl: Impl, x, dy, ref, base, modes, sname, T, flops, floor_ms) -> None:
+def measure(impl: Impl, x, dy, ref, base, modes, sname, T, flops, floors) -> None:
+    floor_ms, floor_fb_ms = floors
     warm = 1 if impl.config == "eager" else 3  # compile; CUDA-graph trees: warm-up run, record, replay
     if "fwd" in modes and impl.fwd is not None:
         fn = impl.fwd
@@ -409,7 +413,7 @@ def measure(impl: Impl, x, dy, ref, base, modes, sname, T, flops, floor_ms) -> N
             peak = (torch.cuda.max_memory_allocated() - before) / 2**20
             clear()
         emit(kind="moe_fwdbwd", shape=sname, T=T, ms=ms, TFLOPs=3 * flops / (ms * 1e-3) / 1e12,
-             floor_ms=3 * floor_ms, frac_floor=3 * floor_ms / ms, peak_extra_MiB=peak, compile_s=compile_s,
+             floor_ms=floor_fb_ms, frac_floor=floor_fb_ms / ms, peak_extra_MiB=peak, compile_s=compile_s,
              recompiles=recompiles, **fields(impl))
 
 
@@ -421,7 +425,9 @@ def point(base, sname, T, E, H, I, K, copy_bw, mm, variant, cfgs, wanted) -> tup
     dy = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
     touched = int(torch.unique(idx).numel())
     flops = 6 * T * K * H * I
-    floor_ms = max(flops / mm, (touched * 3 * H * I * 2 + 2 * T * H * 2) / copy_bw) * 1e3
+    weight_bytes = 3 * H * I * 2
+    floor_ms = max(flops / mm, (touched * weight_bytes + 2 * T * H * 2) / copy_bw) * 1e3
+    floor_fb_ms = max(3 * flops / mm, ((2 * touched + E) * weight_bytes + 4 * T * H * 2) / copy_bw) * 1e3
     load = torch.bincount(idx.reshape(-1), minlength=E).float()
     tiles = ""
     if CUDA:
@@ -437,7 +443,7 @@ def point(base, sname, T, E, H, I, K, copy_bw, mm, variant, cfgs, wanted) -> tup
         except Exception as e:  # noqa: BLE001
             emit(kind="moe_error", shape=sname, impl="kernelhub_stages", T=T,
                  error=f"{type(e).__name__}: {str(e)[:300]}")
-    return x, idx, w, dy, ref, flops, floor_ms
+    return x, idx, w, dy, ref, flops, (floor_ms, floor_fb_ms)
 
 
 def env_list(name: str, default: str) -> list[str]:
@@ -473,10 +479,10 @@ def main() -> None:
                 t0 = time.time()
                 if phase == "core":
                     points[T] = point(base, sname, T, E, H, I, K, copy_bw, mm, variant, cfgs, wanted)
-                x, idx, w, dy, ref, flops, floor_ms = points[T]
+                x, idx, w, dy, ref, flops, floors = points[T]
                 for impl in impls_for(base, T, E, H, I, K, idx, w, wanted, configs, compiled_bases, phase):
                     try:
-                        measure(impl, x, dy, ref, base, modes, sname, T, flops, floor_ms)
+                        measure(impl, x, dy, ref, base, modes, sname, T, flops, floors)
                     except Exception as e:  # noqa: BLE001
                         emit(kind="moe_error", shape=sname, impl=impl.name, T=T,
                              error=f"{type(e).__name__}: {str(e)[:300]}")
