@@ -593,6 +593,43 @@ def test_torch_compile_fullgraph_matches_eager(impl):
         assert torch.equal(a, t.grad)
 
 
+@pytest.mark.parametrize("impl", [None, "sm80"])
+def test_compiled_inference_uses_the_ops_without_autograd_layers(impl):
+    """Where no gradient can be needed (no_grad, or inputs that need none) the traced graph holds the
+    inference ops (plain Library ops); where one can, the custom ops with a backward. Both give the
+    eager bits."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    seen: list[str] = []
+
+    def forward(gm, _):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=forward, bw_compiler=lambda gm, _: make_boxed_func(gm.forward))
+
+    def f(g, u, x):
+        return ops.swiglu(g, u, impl=impl), ops.swiglu_packed(x, impl=impl)
+
+    g, u = _rand((5, 64), torch.float32), _rand((5, 64), torch.float32)
+    x = _rand((2, 3, 96), torch.bfloat16)
+    want = f(g, u, x)
+    cases = [("no_grad, inputs need grad", True, False), ("grad on, inputs need none", False, True),
+             ("grad on, inputs need grad", True, True)]
+    for name, requires, grad_mode in cases:
+        torch._dynamo.reset()
+        seen.clear()
+        args = [t.detach().requires_grad_(requires) for t in (g, u, x)]
+        with torch.set_grad_enabled(grad_mode):
+            got = torch.compile(f, backend=backend, fullgraph=True)(*args)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a.detach(), b), name
+        ours = sorted(op.split(".")[-2] for op in seen if "kernelhub" in op)  # ns.name.default
+        infer = not (requires and grad_mode)
+        assert ours == (["swiglu_infer", "swiglu_packed_infer"] if infer else ["swiglu", "swiglu_packed"]), (name, seen)
+
+
 def test_mlp_layer_under_torch_compile():
     mlp = _llama_mlp(torch.float32)
     x = torch.randn(2, 3, 64)

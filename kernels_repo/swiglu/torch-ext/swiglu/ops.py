@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._custom_ops import _swiglu_op, _swiglu_packed_op
+from ._custom_ops import compiled_swiglu, compiled_swiglu_packed
 from ._dispatch import IMPLS, _empty, _forward, _forward_packed, _resolve, _run
 from .reference import swiglu_packed_reference, swiglu_reference
 
@@ -220,7 +220,7 @@ def swiglu(
             _check_no_overlap("swiglu", out, (("gate", gate), ("up", up)), same_ok=True)
     # (under a torch.func transform, compiled or not, the reference runs: see `_functorch`)
     if torch.compiler.is_compiling() and impl != "reference" and not _functorch_active():
-        y = _swiglu_op(gate, up, _impl_arg("swiglu", impl))
+        y = compiled_swiglu(gate, up, _impl_arg("swiglu", impl))
         return y if out is None else out.copy_(y)
     target = _resolve("swiglu", gate, impl)
     if target is None or _functorch("swiglu", impl):
@@ -253,7 +253,7 @@ def swiglu_packed(
         if _addressable():
             _check_no_overlap("swiglu_packed", out, (("x", x),), same_ok=False)
     if torch.compiler.is_compiling() and impl != "reference" and not _functorch_active():
-        y = _swiglu_packed_op(x, _impl_arg("swiglu_packed", impl))
+        y = compiled_swiglu_packed(x, _impl_arg("swiglu_packed", impl))
         return y if out is None else out.copy_(y)
     target = _resolve("swiglu_packed", x, impl)
     if target is None or _functorch("swiglu_packed", impl):
