@@ -50,8 +50,6 @@ _BUCKET_OPTIONAL = {"max_rows_per_expert", "tma", "pair_m", "decode"}
 # >= 4: rows of the weight per program), BLOCK_K, num_warps, num_stages.
 _DECODE_KEYS = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 
-
-
 MAX_BLOCK_M = 256  # the largest routing alignment a bucket may ask for
 
 def _pow2(v: object) -> bool:
