@@ -11,7 +11,8 @@ touched-weight bytes / measured copy rate), with touched experts = distinct ids 
 forward+backward, max(3 x those FLOPs / the rate, bytes / the copy rate) with bytes = the touched weights
 read twice (forward, dx) plus the weight gradients of all E experts written (a parameter's gradient is
 dense: zeros for an expert no token reached, which dominates at small T) plus x, dy, dx and out. Also
-prints peak memory of forward+backward and the tile config chosen, so `tune_moe.py` knows where to look.
+prints peak memory of forward+backward (and the allocator retries of its timed loop, `alloc_retries`)
+and the tile config chosen, so `tune_moe.py` knows where to look.
 
 Compiled configurations are compiled once per (implementation, shape, T, pass) with static shapes,
 after `torch.compiler.reset()` (so no configuration pays guard checks of another's cache entries); the
@@ -400,8 +401,10 @@ def measure(impl: Impl, x, dy, ref, base, modes, sname, T, flops, floors) -> Non
         compile_s = time.perf_counter() - t0
         clear()
         graphs = unique_graphs()
+        retries = alloc_retries()
         ms = bench(fb, grad_to_none=params)
         recompiles = unique_graphs() - graphs
+        retries = None if retries is None else alloc_retries() - retries
         clear()
         peak = None
         if CUDA:
@@ -414,7 +417,13 @@ def measure(impl: Impl, x, dy, ref, base, modes, sname, T, flops, floors) -> Non
             clear()
         emit(kind="moe_fwdbwd", shape=sname, T=T, ms=ms, TFLOPs=3 * flops / (ms * 1e-3) / 1e12,
              floor_ms=floor_fb_ms, frac_floor=floor_fb_ms / ms, peak_extra_MiB=peak, compile_s=compile_s,
-             recompiles=recompiles, **fields(impl))
+             recompiles=recompiles, alloc_retries=retries, **fields(impl))
+
+
+def alloc_retries() -> int | None:
+    """The caching allocator's retries so far (a failed allocation that freed its cached blocks, with a
+    device sync, and tried again): a timed loop that adds some ran near the card's memory."""
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0) if CUDA else None
 
 
 def point(base, sname, T, E, H, I, K, copy_bw, mm, variant, cfgs, wanted) -> tuple:
