@@ -28,7 +28,10 @@ Compiled configurations: static shapes, compiled once per (configuration, model,
 `torch.compiler.reset()`; the first calls (compile, CUDA-graph recording) are timed apart
 (`compile_s`) and excluded; under reduce-overhead each call first marks a CUDA-graph step. `relerr`
 is against hf_grouped_mm eager at the same T (two layers of bf16 and random routing: ~1e-2).
-The closing table gives kernelhub's best configuration over the best other one.
+The closing table gives kernelhub's best configuration over the best other one. Each row also
+counts, over 10 more forwards, the fused_experts bodies run per forward and how many of them
+replayed recorded launches (`moe_bodies_per_forward`, `moe_replays_per_forward`): a compiled
+(default) forward whose bodies do not replay pays the ordinary path's Python on every MoE layer.
 
 Usage (repo root): PYTHONPATH=src python benchmarks/bench_model_slice.py
   env: MODELS=qwen3_30b_a3b,deepseek_v3  TOKENS=1,32,512,4096  IMPLS=kernelhub,hf_grouped_mm,... (a base
@@ -236,10 +239,43 @@ def measure(model, name: str, base: str, config: str, ids, ref, model_name: str,
         compile_s = time.perf_counter() - t0
         graphs = unique_graphs()
         ms = bench(call)
+        bodies, replays = moe_bodies(call)
     relerr = None if ref is None else ((out - ref).norm() / ref.norm()).item()
     emit(kind="slice_fwd", model=model_name, T=T, impl=name, base=base, config=config, ms=ms, compile_s=compile_s,
-         recompiles=unique_graphs() - graphs, relerr=relerr, tokens_per_s=T / (ms * 1e-3))
+         recompiles=unique_graphs() - graphs, relerr=relerr, tokens_per_s=T / (ms * 1e-3),
+         moe_bodies_per_forward=bodies, moe_replays_per_forward=replays)
     return out
+
+
+def moe_bodies(call, n: int = 10) -> tuple[float, float]:
+    """(fused_experts bodies run, of those replayed from recorded launches) per forward over n calls:
+    an eager or compiled (default) forward runs one body per MoE layer, reduce-overhead none (the
+    CUDA graph replays the kernels); a body that does not replay takes the ordinary path and its
+    Python. Counted by wrapping the bundled moe kernel's `_experts_eager.run` and
+    `_experts_replay.replay`; 0, 0 where kernelhub's moe kernel is not loaded."""
+    eagers = [m for k, m in list(sys.modules.items()) if k.endswith("._experts_eager") and hasattr(m, "run")]
+    replays = [m for k, m in list(sys.modules.items()) if k.endswith("._experts_replay") and hasattr(m, "replay")]
+    counts = [0, 0]
+    saved = [(m, "run", m.run) for m in eagers] + [(m, "replay", m.replay) for m in replays]
+
+    def counted(fn, i: int, hit_only: bool):
+        def wrapper(*args, **kwargs):
+            result = fn(*args, **kwargs)
+            counts[i] += not hit_only or result is not None
+            return result
+        return wrapper
+
+    try:
+        for m in eagers:
+            m.run = counted(m.run, 0, False)
+        for m in replays:
+            m.replay = counted(m.replay, 1, True)
+        for _ in range(n):
+            call()
+    finally:
+        for m, attr, fn in saved:
+            setattr(m, attr, fn)
+    return counts[0] / n, counts[1] / n
 
 
 def main() -> None:

@@ -52,10 +52,15 @@ def test_bench_model_slice_times_every_configuration(tmp_path):
         impls = {r["impl"] for r in timed if r["model"] == model}
         assert {"kernelhub", "kernelhub[compiled]", "kernelhub[reduce-overhead]", "hf_grouped_mm",
                 "hf_grouped_mm[compiled]"} <= impls, impls
+    moe_layers = {"qwen3_30b_a3b": 2, "deepseek_v3": 1}  # DeepSeek-V3's slice: a dense layer, then MoE
     for r in timed:
         assert r["recompiles"] == 0, r
         if r["base"] == "kernelhub":  # against hf_grouped_mm eager: two bf16 layers, random routing
             assert r["relerr"] is not None and r["relerr"] < 5e-2, r
+        # fused_experts bodies per forward: one per MoE layer for kernelhub (no CUDA graphs on a CPU;
+        # no replays: they are CUDA-only), none for transformers' own experts
+        bodies = moe_layers[r["model"]] if r["base"] == "kernelhub" else 0
+        assert (r["moe_bodies_per_forward"], r["moe_replays_per_forward"]) == (bodies, 0), r
 
 
 def test_bench_swiglu_times_every_configuration(tmp_path):
