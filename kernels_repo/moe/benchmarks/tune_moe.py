@@ -314,7 +314,24 @@ def fp8_stage_space(stage: str, block_m: int, rows_per_expert: float, w8a16: boo
         if not gate_up and not decode:
             c["A_TMA"] = True
         space.append(c)
+    if block_m == 128 and not w8a16 and os.environ.get("FP8_WIDE", "1") != "0":  # (first: a budget cut keeps them)
+        wide = fp8_wide_tiles(gate_up)
+        space = wide + [c for c in space if c not in wide]
     return space
+
+
+def fp8_wide_tiles(gate_up: bool) -> list[dict]:
+    """Full 128-row tiles (128 x 128 gate/up with its up half, 128 x 256 down) that the register
+    rule above leaves out: 8 warps with RESCALE, or 16 warps (four warpgroups, so that one scales its
+    K-block product while another's MMA runs). Some of them spill a few hundred bytes (ptxas on sm90,
+    tools/compile_fp8_sm90.py --candidates); whether that costs more than the wider tile saves is
+    for the timing to say."""
+    bn = 128 if gate_up else 256
+    out = [{"BLOCK_N": bn, "num_warps": 8, "num_stages": ns, "RESCALE": True} for ns in (3, 4)]
+    out += [{"BLOCK_N": bn, "num_warps": 16, "num_stages": ns, **rs} for ns in (3, 4) for rs in ({}, {"RESCALE": True})]
+    if not gate_up:
+        out = [{**c, "A_TMA": True} for c in out]
+    return out
 
 
 def fp8_decode_space(stage: str) -> list[dict]:
