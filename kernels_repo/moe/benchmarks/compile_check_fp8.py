@@ -90,7 +90,9 @@ def gemm_signature(cap: int, variant: str, bucket: dict, stage: str, dtype: str 
                  QUANT_A=quant_a, QUANT_C=fp8_dot and gate_up, EMULATE=False,
                  PRECISION="ieee" if a_dtype == "fp32" else None, SCALE_N=128, SCALE_K=128, B_TMA=tma, A_TMA=a_tma,
                  RESCALE=fp8_dot and bool(c.get("RESCALE", False)),
-                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+                 # (one scale per K step where the tile fits a scale block: the checkpoints' I and H
+                 # are multiples of 128)
+                 ONE_SCALE=128 % bn == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     for name in _UNIT if not (backward and stage == "down") else ("stride_ak", "stride_cn"):  # (transposed W)
         const[name] = 1
     full = {n: sig.get(n, "constexpr" if n in const else cc.I32) for n in kern._fp8_gemm_kernel.arg_names}

@@ -108,6 +108,37 @@ def test_sm90_rescaled_accumulator_gives_the_same_sum(tma):
     assert torch.equal(_run(args, {**w8, **stages}), _run(args, w8))
 
 
+@pytest.mark.parametrize(("variant", "stages"), [
+    ("sm90", {}), ("sm90", {"tma": False}), ("sm90", {"RESCALE": True}), ("sm80", {})])
+def test_one_scale_per_k_step_gives_the_per_column_paths_bits(monkeypatch, variant, stages):
+    """Where a tile's columns lie in one weight scale block ("ONE_SCALE": I a multiple of the tile for
+    gate/up, whose up rows then start on a tile boundary; any down tile of at most 128 columns, the
+    last one partial here) the kernel loads one scale per K step and scales by a per-row factor: the
+    same products as the per-column scales, so the same bits. Tiles of 64 (two per scale block), 128
+    and 256 (two blocks: per column) wide."""
+    from kernelhub.device import CachedLaunch
+
+    args = _inputs(seed=29, I=256)  # H = 272: down's last tile is partial
+    flags = {k: v for k, v in stages.items() if k == "tma"}
+    rescale = {k: v for k, v in stages.items() if k == "RESCALE"}
+    cfg = {**BASE, **flags, "gate_up": {**BASE["gate_up"], "BLOCK_N": 64, **rescale},
+           "down": {**BASE["down"], "BLOCK_N": 256, **rescale}}
+    if variant == "sm90":  # (fp8 math: gate/up tiles are one 128-column group of h)
+        cfg["gate_up"]["BLOCK_N"] = 128
+    for down_n in (64, 128, 256):
+        cfg["down"]["BLOCK_N"] = down_n
+        with CachedLaunch.recording() as calls:
+            one = _run(args, cfg, variant)
+        used = [c.constexprs.ONE_SCALE for c in calls if hasattr(c.constexprs, "ONE_SCALE")]
+        assert used == [True, down_n <= 128], used
+        monkeypatch.setattr(fp8x, "one_scale", lambda *a: False)
+        per_column = _run(args, cfg, variant)
+        monkeypatch.undo()
+        assert torch.equal(one, per_column), down_n
+    ref = oracle(*args)
+    assert rel(one, ref) < (1.25 * rel(emulation(*args), ref) if variant == "sm90" else 1e-2)
+
+
 @pytest.mark.parametrize("block_k", [32, 64])
 @pytest.mark.parametrize("variant", ["sm90", "sm80"])
 def test_k_steps_shorter_than_the_scale_block(variant, block_k):
@@ -295,16 +326,21 @@ def tune():
                                                           (128, 512)])
 def test_every_fp8_tune_candidate_is_a_valid_bucket(tune, block_m, rows_per_expert, w8a16):
     """What `tune_moe.py --fp8` may write loads for both variants (sm90 fp8 math: 128-column gate/up
-    tiles), and every candidate keeps to the register rule the sm90 compiles follow."""
+    tiles), and every candidate keeps to the register rule the sm90 compiles follow, but the full
+    128-row tiles (`fp8_wide_tiles`), which are offered at block_m 128 with fp8 math only."""
     for stage in ("gate_up", "down"):
         space = tune.fp8_stage_space(stage, block_m, rows_per_expert, w8a16)
         assert space, (stage, block_m)
+        wide = tune.fp8_wide_tiles(stage == "gate_up")
+        assert all(c in space for c in wide) == (block_m == 128 and not w8a16), (stage, block_m, w8a16)
         for c in space:
             bucket = {"block_m": block_m, "gate_up": BASE["gate_up"], "down": BASE["down"], stage: c}
             if w8a16:
                 bucket["w8a16"] = True
             fp8c.check_fp8_bucket(bucket, f"candidate {c}", "sm90")
             fp8c.check_fp8_bucket(bucket, f"candidate {c}", "sm80")
+            if c in wide and block_m == 128 and not w8a16:
+                continue
             rows = c.get("BLOCK_M", block_m)
             acc = rows * c["BLOCK_N"] * (2 if stage == "gate_up" else 1) // (32 * c["num_warps"])
             # fp32 accumulator elements per thread: <= 64 beside the per-K-block product, or <= 128

@@ -41,7 +41,7 @@ from .reference_fp8 import fp8_reference_unchecked
 _gemm_launch = CachedLaunch(_fp8_gemm_kernel)
 _quant_launch = CachedLaunch(_quantize_x_kernel)
 Fp8GemmConstexprs = constexpr_spec(_fp8_gemm_kernel, """EPILOGUE GATHER_A TOPK FP8_DOT QUANT_A QUANT_C EMULATE
-    PRECISION SCALE_N SCALE_K B_TMA A_TMA RESCALE BLOCK_M BLOCK_N BLOCK_K""")
+    PRECISION SCALE_N SCALE_K B_TMA A_TMA RESCALE ONE_SCALE BLOCK_M BLOCK_N BLOCK_K""")
 QuantConstexprs = constexpr_spec(_quantize_x_kernel, "EMULATE BLOCK_T GROUP")
 _decode_gate_up_launch = CachedLaunch(_fp8_decode_gate_up_kernel)
 _decode_down_launch = CachedLaunch(_fp8_decode_down_kernel)
@@ -112,6 +112,14 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+def one_scale(block_n: int, n: int, epilogue: int) -> bool:
+    """Whether every column tile lies in one weight scale block (BLOCK_N divides the block's rows,
+    and gate/up's up half, rows n.., starts on a tile boundary, with no partial tile to zero): then
+    the kernel loads one scale per K step instead of one per column, and scales each product by a
+    per-row factor (a multiply per element instead of two)."""
+    return BLOCK[0] % block_n == 0 and (epilogue != 1 or n % block_n == 0)
+
+
 def _gemm(a, a_scale, weight, scale_inv, out, out_scale, routing, stage: dict, *, n: int, k: int, epilogue: int,
           gather_a: bool, topk: int, fp8_dot: bool, transposed: bool = False, tma: bool = False) -> None:
     """One grouped GEMM over the aligned rows: out[p, :n] from a[row(p), :k] and expert e(p)'s fp8
@@ -148,7 +156,8 @@ def _gemm(a, a_scale, weight, scale_inv, out, out_scale, routing, stage: dict, *
             QUANT_A=quant_a, QUANT_C=out_scale is not None, EMULATE=INTERPRET,
             PRECISION="ieee" if (INTERPRET or a.dtype == torch.float32) else None,
             SCALE_N=BLOCK[0], SCALE_K=BLOCK[1], B_TMA=b_desc is not None, A_TMA=a_desc is not None,
-            RESCALE=fp8_dot and bool(stage.get("RESCALE", False)), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk),
+            RESCALE=fp8_dot and bool(stage.get("RESCALE", False)), ONE_SCALE=one_scale(bn, n, epilogue),
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk),
         num_warps=stage["num_warps"], num_stages=stage["num_stages"], extras=(b_desc, a_desc),
     )
 

@@ -70,9 +70,11 @@ def _quantize_rows(v, EMULATE: tl.constexpr):
 @triton.jit
 def _weight_tile(b_ptr, bs_ptr, b_desc, e, offs_k, offs_n, n0, k0, k_blk, n_limit, K, stride_be, stride_bn,
                  stride_bk, stride_bse, stride_bsn, stride_bsk, SCALE_N: tl.constexpr, B_TMA: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 ONE_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """fp8 (or its uint8 bits) tile [BLOCK_K, BLOCK_N] of expert e's weight [N, K] and its scales per
-    column (zero past n_limit). B_TMA: one TMA copy of the [1, BLOCK_N, BLOCK_K] box at (e, n0, k0);
+    column (zero past n_limit), or (ONE_SCALE: the tile's columns lie in one scale block) that one
+    scale, shape [1] (it broadcasts as the columns' would). B_TMA: one TMA copy of the
+    [1, BLOCK_N, BLOCK_K] box at (e, n0, k0);
     out-of-box rows and columns read zero, rows of the next half (gate past N: up rows) only
     where the caller's columns are discarded or multiplied by zero (see the kernel)."""
     n_ok = offs_n < n_limit
@@ -81,8 +83,13 @@ def _weight_tile(b_ptr, bs_ptr, b_desc, e, offs_k, offs_n, n0, k0, k_blk, n_limi
     else:
         ptrs = b_ptr + e * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
         b = tl.load(ptrs, mask=(offs_k[:, None] < K) & n_ok[None, :], other=0.0)
-    s = tl.load(bs_ptr + e * stride_bse + (offs_n // SCALE_N) * stride_bsn + k_blk * stride_bsk, mask=n_ok, other=0.0)
+    if ONE_SCALE:  # (columns past n_limit: zero weights, or discarded; see the kernel)
+        s = tl.load(bs_ptr + e * stride_bse + (n0 // SCALE_N) * stride_bsn + k_blk * stride_bsk + tl.arange(0, 1))
+    else:
+        s = tl.load(bs_ptr + e * stride_bse + (offs_n // SCALE_N) * stride_bsn + k_blk * stride_bsk, mask=n_ok,
+                    other=0.0)
     return b, s
+
 
 
 @triton.jit
@@ -121,6 +128,7 @@ def _fp8_gemm_kernel(
     B_TMA: tl.constexpr,      # weights through b_desc (sm90), a TMA descriptor over [E, N, K]
     A_TMA: tl.constexpr,      # A (not gathered, already fp8 or 16-bit) through a_desc over [P, K]
     RESCALE: tl.constexpr,    # FP8_DOT: the accumulator kept divided by the current K-block's scales (below)
+    ONE_SCALE: tl.constexpr,  # each tile's columns lie in one weight scale block: one scalar scale per K step
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile: rows [pid_m * BLOCK_M, +BLOCK_M) (one expert's or padding)."""
@@ -151,8 +159,12 @@ def _fp8_gemm_kernel(
     # rescaling costs one fp32 rounding per K-block); scales must be positive (every checkpoint's; a
     # masked row's or column's zero is taken as 1: its products are zero).
     pa = tl.full((BLOCK_M,), 1.0, tl.float32)
-    pg = tl.full((BLOCK_N,), 1.0, tl.float32)
-    pu = tl.full((BLOCK_N,), 1.0, tl.float32)
+    if ONE_SCALE:
+        pg = tl.full((1,), 1.0, tl.float32)
+        pu = tl.full((1,), 1.0, tl.float32)
+    else:
+        pg = tl.full((BLOCK_N,), 1.0, tl.float32)
+        pu = tl.full((BLOCK_N,), 1.0, tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k_blk = k0 // SCALE_K  # (QUANT_A: BLOCK_K = SCALE_K, its amax spans one group)
         offs_k = k0 + offs_kk
@@ -171,12 +183,14 @@ def _fp8_gemm_kernel(
         elif EMULATE:
             a = a.to(tl.float32)
         b, s = _weight_tile(b_ptr, bs_ptr, b_desc, e, offs_k, offs_n, n0, k0, k_blk, N, K, stride_be, stride_bn,
-                            stride_bk, stride_bse, stride_bsn, stride_bsk, SCALE_N, B_TMA, BLOCK_N, BLOCK_K)
+                            stride_bk, stride_bse, stride_bsn, stride_bsk, SCALE_N, B_TMA, ONE_SCALE, BLOCK_N, BLOCK_K)
+        # (the scale factor is formed before it meets the [BLOCK_M, BLOCK_N] product: with ONE_SCALE
+        # a [BLOCK_M, 1] column, so one multiply per element)
         if FP8_DOT and RESCALE:
             b = b.to(a.dtype)
             a_s = tl.where(a_s > 0, a_s, 1.0)
             s = tl.where(s > 0, s, 1.0)
-            acc = tl.dot(a, b, acc * (pa / a_s)[:, None] * (pg / s)[None, :], input_precision=PRECISION)
+            acc = tl.dot(a, b, acc * ((pa / a_s)[:, None] * (pg / s)[None, :]), input_precision=PRECISION)
             pg = s
         elif FP8_DOT:
             b = b.to(a.dtype)  # (EMULATE: fp32 from fp8, exact; else fp8 stays fp8)
@@ -189,11 +203,12 @@ def _fp8_gemm_kernel(
             # up columns read zero past 2N, so h is 0 there, as QUANT_C's amax needs)
             bu, su = _weight_tile(b_ptr, bs_ptr, b_desc, e, offs_k, offs_n + N, n0 + N, k0, k_blk, B_N_TOTAL, K,
                                   stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, SCALE_N,
-                                  B_TMA, BLOCK_N, BLOCK_K)
+                                  B_TMA, ONE_SCALE, BLOCK_N, BLOCK_K)
             if FP8_DOT and RESCALE:
                 bu = bu.to(a.dtype)
                 su = tl.where(su > 0, su, 1.0)
-                acc_u = tl.dot(a, bu, acc_u * (pa / a_s)[:, None] * (pu / su)[None, :], input_precision=PRECISION)
+                acc_u = tl.dot(a, bu, acc_u * ((pa / a_s)[:, None] * (pu / su)[None, :]),
+                               input_precision=PRECISION)
                 pu = su
             elif FP8_DOT:
                 bu = bu.to(a.dtype)
