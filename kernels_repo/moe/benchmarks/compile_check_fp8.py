@@ -70,7 +70,7 @@ def gemm_signature(cap: int, variant: str, bucket: dict, stage: str, dtype: str 
     else:
         a_dtype, c_dtype = ("fp8e4nv" if fp8_dot else dtype), dtype
     w_dtype = "fp8e4nv" if fp8_dot else "u8"  # (W8A16: bits)
-    a_tma = tma and not gate_up and c.get("A_TMA", False)
+    a_tma = tma and c.get("A_TMA", False)  # (gate/up: x quantized in row order, read by TMA)
     sig = {"a_ptr": f"*{a_dtype}", "as_ptr": "*fp32", "b_ptr": f"*{w_dtype}", "bs_ptr": "*fp32",
            "c_ptr": f"*{c_dtype}", "cs_ptr": "*fp32", "rows_ptr": "*i32", "row_expert_ptr": "*i32"}
     const = {}
@@ -85,7 +85,7 @@ def gemm_signature(cap: int, variant: str, bucket: dict, stage: str, dtype: str 
         sig["a_desc"] = f"tensordesc<{a_dtype}[{bm}, {bk}]>"
     else:
         const["a_desc"] = None
-    gather = gate_up or backward == "gather"
+    gather = (gate_up and not a_tma) or backward == "gather"
     const.update(EPILOGUE=1 if gate_up else 0, GATHER_A=gather, TOPK=8, FP8_DOT=fp8_dot,
                  QUANT_A=quant_a, QUANT_C=fp8_dot and gate_up, EMULATE=False,
                  PRECISION="ieee" if a_dtype == "fp32" else None, SCALE_N=128, SCALE_K=128, B_TMA=tma, A_TMA=a_tma,
@@ -120,8 +120,8 @@ def check_gemm(cap: int, variant: str, bucket: dict, stage: str, dtype: str = "b
 
 def check_quantize(cap: int, dtype: str = "bf16") -> dict | None:
     fn = kern._quantize_x_kernel
-    sig = {"x_ptr": f"*{dtype}", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32"}
-    const = {"EMULATE": False, "BLOCK_T": fp8k._QUANT_ROWS, "GROUP": 128}
+    sig = {"x_ptr": f"*{dtype}", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "rows_ptr": "*i32"}
+    const = {"EMULATE": False, "ROWS": True, "TOPK": 8, "BLOCK_T": fp8k._QUANT_ROWS, "GROUP": 128}
     full = {n: sig.get(n, "constexpr" if n in const else cc.I32) for n in fn.arg_names}
     try:
         rep = compile_report(fn, full, const, cap, 4, None)

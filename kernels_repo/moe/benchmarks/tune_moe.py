@@ -314,6 +314,8 @@ def fp8_stage_space(stage: str, block_m: int, rows_per_expert: float, w8a16: boo
         if not gate_up and not decode:
             c["A_TMA"] = True
         space.append(c)
+        if gate_up and not decode and not w8a16:  # x quantized into row order, A by TMA
+            space.append({**c, "A_TMA": True})
     if block_m == 128 and not w8a16 and os.environ.get("FP8_WIDE", "1") != "0":  # (first: a budget cut keeps them)
         wide = fp8_wide_tiles(gate_up)
         space = wide + [c for c in space if c not in wide]
@@ -329,9 +331,8 @@ def fp8_wide_tiles(gate_up: bool) -> list[dict]:
     bn = 128 if gate_up else 256
     out = [{"BLOCK_N": bn, "num_warps": 8, "num_stages": ns, "RESCALE": True} for ns in (3, 4)]
     out += [{"BLOCK_N": bn, "num_warps": 16, "num_stages": ns, **rs} for ns in (3, 4) for rs in ({}, {"RESCALE": True})]
-    if not gate_up:
-        out = [{**c, "A_TMA": True} for c in out]
-    return out
+    # (A by TMA: down's h; gate/up's x quantized into row order, each tile also without)
+    return [{**c, "A_TMA": True} for c in out] + (out if gate_up else [])
 
 
 def fp8_decode_space(stage: str) -> list[dict]:
@@ -387,6 +388,7 @@ def fp8_tune_block_m(fp8x, variant, bm, x, gu, gus, dn, dns, idx, K, rpe, w8a16)
     P = r.num_rows
     if fp8_dot:
         xq, xs = fp8x.quantize_x(x)
+        xr, xrs = fp8x.quantize_x(x, r, K)  # (row order: gate/up "A_TMA")
         h = torch.empty(P, inter, device=DEV, dtype=torch.float8_e4m3fn)
         hs = torch.ones(P, math.ceil(inter / 128), device=DEV)
     else:
@@ -394,8 +396,9 @@ def fp8_tune_block_m(fp8x, variant, bm, x, gu, gus, dn, dns, idx, K, rpe, w8a16)
         h, hs = torch.empty(P, inter, device=DEV, dtype=x.dtype), None
     y = torch.empty(P, H, device=DEV, dtype=x.dtype)
     runs = {
-        "gate_up": lambda c: fp8x._gemm(xq, xs, gu, gus, h, hs, r, c, n=inter, k=H, epilogue=1, gather_a=True, topk=K,
-                                        fp8_dot=fp8_dot, tma=tma),
+        "gate_up": lambda c: fp8x._gemm(*((xr, xrs) if c.get("A_TMA") else (xq, xs)), gu, gus, h, hs, r, c, n=inter,
+                                        k=H, epilogue=1, gather_a=not c.get("A_TMA"), topk=K, fp8_dot=fp8_dot,
+                                        tma=tma),
         "down": lambda c: fp8x._gemm(h, hs, dn, dns, y, None, r, c, n=H, k=inter, epilogue=0, gather_a=False, topk=K,
                                      fp8_dot=fp8_dot, tma=tma),
     }
@@ -438,9 +441,11 @@ def fp8_tune_point(fp8x, variant, x, gu, gus, dn, dns, idx, w, K):
                                                variant=variant, config=b))
 
     if variant == "sm90" and not best.get("w8a16"):
-        ms = {q: e2e({**best, "quant_x": q}) for q in (True, False)}
+        # (in-load quantization gathers x: gate/up's "A_TMA" needs the quantize pass)
+        gathering = {**best, "gate_up": {k: v for k, v in best["gate_up"].items() if k != "A_TMA"}}
+        ms = {True: e2e(best), False: e2e({**gathering, "quant_x": False})}
         print(f" fp8 T={T} end to end: quantize pass {ms[True]:.4f} ms, in-load {ms[False]:.4f} ms", flush=True)
-        best["quant_x"] = ms[True] <= ms[False]
+        best = {**best, "quant_x": True} if ms[True] <= ms[False] else {**gathering, "quant_x": False}
     else:
         print(f" fp8 T={T} end to end: {e2e(best):.4f} ms", flush=True)
     if T <= DECODE_MAX_TOKENS and rpe <= 4:

@@ -73,6 +73,39 @@ def test_sm90_quantize_pass_and_in_load_quantization_give_the_same_output(tma):
     assert rel(outs[True], ref) <= 1.25 * err_emu and rel(outs[True], emu) < 0.4 * err_emu
 
 
+def test_quantize_pass_in_row_order_is_the_token_pass_gathered():
+    """ROWS: buffer row p holds token rows[p] // K's quantized values and scales; padding and dropped
+    (-1) rows are zero with a finite scale."""
+    args = _inputs(seed=30)
+    x, idx, K = args[0], args[3], args[3].shape[1]
+    routing = fp8x.align_rows(idx, args[1].shape[0], 16)
+    q, s = fp8x.quantize_x(x)
+    qr, sr = fp8x.quantize_x(x, routing, K)
+    assert qr.shape == (routing.num_rows, x.shape[1]) and sr.shape == (routing.num_rows, s.shape[1])
+    flat = routing.rows.long()
+    real = flat >= 0
+    assert real.any() and (~real).any()  # padding rows (and -1 ids) are there
+    tok = flat[real] // K
+    assert torch.equal(qr[real].view(torch.uint8), q[tok].view(torch.uint8)) and torch.equal(sr[real], s[tok])
+    assert not qr[~real].float().any() and torch.isfinite(sr[~real]).all() and (sr[~real] > 0).all()
+
+
+@pytest.mark.parametrize("tma", [True, False])
+def test_sm90_gate_up_reading_x_in_row_order_gives_the_gathering_paths_bits(tma):
+    """gate/up "A_TMA": x quantized into the aligned row order and read by TMA instead of gathered;
+    the same products, so the same output ("tma": false: the key is moot, x is gathered)."""
+    from kernelhub.device import CachedLaunch
+
+    args = _inputs(seed=31)
+    gathered = _run(args, {**BASE, "tma": tma})
+    with CachedLaunch.recording() as calls:
+        in_rows = _run(args, {**BASE, "tma": tma, "gate_up": {**BASE["gate_up"], "A_TMA": True}})
+    assert torch.equal(in_rows, gathered)
+    gemms = [c.constexprs for c in calls if hasattr(c.constexprs, "B_TMA")]
+    quant = [c.constexprs for c in calls if hasattr(c.constexprs, "ROWS")]
+    assert [q.ROWS for q in quant] == [tma] and [(g.GATHER_A, g.A_TMA) for g in gemms][0] == (not tma, tma)
+
+
 @pytest.mark.parametrize("a_tma", [True, False])
 def test_sm90_tma_loads_equal_pointer_loads(a_tma):
     """Weights (and down's h with "A_TMA") through descriptors: edge blocks read zero like masks;
@@ -188,7 +221,9 @@ def test_pinned_config_tiles_are_used():
     ({"down": {"BLOCK_N": 512, "num_warps": 4, "num_stages": 1}}, ValueError, r"\['down'\]\['BLOCK_N'\]"),
     ({"down": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 1}}, ValueError,
      r"\['down'\]\['BLOCK_M'\] must be a power of two in \[16, block_m=16\]"),
-    ({"gate_up": {"BLOCK_N": 128, "num_warps": 4, "num_stages": 1, "A_TMA": True}}, ValueError, "a down key"),
+    ({"quant_x": False, "gate_up": {**BASE["gate_up"], "A_TMA": True}}, ValueError,
+     r"\['gate_up'\]\['A_TMA'\] needs fp8 activations from x's quantize pass"),
+    ({"w8a16": True, "gate_up": {**BASE["gate_up"], "A_TMA": True}}, ValueError, r"\['gate_up'\]\['A_TMA'\] needs"),
 ])
 @pytest.mark.parametrize("variant", ["sm90", "reference"])
 def test_bad_fp8_config_raises_naming_the_key(patch, err, match, variant):

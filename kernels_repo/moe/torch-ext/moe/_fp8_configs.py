@@ -13,8 +13,10 @@ fp32 accumulators plus the per-K-block products and spills, where two 64-row til
 scale block, fewer registers per step for the W8A16 conversion; x quantized in the load always
 steps 128); "RESCALE" (with fp8 activations, the accumulator kept divided by the current
 K-block's scales so that the MMA accumulates in place, without the per-K-block product's
-registers: the same sum, one more fp32 rounding per K-block; see `_fp8_gemm_kernel`); down only
-"A_TMA" (h through a TMA descriptor). Bucket flags: "tma" (sm90: weights through TMA
+registers: the same sum, one more fp32 rounding per K-block; see `_fp8_gemm_kernel`); "A_TMA"
+(down: h through a TMA descriptor; gate/up, with fp8 math and x's quantize pass: that pass writes
+x's rows in the aligned order, padding rows zero, and the GEMM reads them by TMA instead of
+gathering them, for T*K instead of T rows quantized). Bucket flags: "tma" (sm90: weights through TMA
 descriptors, default true), "quant_x" (sm90: x quantized by its own pass before the gate/up
 GEMM, default true; false: quantized inside that GEMM's load, once per column tile), "w8a16"
 (sm90 variant: this bucket runs
@@ -95,8 +97,9 @@ def check_fp8_bucket(bucket: object, where: str, variant: str | None = None) -> 
                              f"got {c['BLOCK_K']!r}")
     if "decode" in bucket:
         _check_decode(f"{where}['decode']", bucket["decode"])
-    if "A_TMA" in bucket["gate_up"]:
-        raise ValueError(f"{where}['gate_up']: 'A_TMA' is a down key (gate/up gathers its rows)")
+    if bucket["gate_up"].get("A_TMA", False) and (bucket.get("w8a16", False) or not bucket.get("quant_x", True)):
+        raise ValueError(f"{where}['gate_up']['A_TMA'] needs fp8 activations from x's quantize pass "
+                         "(not with 'w8a16': true or 'quant_x': false)")
     if variant == "sm90" and not bucket.get("w8a16", False) and bucket["gate_up"]["BLOCK_N"] != QUANT_GROUP:
         raise ValueError(f"{where}['gate_up']['BLOCK_N'] must be {QUANT_GROUP} on variant 'sm90' with fp8 "
                          f"activations (one quantization group of h per tile), got {bucket['gate_up']['BLOCK_N']!r}; "

@@ -42,7 +42,7 @@ _gemm_launch = CachedLaunch(_fp8_gemm_kernel)
 _quant_launch = CachedLaunch(_quantize_x_kernel)
 Fp8GemmConstexprs = constexpr_spec(_fp8_gemm_kernel, """EPILOGUE GATHER_A TOPK FP8_DOT QUANT_A QUANT_C EMULATE
     PRECISION SCALE_N SCALE_K B_TMA A_TMA RESCALE ONE_SCALE BLOCK_M BLOCK_N BLOCK_K""")
-QuantConstexprs = constexpr_spec(_quantize_x_kernel, "EMULATE BLOCK_T GROUP")
+QuantConstexprs = constexpr_spec(_quantize_x_kernel, "EMULATE ROWS TOPK BLOCK_T GROUP")
 _decode_gate_up_launch = CachedLaunch(_fp8_decode_gate_up_kernel)
 _decode_down_launch = CachedLaunch(_fp8_decode_down_kernel)
 DecodeGateUpConstexprs = constexpr_spec(_fp8_decode_gate_up_kernel,
@@ -97,18 +97,23 @@ def _index(t: torch.Tensor) -> int:
     return t.get_device() if t.is_cuda else -1
 
 
-def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_x(x: torch.Tensor, routing=None, topk: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 [T, H], fp32 scales [T, cdiv(H, 128)]): x quantized per token and 128-column group, one
-    pass (the gate/up GEMM then loads fp8 rows instead of quantizing x once per column tile)."""
+    pass (the gate/up GEMM then loads fp8 rows instead of quantizing x once per column tile). With
+    `routing` (its aligned rows, `topk` per token): [P, H] and [P, cdiv(H, 128)] in the buffer's
+    row order instead, padding rows zero, for a gate/up GEMM that reads A by TMA."""
     T, H = x.shape
-    q = torch.empty(T, H, device=x.device, dtype=torch.float8_e4m3fn)
-    s = torch.empty(T, launch.cdiv(H, QUANT_GROUP), device=x.device, dtype=torch.float32)
-    grid = (launch.cdiv(T, _QUANT_ROWS), s.shape[1])
-    if T and H and x.stride(1) == 1:
-        _quant_launch.split(grid, _index(x), (x, q, s), (T, H, x.stride(0), q.stride(0), s.stride(0)),
-                            QuantConstexprs(EMULATE=INTERPRET, BLOCK_T=_QUANT_ROWS, GROUP=QUANT_GROUP), num_warps=4)
-    elif T and H:  # (a column-strided x: one contiguous copy first)
-        return quantize_x(x.contiguous())
+    n = routing.num_rows if routing is not None else T
+    q = torch.empty(n, H, device=x.device, dtype=torch.float8_e4m3fn)
+    s = torch.empty(n, launch.cdiv(H, QUANT_GROUP), device=x.device, dtype=torch.float32)
+    grid = (launch.cdiv(n, _QUANT_ROWS), s.shape[1])
+    if n and H and x.stride(1) == 1:
+        rows = routing.rows if routing is not None else q
+        _quant_launch.split(grid, _index(x), (x, q, s, rows), (n, H, x.stride(0), q.stride(0), s.stride(0)),
+                            QuantConstexprs(EMULATE=INTERPRET, ROWS=routing is not None, TOPK=topk,
+                                            BLOCK_T=_QUANT_ROWS, GROUP=QUANT_GROUP), num_warps=4)
+    elif n and H:  # (a column-strided x: one contiguous copy first)
+        return quantize_x(x.contiguous(), routing, topk)
     return q, s
 
 
@@ -227,15 +232,17 @@ def forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_scale, d
     routing = align_rows(topk_idx, E, cfg["block_m"])
     P, dev = routing.num_rows, x.device
     a, a_scale = x, None
+    # gate/up "A_TMA" (fp8 math, x's quantize pass): x quantized straight into the aligned row order
+    in_rows = fp8_dot and tma and cfg.get("quant_x", True) and cfg["gate_up"].get("A_TMA", False)
     if fp8_dot:  # h as fp8 with one scale per row and 128-column group (gate/up BLOCK_N = 128)
         h = torch.empty(P, inter, device=dev, dtype=torch.float8_e4m3fn)
         h_scale = torch.empty(P, launch.cdiv(inter, QUANT_GROUP), device=dev, dtype=torch.float32)
         if cfg.get("quant_x", True):
-            a, a_scale = quantize_x(x)
+            a, a_scale = quantize_x(x, routing if in_rows else None, K)
     else:
         h, h_scale = torch.empty(P, inter, device=dev, dtype=x.dtype), None
     _gemm(a, a_scale, gate_up_proj, gate_up_scale, h, h_scale, routing, cfg["gate_up"], n=inter, k=H, epilogue=1,
-          gather_a=True, topk=K, fp8_dot=fp8_dot, tma=tma)
+          gather_a=not in_rows, topk=K, fp8_dot=fp8_dot, tma=tma)
     y = torch.empty(P, H, device=dev, dtype=x.dtype)
     _gemm(h, h_scale, down_proj, down_scale, y, None, routing, cfg["down"], n=H, k=inter, epilogue=0, gather_a=False,
           topk=K, fp8_dot=fp8_dot, tma=tma)

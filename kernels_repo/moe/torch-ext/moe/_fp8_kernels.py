@@ -93,18 +93,30 @@ def _weight_tile(b_ptr, bs_ptr, b_desc, e, offs_k, offs_n, n0, k0, k_blk, n_limi
 
 
 @triton.jit
-def _quantize_x_kernel(x_ptr, q_ptr, s_ptr, T, H, stride_xt, stride_qt, stride_st,
-                       EMULATE: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr):
+def _quantize_x_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, T, H, stride_xt, stride_qt, stride_st,
+                       EMULATE: tl.constexpr, ROWS: tl.constexpr, TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
+                       GROUP: tl.constexpr):
     """x [T, H] -> fp8 [T, H] and fp32 scales [T, cdiv(H, GROUP)], per token and GROUP-column group:
     the rounding of the GEMM's in-load quantization (`_quantize_rows`), done once per token instead
-    of once per column tile of the gate/up GEMM. Grid (cdiv(T, BLOCK_T), cdiv(H, GROUP))."""
+    of once per column tile of the gate/up GEMM. ROWS: T counts the aligned buffer's rows instead,
+    row p holding token rows[p] // TOPK (zeros, with a finite scale, for a padding row), so that
+    the gate/up GEMM reads A rows in order, by TMA, without a gather. Grid (cdiv(T, BLOCK_T),
+    cdiv(H, GROUP))."""
     offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     g = tl.program_id(1)
     offs_h = g * GROUP + tl.arange(0, GROUP)
-    mask = (offs_t[:, None] < T) & (offs_h[None, :] < H)
-    v = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_h[None, :], mask=mask, other=0.0).to(tl.float32)
+    h_ok = offs_h[None, :] < H
+    if ROWS:
+        flat = tl.load(rows_ptr + offs_t, mask=offs_t < T, other=-1)
+        src = tl.where(flat >= 0, flat // TOPK, 0).to(tl.int64)
+        load_ok = (flat >= 0)[:, None] & h_ok
+    else:
+        src = offs_t
+        load_ok = (offs_t[:, None] < T) & h_ok
+    v = tl.load(x_ptr + src[:, None] * stride_xt + offs_h[None, :], mask=load_ok, other=0.0).to(tl.float32)
     q, s = _quantize_rows(v, EMULATE)
-    tl.store(q_ptr + offs_t[:, None] * stride_qt + offs_h[None, :], q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(q_ptr + offs_t[:, None] * stride_qt + offs_h[None, :], q.to(q_ptr.dtype.element_ty),
+             mask=(offs_t[:, None] < T) & h_ok)
     tl.store(s_ptr + offs_t * stride_st + g, s, mask=offs_t < T)
 
 
