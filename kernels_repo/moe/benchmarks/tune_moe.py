@@ -23,7 +23,8 @@ Qwen3-30B-A3B at T=1,32,512,4096,16384 (SHAPES=, TOKENS= as above), writing DIR/
 ("shapes" buckets) and printing the best bucket per point at the end (at T <= 8 also the
 token-major decode kernels, kept as a "decode" key where they win); about 90 distinct kernels
 to compile, sized for one GPU call of under 8 minutes (FP8_BUDGET_S, default 400: past it each
-stage keeps its best candidate so far). Each fp8 line: stage, block_m, config, ms.
+stage keeps its best candidate so far; FP8_BLOCK_MS=128: only those of the point's alignments).
+Each fp8 line: stage, block_m, config, ms.
 Each line printed is one measurement: stage, block_m, config, ms.
 """
 
@@ -294,7 +295,8 @@ def fp8_stage_space(stage: str, block_m: int, rows_per_expert: float, w8a16: boo
     else:
         bns = [64, 128] if decode else [64, 128, 256]
     heights = [block_m] + ([64] if block_m == 128 else [])
-    stages = [4] if decode else ([3, 4, 5] if gate_up else [3, 4])
+    # (2 stages: two 4-warp CTAs fit an SM, one scaling its K step while the other's MMA runs)
+    stages = [4] if decode else [2, 3, 4]
     space = []
     for bm, bn, nw, ns in itertools.product(heights, bns, [4, 8], stages):
         acc = bm * bn * (2 if gate_up else 1) // (32 * nw)
@@ -425,6 +427,8 @@ def fp8_tune_point(fp8x, variant, x, gu, gus, dn, dns, idx, w, K):
     E, T = gu.shape[0], x.shape[0]
     rpe = T * K / E
     block_ms = [16, 32] if rpe <= 4 else ([32, 64] if rpe <= 48 else [64, 128])
+    only = [int(b) for b in os.environ.get("FP8_BLOCK_MS", "").split(",") if b]  # (a shorter sweep)
+    block_ms = [b for b in block_ms if b in only] or block_ms if only else block_ms
     # (W8A16 math: always on sm80; on sm90 a decode candidate, where weight bytes bound the time)
     maths = [True] if variant == "sm80" else ([False, True] if rpe <= 4 else [False])
     best_total, best = math.inf, None
