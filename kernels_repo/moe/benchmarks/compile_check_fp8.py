@@ -77,7 +77,10 @@ def gemm_signature(cap: int, variant: str, bucket: dict, stage: str, dtype: str 
     bm, bn = c.get("BLOCK_M", bucket["block_m"]), c["BLOCK_N"]
     quant_a = fp8_dot and gate_up and a_dtype != "fp8e4nv"
     bk = 128 if quant_a else c.get("BLOCK_K", 128)
-    if tma:
+    fused = tma and gate_up and bool(c.get("FUSED", False)) and 128 % bn == 0
+    if fused:  # (gate and up rows in one box of the weight seen as [E, 2, I, H])
+        sig["b_desc"] = f"tensordesc<{w_dtype}[1, 2, {bn}, {bk}]>"
+    elif tma:
         sig["b_desc"] = f"tensordesc<{w_dtype}[1, {bn}, {bk}]>"
     else:
         const["b_desc"] = None
@@ -92,7 +95,7 @@ def gemm_signature(cap: int, variant: str, bucket: dict, stage: str, dtype: str 
                  RESCALE=fp8_dot and bool(c.get("RESCALE", False)),
                  # (one scale per K step where the tile fits a scale block: the checkpoints' I and H
                  # are multiples of 128)
-                 ONE_SCALE=128 % bn == 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+                 ONE_SCALE=128 % bn == 0, FUSED=fused, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     for name in _UNIT if not (backward and stage == "down") else ("stride_ak", "stride_cn"):  # (transposed W)
         const[name] = 1
     full = {n: sig.get(n, "constexpr" if n in const else cc.I32) for n in kern._fp8_gemm_kernel.arg_names}

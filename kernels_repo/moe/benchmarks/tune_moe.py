@@ -316,8 +316,8 @@ def fp8_stage_space(stage: str, block_m: int, rows_per_expert: float, w8a16: boo
         if not gate_up and not decode:
             c["A_TMA"] = True
         space.append(c)
-        if gate_up and not decode and not w8a16:  # x quantized into row order, A by TMA
-            space.append({**c, "A_TMA": True})
+        if gate_up and not decode and not w8a16:  # x quantized into row order, A by TMA; one gate/up MMA
+            space.append({**c, "A_TMA": True, "FUSED": True})
     if block_m == 128 and not w8a16 and os.environ.get("FP8_WIDE", "1") != "0":  # (first: a budget cut keeps them)
         wide = fp8_wide_tiles(gate_up)
         space = wide + [c for c in space if c not in wide]
@@ -333,8 +333,8 @@ def fp8_wide_tiles(gate_up: bool) -> list[dict]:
     bn = 128 if gate_up else 256
     out = [{"BLOCK_N": bn, "num_warps": 8, "num_stages": ns, "RESCALE": True} for ns in (3, 4)]
     out += [{"BLOCK_N": bn, "num_warps": 16, "num_stages": ns, **rs} for ns in (3, 4) for rs in ({}, {"RESCALE": True})]
-    # (A by TMA: down's h; gate/up's x quantized into row order, each tile also without)
-    return [{**c, "A_TMA": True} for c in out] + (out if gate_up else [])
+    # (A by TMA: down's h; gate/up's x quantized into row order with one MMA per K step, or neither)
+    return [{**c, "A_TMA": True, **({"FUSED": True} if gate_up else {})} for c in out] + (out if gate_up else [])
 
 
 def fp8_decode_space(stage: str) -> list[dict]:

@@ -172,6 +172,32 @@ def test_one_scale_per_k_step_gives_the_per_column_paths_bits(monkeypatch, varia
     assert rel(one, ref) < (1.25 * rel(emulation(*args), ref) if variant == "sm90" else 1e-2)
 
 
+@pytest.mark.parametrize("stages", [{}, {"RESCALE": True}, {"w8a16": True}])
+def test_fused_gate_up_tile_gives_the_two_tile_output(stages):
+    """gate/up "FUSED": gate and up rows as one TMA box and one MMA per K step, the accumulator split
+    for the epilogue; the same products and scales as two tiles (sums within fp32 rounding of each
+    other), for fp8 math (plain and RESCALE) and W8A16. Ignored where I is not a multiple of the tile
+    (the up rows would not start on a tile boundary) or without TMA."""
+    from kernelhub.device import CachedLaunch
+
+    args = _inputs(seed=33, I=256)
+    flags = {k: v for k, v in stages.items() if k == "w8a16"}
+    gate_up = {**BASE["gate_up"], **{k: v for k, v in stages.items() if k == "RESCALE"}}
+    two = _run(args, {**BASE, **flags, "gate_up": gate_up})
+    with CachedLaunch.recording() as calls:
+        fused = _run(args, {**BASE, **flags, "gate_up": {**gate_up, "FUSED": True}})
+    assert [c.constexprs.FUSED for c in calls if hasattr(c.constexprs, "FUSED")] == [True, False]
+    ref, emu = oracle(*args), emulation(*args)
+    tol = 1e-2 if flags else rel(emu, ref)
+    assert rel(fused, ref) < (tol if flags else 1.25 * tol) and rel(fused, two) < 0.05 * tol
+    for moot, cfg in (("ragged I", _inputs(seed=34)), ("no TMA", args)):
+        extra = {"tma": False} if moot == "no TMA" else {}
+        with CachedLaunch.recording() as calls:
+            out = _run(cfg, {**BASE, **flags, **extra, "gate_up": {**gate_up, "FUSED": True}})
+        assert not any(c.constexprs.FUSED for c in calls if hasattr(c.constexprs, "FUSED")), moot
+        assert torch.equal(out, _run(cfg, {**BASE, **flags, **extra, "gate_up": gate_up})), moot
+
+
 @pytest.mark.parametrize("block_k", [32, 64])
 @pytest.mark.parametrize("variant", ["sm90", "sm80"])
 def test_k_steps_shorter_than_the_scale_block(variant, block_k):
@@ -224,6 +250,7 @@ def test_pinned_config_tiles_are_used():
     ({"quant_x": False, "gate_up": {**BASE["gate_up"], "A_TMA": True}}, ValueError,
      r"\['gate_up'\]\['A_TMA'\] needs fp8 activations from x's quantize pass"),
     ({"w8a16": True, "gate_up": {**BASE["gate_up"], "A_TMA": True}}, ValueError, r"\['gate_up'\]\['A_TMA'\] needs"),
+    ({"down": {**BASE["down"], "FUSED": True}}, ValueError, r"\['down'\]: 'FUSED' is a gate_up key"),
 ])
 @pytest.mark.parametrize("variant", ["sm90", "reference"])
 def test_bad_fp8_config_raises_naming_the_key(patch, err, match, variant):

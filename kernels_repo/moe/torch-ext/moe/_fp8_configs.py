@@ -16,7 +16,9 @@ K-block's scales so that the MMA accumulates in place, without the per-K-block p
 registers: the same sum, one more fp32 rounding per K-block; see `_fp8_gemm_kernel`); "A_TMA"
 (down: h through a TMA descriptor; gate/up, with fp8 math and x's quantize pass: that pass writes
 x's rows in the aligned order, padding rows zero, and the GEMM reads them by TMA instead of
-gathering them, for T*K instead of T rows quantized). Bucket flags: "tma" (sm90: weights through TMA
+gathering them, for T*K instead of T rows quantized); gate/up only "FUSED" (with TMA weights and I
+a multiple of BLOCK_N <= 128: the gate and up tiles as one TMA box and one MMA per K step, see
+`_fp8_gemm_kernel`; elsewhere ignored). Bucket flags: "tma" (sm90: weights through TMA
 descriptors, default true), "quant_x" (sm90: x quantized by its own pass before the gate/up
 GEMM, default true; false: quantized inside that GEMM's load, once per column tile), "w8a16"
 (sm90 variant: this bucket runs
@@ -53,7 +55,7 @@ FP8_INTERPRETER_CONFIG = {
 }
 
 _STAGE_KEYS = ("BLOCK_N", "num_warps", "num_stages")
-_STAGE_OPTIONAL = {"maxnreg": int, "A_TMA": bool, "BLOCK_M": int, "RESCALE": bool, "BLOCK_K": int}
+_STAGE_OPTIONAL = {"maxnreg": int, "A_TMA": bool, "BLOCK_M": int, "RESCALE": bool, "BLOCK_K": int, "FUSED": bool}
 _FLAGS = ("tma", "quant_x", "w8a16")
 QUANT_GROUP = 128  # columns per activation scale (= the weights' scale block columns)
 
@@ -97,6 +99,8 @@ def check_fp8_bucket(bucket: object, where: str, variant: str | None = None) -> 
                              f"got {c['BLOCK_K']!r}")
     if "decode" in bucket:
         _check_decode(f"{where}['decode']", bucket["decode"])
+    if "FUSED" in bucket["down"]:
+        raise ValueError(f"{where}['down']: 'FUSED' is a gate_up key (its gate and up tiles as one)")
     if bucket["gate_up"].get("A_TMA", False) and (bucket.get("w8a16", False) or not bucket.get("quant_x", True)):
         raise ValueError(f"{where}['gate_up']['A_TMA'] needs fp8 activations from x's quantize pass "
                          "(not with 'w8a16': true or 'quant_x': false)")

@@ -41,7 +41,7 @@ from .reference_fp8 import fp8_reference_unchecked
 _gemm_launch = CachedLaunch(_fp8_gemm_kernel)
 _quant_launch = CachedLaunch(_quantize_x_kernel)
 Fp8GemmConstexprs = constexpr_spec(_fp8_gemm_kernel, """EPILOGUE GATHER_A TOPK FP8_DOT QUANT_A QUANT_C EMULATE
-    PRECISION SCALE_N SCALE_K B_TMA A_TMA RESCALE ONE_SCALE BLOCK_M BLOCK_N BLOCK_K""")
+    PRECISION SCALE_N SCALE_K B_TMA A_TMA RESCALE ONE_SCALE FUSED BLOCK_M BLOCK_N BLOCK_K""")
 QuantConstexprs = constexpr_spec(_quantize_x_kernel, "EMULATE ROWS TOPK BLOCK_T GROUP")
 _decode_gate_up_launch = CachedLaunch(_fp8_decode_gate_up_kernel)
 _decode_down_launch = CachedLaunch(_fp8_decode_down_kernel)
@@ -144,7 +144,12 @@ def _gemm(a, a_scale, weight, scale_inv, out, out_scale, routing, stage: dict, *
     if transposed:
         ws, ss = (ws[0], ws[2], ws[1]), (ss[0], ss[2], ss[1])
     b_desc = a_desc = None
-    if tma and not transposed:
+    one = one_scale(bn, n, epilogue)
+    # gate/up "FUSED" (TMA): one [1, 2, bn, bk] box of the weight seen as [E, 2, n, k], gate and up rows
+    fused = tma and not transposed and epilogue == 1 and one and bool(stage.get("FUSED", False))
+    if fused:
+        b_desc = sm90.TensorDescriptor(w, [w.shape[0], 2, n, k], [ws[0], n * ws[1], ws[1], ws[2]], [1, 2, bn, bk])
+    elif tma and not transposed:
         b_desc = sm90.weight_descriptor(w, bn, bk)
         if stage.get("A_TMA", False) and not gather_a and bm <= 256 and sm90.tma_ok(a):
             a_desc = sm90.rows_descriptor(a, bm, bk)
@@ -161,7 +166,7 @@ def _gemm(a, a_scale, weight, scale_inv, out, out_scale, routing, stage: dict, *
             QUANT_A=quant_a, QUANT_C=out_scale is not None, EMULATE=INTERPRET,
             PRECISION="ieee" if (INTERPRET or a.dtype == torch.float32) else None,
             SCALE_N=BLOCK[0], SCALE_K=BLOCK[1], B_TMA=b_desc is not None, A_TMA=a_desc is not None,
-            RESCALE=fp8_dot and bool(stage.get("RESCALE", False)), ONE_SCALE=one_scale(bn, n, epilogue),
+            RESCALE=fp8_dot and bool(stage.get("RESCALE", False)), ONE_SCALE=one, FUSED=fused,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk),
         num_warps=stage["num_warps"], num_stages=stage["num_stages"], extras=(b_desc, a_desc),
     )

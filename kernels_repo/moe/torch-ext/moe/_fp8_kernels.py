@@ -141,9 +141,16 @@ def _fp8_gemm_kernel(
     A_TMA: tl.constexpr,      # A (not gathered, already fp8 or 16-bit) through a_desc over [P, K]
     RESCALE: tl.constexpr,    # FP8_DOT: the accumulator kept divided by the current K-block's scales (below)
     ONE_SCALE: tl.constexpr,  # each tile's columns lie in one weight scale block: one scalar scale per K step
+    FUSED: tl.constexpr,      # EPILOGUE 1, ONE_SCALE: gate and up tiles as one B tile, one MMA (below)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] tile: rows [pid_m * BLOCK_M, +BLOCK_M) (one expert's or padding)."""
+    """One [BLOCK_M, BLOCK_N] tile: rows [pid_m * BLOCK_M, +BLOCK_M) (one expert's or padding).
+
+    FUSED: b_desc is a 4-D descriptor over the gate/up weight as [E, 2, N, K] whose [1, 2, BLOCK_N,
+    BLOCK_K] box holds the gate rows and the up rows of this tile's columns: one [BLOCK_K, 2 BLOCK_N]
+    B tile, one MMA group per K step into one [BLOCK_M, 2 BLOCK_N] accumulator (columns: gate, then
+    up, each half with its one scale), split into gate and up for the epilogue. Without it the gate
+    and up MMAs are two groups, and the first is waited for before the second is issued."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     m0 = pid_m.to(tl.int64) * BLOCK_M
@@ -162,9 +169,14 @@ def _fp8_gemm_kernel(
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_kk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if EPILOGUE == 1:
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if FUSED:
+        acc2 = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        pc = tl.full((2 * BLOCK_N,), 1.0, tl.float32)
+        left = tl.arange(0, 2 * BLOCK_N) < BLOCK_N
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if EPILOGUE == 1:
+            acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # RESCALE: acc holds sum_k dot_k * c_k / c_last (c_k = s_a[:, None] * s_w[None, :] of K-block k),
     # so each K-block's MMA accumulates in place (acc = dot(a, b, acc * c_prev / c_k)) instead of into
     # a second [BLOCK_M, BLOCK_N] fp32 product: half the accumulator registers. The same sum (the
@@ -194,43 +206,66 @@ def _fp8_gemm_kernel(
                     a = a.to(tl.float32)
         elif EMULATE:
             a = a.to(tl.float32)
-        b, s = _weight_tile(b_ptr, bs_ptr, b_desc, e, offs_k, offs_n, n0, k0, k_blk, N, K, stride_be, stride_bn,
-                            stride_bk, stride_bse, stride_bsn, stride_bsk, SCALE_N, B_TMA, ONE_SCALE, BLOCK_N, BLOCK_K)
-        # (the scale factor is formed before it meets the [BLOCK_M, BLOCK_N] product: with ONE_SCALE
-        # a [BLOCK_M, 1] column, so one multiply per element)
-        if FP8_DOT and RESCALE:
-            b = b.to(a.dtype)
-            a_s = tl.where(a_s > 0, a_s, 1.0)
-            s = tl.where(s > 0, s, 1.0)
-            acc = tl.dot(a, b, acc * ((pa / a_s)[:, None] * (pg / s)[None, :]), input_precision=PRECISION)
-            pg = s
-        elif FP8_DOT:
-            b = b.to(a.dtype)  # (EMULATE: fp32 from fp8, exact; else fp8 stays fp8)
-            acc += tl.dot(a, b, input_precision=PRECISION) * (a_s[:, None] * s[None, :])
-        else:  # uint8 bits -> fp16 (value / 256) -> activation dtype, both exact
-            b = _e4m3_bits(b).to(a.dtype)
-            acc += tl.dot(a, b, input_precision=PRECISION) * (s * 256.0)[None, :]
-        if EPILOGUE == 1:
-            # (B_TMA: gate columns past N read up rows; those columns are never stored and their
-            # up columns read zero past 2N, so h is 0 there, as QUANT_C's amax needs)
-            bu, su = _weight_tile(b_ptr, bs_ptr, b_desc, e, offs_k, offs_n + N, n0 + N, k0, k_blk, B_N_TOTAL, K,
-                                  stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, SCALE_N,
-                                  B_TMA, ONE_SCALE, BLOCK_N, BLOCK_K)
+        if FUSED:
+            bb = tl.trans(b_desc.load([e.to(tl.int32), 0, n0, k0]).reshape(2 * BLOCK_N, BLOCK_K))
+            s_at = bs_ptr + e * stride_bse + k_blk * stride_bsk
+            col = tl.where(left, tl.load(s_at + (n0 // SCALE_N) * stride_bsn),
+                           tl.load(s_at + ((N + n0) // SCALE_N) * stride_bsn))
             if FP8_DOT and RESCALE:
-                bu = bu.to(a.dtype)
-                su = tl.where(su > 0, su, 1.0)
-                acc_u = tl.dot(a, bu, acc_u * ((pa / a_s)[:, None] * (pu / su)[None, :]),
-                               input_precision=PRECISION)
-                pu = su
+                bb = bb.to(a.dtype)
+                a_s = tl.where(a_s > 0, a_s, 1.0)
+                col = tl.where(col > 0, col, 1.0)
+                acc2 = tl.dot(a, bb, acc2 * ((pa / a_s)[:, None] * (pc / col)[None, :]), input_precision=PRECISION)
+                pc = col
             elif FP8_DOT:
-                bu = bu.to(a.dtype)
-                acc_u += tl.dot(a, bu, input_precision=PRECISION) * (a_s[:, None] * su[None, :])
+                bb = bb.to(a.dtype)
+                acc2 += tl.dot(a, bb, input_precision=PRECISION) * (a_s[:, None] * col[None, :])
             else:
-                bu = _e4m3_bits(bu).to(a.dtype)
-                acc_u += tl.dot(a, bu, input_precision=PRECISION) * (su * 256.0)[None, :]
+                bb = _e4m3_bits(bb).to(a.dtype)
+                acc2 += tl.dot(a, bb, input_precision=PRECISION) * (col * 256.0)[None, :]
+        else:
+            b, s = _weight_tile(b_ptr, bs_ptr, b_desc, e, offs_k, offs_n, n0, k0, k_blk, N, K, stride_be,
+                                stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, SCALE_N, B_TMA, ONE_SCALE,
+                                BLOCK_N, BLOCK_K)
+            # (the scale factor is formed before it meets the [BLOCK_M, BLOCK_N] product: with ONE_SCALE
+            # a [BLOCK_M, 1] column, so one multiply per element)
+            if FP8_DOT and RESCALE:
+                b = b.to(a.dtype)
+                a_s = tl.where(a_s > 0, a_s, 1.0)
+                s = tl.where(s > 0, s, 1.0)
+                acc = tl.dot(a, b, acc * ((pa / a_s)[:, None] * (pg / s)[None, :]), input_precision=PRECISION)
+                pg = s
+            elif FP8_DOT:
+                b = b.to(a.dtype)  # (EMULATE: fp32 from fp8, exact; else fp8 stays fp8)
+                acc += tl.dot(a, b, input_precision=PRECISION) * (a_s[:, None] * s[None, :])
+            else:  # uint8 bits -> fp16 (value / 256) -> activation dtype, both exact
+                b = _e4m3_bits(b).to(a.dtype)
+                acc += tl.dot(a, b, input_precision=PRECISION) * (s * 256.0)[None, :]
+            if EPILOGUE == 1:
+                # (B_TMA: gate columns past N read up rows; those columns are never stored and their
+                # up columns read zero past 2N, so h is 0 there, as QUANT_C's amax needs)
+                bu, su = _weight_tile(b_ptr, bs_ptr, b_desc, e, offs_k, offs_n + N, n0 + N, k0, k_blk, B_N_TOTAL,
+                                      K, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
+                                      SCALE_N, B_TMA, ONE_SCALE, BLOCK_N, BLOCK_K)
+                if FP8_DOT and RESCALE:
+                    bu = bu.to(a.dtype)
+                    su = tl.where(su > 0, su, 1.0)
+                    acc_u = tl.dot(a, bu, acc_u * ((pa / a_s)[:, None] * (pu / su)[None, :]),
+                                   input_precision=PRECISION)
+                    pu = su
+                elif FP8_DOT:
+                    bu = bu.to(a.dtype)
+                    acc_u += tl.dot(a, bu, input_precision=PRECISION) * (a_s[:, None] * su[None, :])
+                else:
+                    bu = _e4m3_bits(bu).to(a.dtype)
+                    acc_u += tl.dot(a, bu, input_precision=PRECISION) * (su * 256.0)[None, :]
         if FP8_DOT and RESCALE:
             pa = a_s
-    if FP8_DOT and RESCALE:  # back from the last K-block's scales; columns past N to 0 as without
+    if FUSED:  # (no column past N: ONE_SCALE with gate/up means N is a multiple of BLOCK_N)
+        if FP8_DOT and RESCALE:
+            acc2 = acc2 * pa[:, None] * pc[None, :]
+        acc, acc_u = tl.split(tl.permute(tl.reshape(acc2, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    elif FP8_DOT and RESCALE:  # back from the last K-block's scales; columns past N to 0 as without
         acc = acc * pa[:, None] * tl.where(offs_n < N, pg, 0.0)[None, :]
         if EPILOGUE == 1:
             acc_u = acc_u * pa[:, None] * tl.where(offs_n + N < B_N_TOTAL, pu, 0.0)[None, :]
