@@ -510,6 +510,13 @@ LARGE = {"block_m": 128, "gate_up": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps":
     (600, {**LARGE, "quant_x": False}, True),
     (600, {**LARGE, "tma": False}, True),
     (600, {**LARGE, "down": {**LARGE["down"], "A_TMA": False}}, True),
+    # x quantized into row order and read by TMA, gate and up as one MMA; full 128-row tiles
+    (600, {**LARGE, "gate_up": {**LARGE["gate_up"], "A_TMA": True, "FUSED": True}}, True),
+    (600, {**LARGE, "gate_up": {"BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "RESCALE": True, "A_TMA": True,
+                                "FUSED": True},
+           "down": {"BLOCK_N": 256, "num_warps": 8, "num_stages": 3, "RESCALE": True, "A_TMA": True}}, True),
+    (600, {**LARGE, "gate_up": {"BLOCK_N": 128, "num_warps": 16, "num_stages": 3, "A_TMA": True, "FUSED": True}}, True),
+    (600, {**LARGE, "w8a16": True, "gate_up": {**LARGE["gate_up"], "FUSED": True}}, False),
     (600, {**LARGE, "w8a16": True, "gate_up": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}}, False),
     (4, {**BASE, "decode": DECODE}, False),
 ])
