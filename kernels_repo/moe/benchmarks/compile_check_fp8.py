@@ -72,7 +72,8 @@ def gemm_signature(cap: int, variant: str, bucket: dict, stage: str, dtype: str 
     w_dtype = "fp8e4nv" if fp8_dot else "u8"  # (W8A16: bits)
     a_tma = tma and c.get("A_TMA", False)  # (gate/up: x quantized in row order, read by TMA)
     sig = {"a_ptr": f"*{a_dtype}", "as_ptr": "*fp32", "b_ptr": f"*{w_dtype}", "bs_ptr": "*fp32",
-           "c_ptr": f"*{c_dtype}", "cs_ptr": "*fp32", "rows_ptr": "*i32", "row_expert_ptr": "*i32"}
+           "c_ptr": f"*{c_dtype}", "cs_ptr": "*fp32", "rows_ptr": "*i32", "row_expert_ptr": "*i32",
+           "start_ptr": "*i32", "count_ptr": "*i32"}
     const = {}
     bm, bn = c.get("BLOCK_M", bucket["block_m"]), c["BLOCK_N"]
     quant_a = fp8_dot and gate_up and a_dtype != "fp8e4nv"
@@ -95,7 +96,9 @@ def gemm_signature(cap: int, variant: str, bucket: dict, stage: str, dtype: str 
                  RESCALE=fp8_dot and bool(c.get("RESCALE", False)),
                  # (one scale per K step where the tile fits a scale block: the checkpoints' I and H
                  # are multiples of 128)
-                 ONE_SCALE=128 % bn == 0, FUSED=fused, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+                 ONE_SCALE=128 % bn == 0, FUSED=fused,
+                 PERSISTENT=bool(c.get("PERSISTENT", 0)) and bm == bucket["block_m"],
+                 BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     for name in _UNIT if not (backward and stage == "down") else ("stride_ak", "stride_cn"):  # (transposed W)
         const[name] = 1
     full = {n: sig.get(n, "constexpr" if n in const else cc.I32) for n in kern._fp8_gemm_kernel.arg_names}

@@ -334,7 +334,11 @@ def fp8_wide_tiles(gate_up: bool) -> list[dict]:
     out = [{"BLOCK_N": bn, "num_warps": 8, "num_stages": ns, "RESCALE": True} for ns in (3, 4)]
     out += [{"BLOCK_N": bn, "num_warps": 16, "num_stages": ns, **rs} for ns in (3, 4) for rs in ({}, {"RESCALE": True})]
     # (A by TMA: down's h; gate/up's x quantized into row order with one MMA per K step, or neither)
-    return [{**c, "A_TMA": True, **({"FUSED": True} if gate_up else {})} for c in out] + (out if gate_up else [])
+    new = [{**c, "A_TMA": True, **({"FUSED": True} if gate_up else {})} for c in out]
+    # one program per SM looping over the tiles, for the 3-stage 8- and 16-warp ones
+    persistent = [{**c, "PERSISTENT": 1} for c in new
+                  if c["num_stages"] == 3 and bool(c.get("RESCALE")) == (c["num_warps"] == 8)]
+    return new + persistent + (out if gate_up else [])
 
 
 def fp8_decode_space(stage: str) -> list[dict]:

@@ -198,6 +198,35 @@ def test_fused_gate_up_tile_gives_the_two_tile_output(stages):
         assert torch.equal(out, _run(cfg, {**BASE, **flags, **extra, "gate_up": gate_up})), moot
 
 
+@pytest.mark.parametrize(("variant", "extra"), [
+    ("sm90", {}), ("sm90", {"tma": False}), ("sm90", {"FUSED": True}), ("sm80", {})])
+def test_persistent_programs_give_the_one_program_per_tile_bits(variant, extra):
+    """"PERSISTENT": a few programs (3 on the interpreter) loop over the used rows' tiles, whose count
+    they read on the device; the same tiles, so the same bits. Experts without tokens, -1 ids,
+    several row blocks per expert (block_m 16, 9 tokens x 2 of 5 experts)."""
+    from kernelhub.device import CachedLaunch
+
+    args = _inputs(seed=35, I=256, E=5)
+    flags = {k: v for k, v in extra.items() if k == "tma"}
+    fused = {k: v for k, v in extra.items() if k == "FUSED"}
+    cfg = {**BASE, **flags, "gate_up": {**BASE["gate_up"], **fused}}
+    plain = _run(args, cfg, variant)
+    for per_sm in (1, 2):
+        stages = {s: {**cfg[s], "PERSISTENT": per_sm} for s in ("gate_up", "down")}
+        with CachedLaunch.recording() as calls:
+            out = _run(args, {**cfg, **stages}, variant)
+        gemms = [c for c in calls if hasattr(c.constexprs, "PERSISTENT")]
+        assert [g.constexprs.PERSISTENT for g in gemms] == [True, True]
+        assert all(len(g.grid) == 1 and g.grid[0] == 3 * per_sm for g in gemms), [g.grid for g in gemms]
+        assert torch.equal(out, plain), per_sm
+
+
+def test_persistent_needs_the_tile_as_tall_as_the_alignment():
+    cfg = {**BASE, "block_m": 32, "gate_up": {**BASE["gate_up"], "BLOCK_M": 16, "PERSISTENT": 1}}
+    with pytest.raises(ValueError, match=r"\['gate_up'\]\['PERSISTENT'\] needs the tile as tall as block_m=32"):
+        _run(_inputs(), cfg)
+
+
 @pytest.mark.parametrize("block_k", [32, 64])
 @pytest.mark.parametrize("variant", ["sm90", "sm80"])
 def test_k_steps_shorter_than_the_scale_block(variant, block_k):

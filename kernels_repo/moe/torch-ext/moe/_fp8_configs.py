@@ -18,7 +18,9 @@ registers: the same sum, one more fp32 rounding per K-block; see `_fp8_gemm_kern
 x's rows in the aligned order, padding rows zero, and the GEMM reads them by TMA instead of
 gathering them, for T*K instead of T rows quantized); gate/up only "FUSED" (with TMA weights and I
 a multiple of BLOCK_N <= 128: the gate and up tiles as one TMA box and one MMA per K step, see
-`_fp8_gemm_kernel`; elsewhere ignored). Bucket flags: "tma" (sm90: weights through TMA
+`_fp8_gemm_kernel`; elsewhere ignored); "PERSISTENT" (n >= 1, tiles as tall as block_m: n programs
+per SM loop over the used rows' tiles in one flattened, software-pipelined loop; 0: one program
+per tile). Bucket flags: "tma" (sm90: weights through TMA
 descriptors, default true), "quant_x" (sm90: x quantized by its own pass before the gate/up
 GEMM, default true; false: quantized inside that GEMM's load, once per column tile), "w8a16"
 (sm90 variant: this bucket runs
@@ -55,7 +57,8 @@ FP8_INTERPRETER_CONFIG = {
 }
 
 _STAGE_KEYS = ("BLOCK_N", "num_warps", "num_stages")
-_STAGE_OPTIONAL = {"maxnreg": int, "A_TMA": bool, "BLOCK_M": int, "RESCALE": bool, "BLOCK_K": int, "FUSED": bool}
+_STAGE_OPTIONAL = {"maxnreg": int, "A_TMA": bool, "BLOCK_M": int, "RESCALE": bool, "BLOCK_K": int, "FUSED": bool,
+                   "PERSISTENT": int}
 _FLAGS = ("tma", "quant_x", "w8a16")
 QUANT_GROUP = 128  # columns per activation scale (= the weights' scale block columns)
 
@@ -94,6 +97,9 @@ def check_fp8_bucket(bucket: object, where: str, variant: str | None = None) -> 
             raise ValueError(f"{at}['BLOCK_N'] must be a power of two in [16, 256], got {c['BLOCK_N']!r}")
         if c.get("BLOCK_M", bm) > bm:
             raise ValueError(f"{at}['BLOCK_M'] must be a power of two in [16, block_m={bm}], got {c['BLOCK_M']!r}")
+        if c.get("PERSISTENT", 0) and c.get("BLOCK_M", bm) != bm:
+            raise ValueError(f"{at}['PERSISTENT'] needs the tile as tall as block_m={bm} (every tile below the "
+                             f"used rows then starts on a real row), got BLOCK_M={c['BLOCK_M']!r}")
         if c.get("BLOCK_K", 128) not in (32, 64, 128):
             raise ValueError(f"{at}['BLOCK_K'] must be 32, 64 or 128 (a divisor of the scale block), "
                              f"got {c['BLOCK_K']!r}")

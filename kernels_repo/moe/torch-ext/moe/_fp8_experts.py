@@ -41,7 +41,7 @@ from .reference_fp8 import fp8_reference_unchecked
 _gemm_launch = CachedLaunch(_fp8_gemm_kernel)
 _quant_launch = CachedLaunch(_quantize_x_kernel)
 Fp8GemmConstexprs = constexpr_spec(_fp8_gemm_kernel, """EPILOGUE GATHER_A TOPK FP8_DOT QUANT_A QUANT_C EMULATE
-    PRECISION SCALE_N SCALE_K B_TMA A_TMA RESCALE ONE_SCALE FUSED BLOCK_M BLOCK_N BLOCK_K""")
+    PRECISION SCALE_N SCALE_K B_TMA A_TMA RESCALE ONE_SCALE FUSED PERSISTENT BLOCK_M BLOCK_N BLOCK_K""")
 QuantConstexprs = constexpr_spec(_quantize_x_kernel, "EMULATE ROWS TOPK BLOCK_T GROUP")
 _decode_gate_up_launch = CachedLaunch(_fp8_decode_gate_up_kernel)
 _decode_down_launch = CachedLaunch(_fp8_decode_down_kernel)
@@ -153,11 +153,14 @@ def _gemm(a, a_scale, weight, scale_inv, out, out_scale, routing, stage: dict, *
         b_desc = sm90.weight_descriptor(w, bn, bk)
         if stage.get("A_TMA", False) and not gather_a and bm <= 256 and sm90.tma_ok(a):
             a_desc = sm90.rows_descriptor(a, bm, bk)
+    per_sm = int(stage.get("PERSISTENT", 0)) if bm == routing.block_m else 0  # programs per SM; 0: one per tile
+    if per_sm:
+        grid = (min(grid[0] * grid[1], per_sm * launch.sm_count(a.device)),)
     _launcher(stage).split(
         grid, _index(a),
         (a, a_scale if a_scale is not None else out, w, scale_inv, out, out_scale if out_scale is not None else out,
-         routing.rows, routing.row_expert),
-        (routing.num_rows, n, k, weight.shape[2 if transposed else 1],
+         routing.rows, routing.row_expert, routing.expert_start, routing.expert_count),
+        (routing.num_rows, n, k, weight.shape[2 if transposed else 1], weight.shape[0],
          a.stride(0), a.stride(1), a_scale.stride(0) if a_scale is not None else 0,
          ws[0], ws[1], ws[2], ss[0], ss[1], ss[2],
          out.stride(0), out.stride(1), out_scale.stride(0) if out_scale is not None else 0),
@@ -167,7 +170,7 @@ def _gemm(a, a_scale, weight, scale_inv, out, out_scale, routing, stage: dict, *
             PRECISION="ieee" if (INTERPRET or a.dtype == torch.float32) else None,
             SCALE_N=BLOCK[0], SCALE_K=BLOCK[1], B_TMA=b_desc is not None, A_TMA=a_desc is not None,
             RESCALE=fp8_dot and bool(stage.get("RESCALE", False)), ONE_SCALE=one, FUSED=fused,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk),
+            PERSISTENT=per_sm > 0, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk),
         num_warps=stage["num_warps"], num_stages=stage["num_stages"], extras=(b_desc, a_desc),
     )
 

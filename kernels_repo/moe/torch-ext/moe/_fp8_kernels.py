@@ -122,9 +122,9 @@ def _quantize_x_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, T, H, stride_xt, stride_qt
 
 @triton.jit
 def _fp8_gemm_kernel(
-    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, cs_ptr, rows_ptr, row_expert_ptr,
+    a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, cs_ptr, rows_ptr, row_expert_ptr, start_ptr, count_ptr,
     b_desc, a_desc,  # after the pointers: CachedLaunch.split's order (tensors, extras, ints, constexprs)
-    P, N, K, B_N_TOTAL,
+    P, N, K, B_N_TOTAL, E,
     stride_am, stride_ak, stride_asm, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
     stride_cm, stride_cn, stride_csm,
     EPILOGUE: tl.constexpr,   # 0: C = A @ B^T; 1: C = silu(A @ Bg^T) * (A @ Bu^T), Bu = rows N.. of B
@@ -142,6 +142,7 @@ def _fp8_gemm_kernel(
     RESCALE: tl.constexpr,    # FP8_DOT: the accumulator kept divided by the current K-block's scales (below)
     ONE_SCALE: tl.constexpr,  # each tile's columns lie in one weight scale block: one scalar scale per K step
     FUSED: tl.constexpr,      # EPILOGUE 1, ONE_SCALE: gate and up tiles as one B tile, one MMA (below)
+    PERSISTENT: tl.constexpr,  # a grid of a few programs per SM looping over the tiles (below)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile: rows [pid_m * BLOCK_M, +BLOCK_M) (one expert's or padding).
@@ -150,13 +151,49 @@ def _fp8_gemm_kernel(
     BLOCK_K] box holds the gate rows and the up rows of this tile's columns: one [BLOCK_K, 2 BLOCK_N]
     B tile, one MMA group per K step into one [BLOCK_M, 2 BLOCK_N] accumulator (columns: gate, then
     up, each half with its one scale), split into gate and up for the epilogue. Without it the gate
-    and up MMAs are two groups, and the first is waited for before the second is issued."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    m0 = pid_m.to(tl.int64) * BLOCK_M
-    e = tl.load(row_expert_ptr + m0).to(tl.int64)
-    if e < 0:  # a block past the last used row
-        return
+    and up MMAs are two groups, and the first is waited for before the second is issued.
+
+    PERSISTENT (BLOCK_M = the routing's alignment, so every block below the used rows has a real
+    first row): min(tiles, n * SMs) programs, each looping over the tiles of the used rows (their
+    count read on the device, no host sync) in one flattened, software-pipelined loop, so the next
+    tile's loads are in flight during this tile's last MMAs and epilogue. Tiles in the one-program-
+    per-tile grid's order (M blocks fastest: consecutive tiles share an expert's weight tile)."""
+    if PERSISTENT:
+        used = tl.load(start_ptr + E - 1) + tl.cdiv(tl.load(count_ptr + E - 1), BLOCK_M) * BLOCK_M
+        num_m = tl.cdiv(used, BLOCK_M)
+        for tile in tl.range(tl.program_id(0), num_m * tl.cdiv(N, BLOCK_N), tl.num_programs(0), flatten=True):
+            m0 = (tile % num_m).to(tl.int64) * BLOCK_M
+            e = tl.load(row_expert_ptr + m0).to(tl.int64)
+            _fp8_tile(m0, e, tile // num_m, a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, cs_ptr, rows_ptr, b_desc, a_desc,
+                      P, N, K, B_N_TOTAL,
+                      stride_am, stride_ak, stride_asm, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn,
+                      stride_bsk, stride_cm, stride_cn, stride_csm, EPILOGUE, GATHER_A, TOPK, FP8_DOT, QUANT_A,
+                      QUANT_C, EMULATE, PRECISION, SCALE_N, SCALE_K, B_TMA, A_TMA, RESCALE, ONE_SCALE, FUSED,
+                      BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        m0 = tl.program_id(0).to(tl.int64) * BLOCK_M
+        e = tl.load(row_expert_ptr + m0).to(tl.int64)
+        if e >= 0:  # (else a block past the last used row)
+            _fp8_tile(m0, e, tl.program_id(1), a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, cs_ptr, rows_ptr, b_desc,
+                      a_desc, P, N, K, B_N_TOTAL,
+                      stride_am, stride_ak, stride_asm, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn,
+                      stride_bsk, stride_cm, stride_cn, stride_csm, EPILOGUE, GATHER_A, TOPK, FP8_DOT, QUANT_A,
+                      QUANT_C, EMULATE, PRECISION, SCALE_N, SCALE_K, B_TMA, A_TMA, RESCALE, ONE_SCALE, FUSED,
+                      BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _fp8_tile(
+    m0, e, pid_n, a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, cs_ptr, rows_ptr, b_desc, a_desc, P, N, K, B_N_TOTAL,
+    stride_am, stride_ak, stride_asm, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
+    stride_cm, stride_cn, stride_csm,
+    EPILOGUE: tl.constexpr, GATHER_A: tl.constexpr, TOPK: tl.constexpr, FP8_DOT: tl.constexpr,
+    QUANT_A: tl.constexpr, QUANT_C: tl.constexpr, EMULATE: tl.constexpr, PRECISION: tl.constexpr,
+    SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, B_TMA: tl.constexpr, A_TMA: tl.constexpr,
+    RESCALE: tl.constexpr, ONE_SCALE: tl.constexpr, FUSED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Rows [m0, m0 + BLOCK_M) of the buffer (expert e's, some maybe padding) x column tile pid_n."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_mask = offs_m < P
     flat = tl.load(rows_ptr + offs_m, mask=m_mask, other=-1)
@@ -277,5 +314,7 @@ def _fp8_gemm_kernel(
             q, q_s = _quantize_rows(acc, EMULATE)
             tl.store(c_ptrs, q.to(c_ptr.dtype.element_ty), mask=c_mask)
             tl.store(cs_ptr + offs_m * stride_csm + pid_n, q_s, mask=m_mask)
-            return
-    tl.store(c_ptrs, _to(acc, c_ptr.dtype.element_ty, EMULATE), mask=c_mask)
+        else:
+            tl.store(c_ptrs, _to(acc, c_ptr.dtype.element_ty, EMULATE), mask=c_mask)
+    else:
+        tl.store(c_ptrs, _to(acc, c_ptr.dtype.element_ty, EMULATE), mask=c_mask)
