@@ -321,7 +321,18 @@ def fp8_stage_space(stage: str, block_m: int, rows_per_expert: float, w8a16: boo
     if block_m == 128 and not w8a16 and os.environ.get("FP8_WIDE", "1") != "0":  # (first: a budget cut keeps them)
         wide = fp8_wide_tiles(gate_up)
         space = wide + [c for c in space if c not in wide]
+    if os.environ.get("FP8_FOCUS") == "1" and not decode and not w8a16:
+        space = [c for c in space if _focus(c, gate_up)]
     return space
+
+
+def _focus(c: dict, gate_up: bool) -> bool:
+    """FP8_FOCUS=1 (a sweep that fits one GPU call with its compiles): gate/up tiles with x in row
+    order and one MMA (FUSED), and the shipped kind (64 rows, 8 warps, 3 stages) as the baseline;
+    down tiles 256 wide, 128 wide on 4 warps, and the shipped 128 x 128."""
+    if gate_up:
+        return bool(c.get("FUSED")) or (c.get("BLOCK_M") == 64 and c["num_warps"] == 8 and c["num_stages"] == 3)
+    return c["BLOCK_N"] == 256 or c["num_warps"] == 4 or (c["num_warps"] == 8 and c["num_stages"] == 3)
 
 
 def fp8_wide_tiles(gate_up: bool) -> list[dict]:
