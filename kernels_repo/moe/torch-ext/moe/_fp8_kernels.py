@@ -93,6 +93,23 @@ def _weight_tile(b_ptr, bs_ptr, b_desc, e, offs_k, offs_n, n0, k0, k_blk, n_limi
 
 
 @triton.jit
+def _k_step(acc, a, b, a_s, s, pa, prev, FP8_DOT: tl.constexpr, RESCALE: tl.constexpr, PRECISION: tl.constexpr):
+    """acc after one K step: a @ b scaled by the activations' scales a_s (per row; fp8 math) and the
+    weights' s (per column, or shape [1] where the tile lies in one scale block), the factor formed
+    before it meets the [BLOCK_M, BLOCK_N] product (with [1] scales a column: one multiply per
+    element). RESCALE (see `_fp8_gemm_kernel`): acc kept divided by this step's scales, pa and prev
+    the last step's; a zero (masked) scale taken as 1. Returns (acc, this step's s)."""
+    if FP8_DOT and RESCALE:
+        s = tl.where(s > 0, s, 1.0)
+        acc = tl.dot(a, b.to(a.dtype), acc * ((pa / a_s)[:, None] * (prev / s)[None, :]), input_precision=PRECISION)
+    elif FP8_DOT:  # (EMULATE: fp32 from fp8, exact; else fp8 stays fp8)
+        acc += tl.dot(a, b.to(a.dtype), input_precision=PRECISION) * (a_s[:, None] * s[None, :])
+    else:  # uint8 bits -> fp16 (value / 256) -> activation dtype, both exact
+        acc += tl.dot(a, _e4m3_bits(b).to(a.dtype), input_precision=PRECISION) * (s * 256.0)[None, :]
+    return acc, s
+
+
+@triton.jit
 def _quantize_x_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, T, H, stride_xt, stride_qt, stride_st,
                        EMULATE: tl.constexpr, ROWS: tl.constexpr, TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
                        GROUP: tl.constexpr):
@@ -243,59 +260,28 @@ def _fp8_tile(
                     a = a.to(tl.float32)
         elif EMULATE:
             a = a.to(tl.float32)
+        if FP8_DOT and RESCALE:
+            a_s = tl.where(a_s > 0, a_s, 1.0)
+        elif not FP8_DOT:
+            a_s = pa  # (W8A16 scales by the weights' scales alone)
         if FUSED:
             bb = tl.trans(b_desc.load([e.to(tl.int32), 0, n0, k0]).reshape(2 * BLOCK_N, BLOCK_K))
             s_at = bs_ptr + e * stride_bse + k_blk * stride_bsk
             col = tl.where(left, tl.load(s_at + (n0 // SCALE_N) * stride_bsn),
                            tl.load(s_at + ((N + n0) // SCALE_N) * stride_bsn))
-            if FP8_DOT and RESCALE:
-                bb = bb.to(a.dtype)
-                a_s = tl.where(a_s > 0, a_s, 1.0)
-                col = tl.where(col > 0, col, 1.0)
-                acc2 = tl.dot(a, bb, acc2 * ((pa / a_s)[:, None] * (pc / col)[None, :]), input_precision=PRECISION)
-                pc = col
-            elif FP8_DOT:
-                bb = bb.to(a.dtype)
-                acc2 += tl.dot(a, bb, input_precision=PRECISION) * (a_s[:, None] * col[None, :])
-            else:
-                bb = _e4m3_bits(bb).to(a.dtype)
-                acc2 += tl.dot(a, bb, input_precision=PRECISION) * (col * 256.0)[None, :]
+            acc2, pc = _k_step(acc2, a, bb, a_s, col, pa, pc, FP8_DOT, RESCALE, PRECISION)
         else:
             b, s = _weight_tile(b_ptr, bs_ptr, b_desc, e, offs_k, offs_n, n0, k0, k_blk, N, K, stride_be,
                                 stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk, SCALE_N, B_TMA, ONE_SCALE,
                                 BLOCK_N, BLOCK_K)
-            # (the scale factor is formed before it meets the [BLOCK_M, BLOCK_N] product: with ONE_SCALE
-            # a [BLOCK_M, 1] column, so one multiply per element)
-            if FP8_DOT and RESCALE:
-                b = b.to(a.dtype)
-                a_s = tl.where(a_s > 0, a_s, 1.0)
-                s = tl.where(s > 0, s, 1.0)
-                acc = tl.dot(a, b, acc * ((pa / a_s)[:, None] * (pg / s)[None, :]), input_precision=PRECISION)
-                pg = s
-            elif FP8_DOT:
-                b = b.to(a.dtype)  # (EMULATE: fp32 from fp8, exact; else fp8 stays fp8)
-                acc += tl.dot(a, b, input_precision=PRECISION) * (a_s[:, None] * s[None, :])
-            else:  # uint8 bits -> fp16 (value / 256) -> activation dtype, both exact
-                b = _e4m3_bits(b).to(a.dtype)
-                acc += tl.dot(a, b, input_precision=PRECISION) * (s * 256.0)[None, :]
+            acc, pg = _k_step(acc, a, b, a_s, s, pa, pg, FP8_DOT, RESCALE, PRECISION)
             if EPILOGUE == 1:
                 # (B_TMA: gate columns past N read up rows; those columns are never stored and their
                 # up columns read zero past 2N, so h is 0 there, as QUANT_C's amax needs)
                 bu, su = _weight_tile(b_ptr, bs_ptr, b_desc, e, offs_k, offs_n + N, n0 + N, k0, k_blk, B_N_TOTAL,
                                       K, stride_be, stride_bn, stride_bk, stride_bse, stride_bsn, stride_bsk,
                                       SCALE_N, B_TMA, ONE_SCALE, BLOCK_N, BLOCK_K)
-                if FP8_DOT and RESCALE:
-                    bu = bu.to(a.dtype)
-                    su = tl.where(su > 0, su, 1.0)
-                    acc_u = tl.dot(a, bu, acc_u * ((pa / a_s)[:, None] * (pu / su)[None, :]),
-                                   input_precision=PRECISION)
-                    pu = su
-                elif FP8_DOT:
-                    bu = bu.to(a.dtype)
-                    acc_u += tl.dot(a, bu, input_precision=PRECISION) * (a_s[:, None] * su[None, :])
-                else:
-                    bu = _e4m3_bits(bu).to(a.dtype)
-                    acc_u += tl.dot(a, bu, input_precision=PRECISION) * (su * 256.0)[None, :]
+                acc_u, pu = _k_step(acc_u, a, bu, a_s, su, pa, pu, FP8_DOT, RESCALE, PRECISION)
         if FP8_DOT and RESCALE:
             pa = a_s
     if FUSED:  # (no column past N: ONE_SCALE with gate/up means N is a multiple of BLOCK_N)
