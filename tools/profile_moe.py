@@ -6,6 +6,9 @@ can be split between GEMMs, copies, routing and combine.
 
 Usage (repo root, GPU): PYTHONPATH=src python tools/profile_moe.py
   env: POINTS=qwen3_30b_a3b:4096,deepseek_v3:4096  MODES=fwd,fwdbwd  REPS=10
+       COMPILED=1: also each mode with fused_experts under torch.compile(fullgraph=True), its kernels
+       beside the eager call's (where a compiled call's extra time goes); BACKWARD=1: fwdbwd by
+       .backward() into cleared .grad (as training and bench_moe.py do) instead of autograd.grad
 """
 
 from __future__ import annotations
@@ -52,19 +55,30 @@ def profile_point(name: str, T: int, modes: list[str], reps: int) -> None:
     w.requires_grad_()
     dy = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
 
-    def fwd():
-        with torch.no_grad():
-            moe.fused_experts(x, gu, dn, idx, w, check_indices=False)
+    def call(a, g, d, ww):
+        return moe.fused_experts(a, g, d, idx, ww, check_indices=False)
 
-    def fwdbwd():
-        out = moe.fused_experts(x, gu, dn, idx, w, check_indices=False)
-        torch.autograd.grad(out, (x, gu, dn, w), dy)
+    runs = [("eager", call)]
+    if os.environ.get("COMPILED") == "1":
+        runs.append(("compiled", torch.compile(call, fullgraph=True)))
+    for label, f in runs:
+        def fwd(f=f):
+            with torch.no_grad():
+                f(x, gu, dn, w)
 
-    for mode in modes:
-        table, total = _kernel_times(fwd if mode == "fwd" else fwdbwd, reps)
-        print(f"== profile {name} T={T} {mode}: GPU kernels {total / 1e3:.3f} ms per call", flush=True)
-        for kname, (us, n) in sorted(table.items(), key=lambda kv: -kv[1][0]):
-            print(f"  {us / 1e3:8.3f} ms {100 * us / total:5.1f}%  x{n:<3d} {kname}", flush=True)
+        def fwdbwd(f=f):
+            if os.environ.get("BACKWARD") == "1":  # as training does: .backward() into .grad (cleared)
+                for p in (x, gu, dn, w):
+                    p.grad = None
+                f(x, gu, dn, w).backward(dy)
+            else:
+                torch.autograd.grad(f(x, gu, dn, w), (x, gu, dn, w), dy)
+
+        for mode in modes:
+            table, total = _kernel_times(fwd if mode == "fwd" else fwdbwd, reps)
+            print(f"== profile {name} T={T} {mode} {label}: GPU kernels {total / 1e3:.3f} ms per call", flush=True)
+            for kname, (us, n) in sorted(table.items(), key=lambda kv: -kv[1][0]):
+                print(f"  {us / 1e3:8.3f} ms {100 * us / total:5.1f}%  x{n:<3d} {kname}", flush=True)
 
 
 def main() -> None:
