@@ -190,6 +190,12 @@ def test_fused_gate_up_tile_gives_the_two_tile_output(stages):
     ref, emu = oracle(*args), emulation(*args)
     tol = 1e-2 if flags else rel(emu, ref)
     assert rel(fused, ref) < (tol if flags else 1.25 * tol) and rel(fused, two) < 0.05 * tol
+    if not flags:  # with x in row order by TMA too (fp8 math): both descriptors reach the kernel
+        with CachedLaunch.recording() as calls:
+            both = _run(args, {**BASE, "gate_up": {**gate_up, "FUSED": True, "A_TMA": True}})
+        gemm = [c.constexprs for c in calls if hasattr(c.constexprs, "FUSED")][0]
+        assert (gemm.FUSED, gemm.A_TMA, gemm.GATHER_A) == (True, True, False), gemm
+        assert torch.equal(both, fused)
     for moot, cfg in (("ragged I", _inputs(seed=34)), ("no TMA", args)):
         extra = {"tma": False} if moot == "no TMA" else {}
         with CachedLaunch.recording() as calls:

@@ -147,10 +147,12 @@ def _gemm(a, a_scale, weight, scale_inv, out, out_scale, routing, stage: dict, *
     one = one_scale(bn, n, epilogue)
     # gate/up "FUSED" (TMA): one [1, 2, bn, bk] box of the weight seen as [E, 2, n, k], gate and up rows
     fused = tma and not transposed and epilogue == 1 and one and bool(stage.get("FUSED", False))
-    if fused:
-        b_desc = sm90.TensorDescriptor(w, [w.shape[0], 2, n, k], [ws[0], n * ws[1], ws[1], ws[2]], [1, 2, bn, bk])
-    elif tma and not transposed:
-        b_desc = sm90.weight_descriptor(w, bn, bk)
+    if tma and not transposed:
+        if fused:
+            b_desc = sm90.TensorDescriptor(w, [w.shape[0], 2, n, k], [ws[0], n * ws[1], ws[1], ws[2]],
+                                           [1, 2, bn, bk])
+        else:
+            b_desc = sm90.weight_descriptor(w, bn, bk)
         if stage.get("A_TMA", False) and not gather_a and bm <= 256 and sm90.tma_ok(a):
             a_desc = sm90.rows_descriptor(a, bm, bk)
     per_sm = int(stage.get("PERSISTENT", 0)) if bm == routing.block_m else 0  # programs per SM; 0: one per tile
