@@ -337,19 +337,14 @@ def _focus(c: dict, gate_up: bool) -> bool:
 
 def fp8_wide_tiles(gate_up: bool) -> list[dict]:
     """Full 128-row tiles (128 x 128 gate/up with its up half, 128 x 256 down) that the register
-    rule above leaves out: 8 warps with RESCALE, or 16 warps (four warpgroups, so that one scales its
-    K-block product while another's MMA runs). Some of them spill a few hundred bytes (ptxas on sm90,
-    tools/compile_fp8_sm90.py --candidates); whether that costs more than the wider tile saves is
-    for the timing to say."""
+    rule above leaves out: 8 warps with RESCALE (the gate/up one spills 400 bytes as two tiles, none
+    as one FUSED tile; ptxas sm90), also persistent. (16-warp tiles, 128 registers a thread, spill
+    and took 1.7-12x the time on an H100: s38 sweep.)"""
     bn = 128 if gate_up else 256
     out = [{"BLOCK_N": bn, "num_warps": 8, "num_stages": ns, "RESCALE": True} for ns in (3, 4)]
-    out += [{"BLOCK_N": bn, "num_warps": 16, "num_stages": ns, **rs} for ns in (3, 4) for rs in ({}, {"RESCALE": True})]
     # (A by TMA: down's h; gate/up's x quantized into row order with one MMA per K step, or neither)
     new = [{**c, "A_TMA": True, **({"FUSED": True} if gate_up else {})} for c in out]
-    # one program per SM looping over the tiles, for the 3-stage 8- and 16-warp ones
-    persistent = [{**c, "PERSISTENT": 1} for c in new
-                  if c["num_stages"] == 3 and bool(c.get("RESCALE")) == (c["num_warps"] == 8)]
-    return new + persistent + (out if gate_up else [])
+    return new + [{**new[0], "PERSISTENT": 1}] + (out if gate_up else [])
 
 
 def fp8_decode_space(stage: str) -> list[dict]:

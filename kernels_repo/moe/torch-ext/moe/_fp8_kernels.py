@@ -91,7 +91,6 @@ def _weight_tile(b_ptr, bs_ptr, b_desc, e, offs_k, offs_n, n0, k0, k_blk, n_limi
     return b, s
 
 
-
 @triton.jit
 def _k_step(acc, a, b, a_s, s, pa, prev, FP8_DOT: tl.constexpr, RESCALE: tl.constexpr, PRECISION: tl.constexpr):
     """acc after one K step: a @ b scaled by the activations' scales a_s (per row; fp8 math) and the
