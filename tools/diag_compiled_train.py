@@ -14,20 +14,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels_repo" / "moe" / "benchmarks"))
-from bench_moe import DEV, SHAPES, moe, routing  # noqa: E402  (kernels_repo/moe/benchmarks/)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_moe import moe, point_inputs  # noqa: E402  (tools/)
 
 
 def main() -> None:
     name, T = os.environ.get("POINT", "deepseek_v3:16384").split(":")
-    s = SHAPES[name]
-    E, H, I, K = s["E"], s["H"], s["I"], s["K"]
-    T = int(T)
-    gu = (torch.randn(E, 2 * I, H, device=DEV, dtype=torch.bfloat16) * 0.02).requires_grad_()
-    dn = (torch.randn(E, H, I, device=DEV, dtype=torch.bfloat16) * 0.02).requires_grad_()
-    x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-    idx, w = routing(T, E, K)
-    dy = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
+    x, gu, dn, idx, w, dy = point_inputs(name, int(T))
+    w = w.detach()  # (the router's weights held fixed, as before)
 
     def call(a, g, d):
         return moe.fused_experts(a, g, d, idx, w, check_indices=False)

@@ -45,15 +45,21 @@ def _kernel_times(fn, reps: int) -> tuple[dict[str, tuple[float, int]], float]:
     return out, sum(t for t, _ in out.values())
 
 
-def profile_point(name: str, T: int, modes: list[str], reps: int) -> None:
+def point_inputs(name: str, T: int) -> tuple:
+    """(x, gate_up_proj, down_proj, topk ids, topk weights, dY) of one point, all but the ids and dY
+    requiring grad."""
     s = SHAPES[name]
     E, H, I, K = s["E"], s["H"], s["I"], s["K"]
     gu = (torch.randn(E, 2 * I, H, device=DEV, dtype=torch.bfloat16) * 0.02).requires_grad_()
     dn = (torch.randn(E, H, I, device=DEV, dtype=torch.bfloat16) * 0.02).requires_grad_()
     x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     idx, w = routing(T, E, K)
-    w.requires_grad_()
     dy = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
+    return x, gu, dn, idx, w.requires_grad_(), dy
+
+
+def profile_point(name: str, T: int, modes: list[str], reps: int) -> None:
+    x, gu, dn, idx, w, dy = point_inputs(name, T)
 
     def call(a, g, d, ww):
         return moe.fused_experts(a, g, d, idx, ww, check_indices=False)

@@ -437,8 +437,8 @@ def fp8_tune_point(fp8x, variant, x, gu, gus, dn, dns, idx, w, K):
     E, T = gu.shape[0], x.shape[0]
     rpe = T * K / E
     block_ms = [16, 32] if rpe <= 4 else ([32, 64] if rpe <= 48 else [64, 128])
-    only = [int(b) for b in os.environ.get("FP8_BLOCK_MS", "").split(",") if b]  # (a shorter sweep)
-    block_ms = [b for b in block_ms if b in only] or block_ms if only else block_ms
+    only = {int(b) for b in os.environ.get("FP8_BLOCK_MS", "").split(",") if b}  # (a shorter sweep)
+    block_ms = [b for b in block_ms if b in only] or block_ms
     # (W8A16 math: always on sm80; on sm90 a decode candidate, where weight bytes bound the time)
     maths = [True] if variant == "sm80" else ([False, True] if rpe <= 4 else [False])
     best_total, best = math.inf, None
