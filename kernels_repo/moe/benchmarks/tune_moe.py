@@ -23,7 +23,8 @@ Qwen3-30B-A3B at T=1,32,512,4096,16384 (SHAPES=, TOKENS= as above), writing DIR/
 ("shapes" buckets) and printing the best bucket per point at the end (at T <= 8 also the
 token-major decode kernels, kept as a "decode" key where they win); about 90 distinct kernels
 to compile, sized for one GPU call of under 8 minutes (FP8_BUDGET_S, default 400: past it each
-stage keeps its best candidate so far; FP8_BLOCK_MS=128: only those of the point's alignments).
+stage keeps its best candidate so far; FP8_BLOCK_MS=128: only those of the point's alignments;
+FP8_DECODE_ONLY=1: at T <= 8 only the decode kernels, against the shipped bucket, by CUDA-graph time).
 Each fp8 line: stage, block_m, config, ms.
 Each line printed is one measurement: stage, block_m, config, ms.
 """
@@ -184,13 +185,14 @@ def graphed(fn) -> float:
 _DEADLINE = [math.inf]
 
 
-def best_of(label, run, space):
+def best_of(label, run, space, timer=None):
+    """(ms, config) of the fastest config of `space` by `timer` (default `timed`)."""
     best = (math.inf, None)
     for c in space:
         if time.time() > _DEADLINE[0] and best[1] is not None:
             print(f"  {label}: budget spent, keeping {best[1]}", flush=True)
             break
-        ms = timed(lambda c=c: run(c))
+        ms = (timer or timed)(lambda c=c: run(c))
         print(f"  {label} {c} ms={ms:.4f}", flush=True)
         if ms < best[0]:
             best = (ms, c)
@@ -349,10 +351,14 @@ def fp8_wide_tiles(gate_up: bool) -> list[dict]:
 
 def fp8_decode_space(stage: str) -> list[dict]:
     """Tiles of the fp8 token-major decode kernels (`_fp8_decode`; a bucket's "decode" key): BLOCK_N
-    weight rows per program, BLOCK_K a divisor of the 128-column scale block; the down kernel holds
-    all K experts' tiles at once, hence its narrower rows."""
-    bns = [4, 8, 16, 32] if stage == "gate_up" else [4, 8, 16]
-    return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 2} for bn in bns for bk in (64, 128)]
+    weight rows per program; BLOCK_K up to 1024 columns (whole scale blocks), since their loads are
+    not software-pipelined and one K step's tile is all a program has in flight (at most 8 KB of
+    weights per program); the down kernel holds all K experts' tiles at once, hence its narrower rows."""
+    if stage == "gate_up":
+        pairs = [(4, 512), (4, 1024), (8, 256), (8, 512), (16, 128), (16, 256), (32, 128)]
+    else:
+        pairs = [(4, 128), (4, 256), (8, 128), (4, 64), (8, 64)]
+    return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 2} for bn, bk in pairs for nw in (4, 8)]
 
 
 def fp8_tune_decode(fp8x, variant, best, x, gu, gus, dn, dns, idx, w):
@@ -364,8 +370,9 @@ def fp8_tune_decode(fp8x, variant, best, x, gu, gus, dn, dns, idx, w):
     def run(stage):
         return lambda c: fp8x.decode_forward(x, gu, dn, idx, w, gus, dns, {"max_tokens": T, **first, stage: c})
 
-    _, first["gate_up"] = best_of(f"fp8 decode_gate_up T={T}", run("gate_up"), fp8_decode_space("gate_up"))
-    _, first["down"] = best_of(f"fp8 decode_down T={T}", run("down"), fp8_decode_space("down"))
+    # each stage by GPU time too: eager, a pinned decode call's Python outlasts its kernels
+    _, first["gate_up"] = best_of(f"fp8 decode_gate_up T={T}", run("gate_up"), fp8_decode_space("gate_up"), graphed)
+    _, first["down"] = best_of(f"fp8 decode_down T={T}", run("down"), fp8_decode_space("down"), graphed)
     if first["gate_up"] is None or first["down"] is None:
         return best
     with_decode = {**best, "decode": {"max_tokens": T, **first}}
@@ -436,6 +443,12 @@ def fp8_tune_point(fp8x, variant, x, gu, gus, dn, dns, idx, w, K):
     in the gate/up load."""
     E, T = gu.shape[0], x.shape[0]
     rpe = T * K / E
+    if os.environ.get("FP8_DECODE_ONLY") == "1" and T <= DECODE_MAX_TOKENS and rpe <= 4:
+        # the shipped bucket as the grouped path; only the token-major kernels swept against it
+        fp8c = importlib.import_module(moe.__name__ + "._fp8_configs")
+        shipped = fp8c.pick_fp8_config(variant, E, x.shape[1], gu.shape[1] // 2, T * K)
+        return _checked(fp8_tune_decode(fp8x, variant, {k: v for k, v in shipped.items() if k != "decode"},
+                                        x, gu, gus, dn, dns, idx, w), variant, x, gu, gus, dn, dns, idx, w)
     block_ms = [16, 32] if rpe <= 4 else ([32, 64] if rpe <= 48 else [64, 128])
     only = {int(b) for b in os.environ.get("FP8_BLOCK_MS", "").split(",") if b}  # (a shorter sweep)
     block_ms = [b for b in block_ms if b in only] or block_ms
@@ -464,14 +477,18 @@ def fp8_tune_point(fp8x, variant, x, gu, gus, dn, dns, idx, w, K):
         print(f" fp8 T={T} end to end: {e2e(best):.4f} ms", flush=True)
     if T <= DECODE_MAX_TOKENS and rpe <= 4:
         best = fp8_tune_decode(fp8x, variant, best, x, gu, gus, dn, dns, idx, w)
-    # a guard on the pick (the sweep times, it does not check): against the W8A16 kernel, which does
-    # not quantize activations, the fp8 math differs by what that quantization costs (~4-5%)
+    return _checked(best, variant, x, gu, gus, dn, dns, idx, w)
+
+
+def _checked(best, variant, x, gu, gus, dn, dns, idx, w):
+    """`best` after a guard on it (the sweep times, it does not check): against the W8A16 kernel,
+    which does not quantize activations, the fp8 math differs by what that quantization costs (~4-5%)."""
     got, want = (moe.fused_experts(x, gu, dn, idx, w, gate_up_proj_scale_inv=gus, down_proj_scale_inv=dns,
                                    variant=v, config=b) for v, b in ((variant, best), ("sm80", None)))
     err = ((got.float() - want.float()).norm() / want.float().norm()).item()
-    print(f" fp8 T={T} check: relative difference to the W8A16 kernel {err:.4f}", flush=True)
+    print(f" fp8 T={x.shape[0]} check: relative difference to the W8A16 kernel {err:.4f}", flush=True)
     if not err < 0.1:
-        raise SystemExit(f"fp8 T={T}: the picked bucket's output is off ({err:.3g}): {best}")
+        raise SystemExit(f"fp8 T={x.shape[0]}: the picked bucket's output is off ({err:.3g}): {best}")
     return best
 
 

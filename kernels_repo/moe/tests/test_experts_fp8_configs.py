@@ -470,6 +470,9 @@ def test_shipped_sm90_fp8_tiles_compile_without_spills_within_shared_memory(tmp_
 
 DECODE = {"max_tokens": 4, "gate_up": {"BLOCK_N": 8, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1},
           "down": {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1}}
+# K steps of whole scale blocks ([BLOCK_N, 2, 128] tiles), the widths past 128 the sweep times
+DECODE_WIDE = {"max_tokens": 4, "gate_up": {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1},
+               "down": {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1}}
 
 
 def _kernels(run) -> list[str]:
@@ -482,12 +485,14 @@ def _kernels(run) -> list[str]:
 
 
 @pytest.mark.parametrize("variant", ["sm90", "sm80"])
-@pytest.mark.parametrize("T", [1, 3])
-def test_decode_key_runs_the_token_major_kernels_and_matches_the_float64_loop(variant, T):
+@pytest.mark.parametrize(("T", "H", "decode"), [(1, 200, DECODE), (3, 200, DECODE), (1, 300, DECODE_WIDE),
+                                                (3, 300, DECODE_WIDE)])
+def test_decode_key_runs_the_token_major_kernels_and_matches_the_float64_loop(variant, T, H, decode):
     """Two launches (no routing, no combine), W8A16 math on both variants; -1 ids dropped; H and I
-    not multiples of 128 (BLOCK_K 32 / 64 chunks inside one scale block); K = 3 (padded to 4)."""
-    x, guq, dq, idx, w, scales = make_fp8(T, 200, 136, 6, 3, seed=31, drop=1)
-    cfg = {**BASE, "decode": DECODE}
+    not multiples of 128: BLOCK_K 32 / 64 chunks inside one scale block, or 256 (two scale blocks
+    per step: H=300's second step holds one partial block and one past H); K = 3 (padded to 4)."""
+    x, guq, dq, idx, w, scales = make_fp8(T, H, 136, 6, 3, seed=31, drop=1)
+    cfg = {**BASE, "decode": decode}
     out, names = _kernels(lambda: moe.fused_experts(x, guq, dq, idx, w, variant=variant, config=cfg, **scales))
     assert names == ["_fp8_decode_gate_up_kernel", "_fp8_decode_down_kernel"]
     ref = oracle(x, guq, dq, idx, w, scales)
@@ -513,8 +518,8 @@ def test_decode_ids_out_of_range_are_dropped_when_unchecked():
 
 @pytest.mark.parametrize(("patch", "match"), [
     ({"max_tokens": 0}, r"\['decode'\]\['max_tokens'\] must be an int >= 1"),
-    ({"gate_up": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1}},
-     r"\['decode'\]\['gate_up'\]\['BLOCK_K'\] must be 16, 32, 64 or 128"),
+    ({"gate_up": {"BLOCK_N": 8, "BLOCK_K": 384, "num_warps": 4, "num_stages": 1}},
+     r"\['decode'\]\['gate_up'\]\['BLOCK_K'\] must be one of \(16, 32, 64, 128, 256, 512, 1024\)"),
     ({"down": {"BLOCK_N": 2, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1}},
      r"\['decode'\]\['down'\]\['BLOCK_N'\] must be a power of two in \[4, 256\]"),
     ({"extra": 1}, r"\['decode'\]: keys must be"),
@@ -528,10 +533,11 @@ def test_decode_weight_bits_path_equals_fp8_pointer_loads():
     """sm80 reads the fp8 weights as uint8 bits (Triton has no fp8 pointers there): exact, so the
     same output as fp8 loads, bit for bit."""
     x, guq, dq, idx, w, scales = make_fp8(2, 200, 136, 5, 3, seed=34, drop=1)
-    args = (x, guq, dq, idx, w, scales["gate_up_proj_scale_inv"], scales["down_proj_scale_inv"], DECODE)
-    bits = fp8x.decode_forward(*args, w_bits=True)
-    assert torch.equal(bits, fp8x.decode_forward(*args, w_bits=False))
-    assert rel(bits, oracle(x, guq, dq, idx, w, scales)) < 1e-2
+    for decode in (DECODE, DECODE_WIDE):
+        args = (x, guq, dq, idx, w, scales["gate_up_proj_scale_inv"], scales["down_proj_scale_inv"], decode)
+        bits = fp8x.decode_forward(*args, w_bits=True)
+        assert torch.equal(bits, fp8x.decode_forward(*args, w_bits=False))
+        assert rel(bits, oracle(x, guq, dq, idx, w, scales)) < 1e-2
 
 
 # ---- GPU: the paths a shipped config does not take at these shapes ----

@@ -27,7 +27,8 @@ GEMM, default true; false: quantized inside that GEMM's load, once per column ti
 the W8A16 math, 16-bit activations, e.g. at decode where weight bytes bound the time), "decode"
 (the token-major kernels of `_fp8_decode` for calls of at most "max_tokens" tokens: {"max_tokens",
 "gate_up", "down"}, each stage {"BLOCK_N" (weight rows per program, power of two >= 4),
-"BLOCK_K" (16 to 128: a divisor of the scale block), "num_warps", "num_stages"}).
+"BLOCK_K" (16 to 1024, a power of two: a divisor of the scale block or whole scale blocks),
+"num_warps", "num_stages"}).
 With fp8 activations the gate/up tile is 128 columns wide (one quantization group of h per tile,
 quantized in its epilogue).
 """
@@ -116,6 +117,9 @@ def check_fp8_bucket(bucket: object, where: str, variant: str | None = None) -> 
                          "'w8a16': true lifts this")
 
 
+_DECODE_BLOCK_K = (16, 32, 64, 128, 256, 512, 1024)
+
+
 def _check_decode(where: str, decode: object) -> None:
     if not isinstance(decode, dict):
         raise TypeError(f"{where} must be a dict, got {type(decode).__name__}")
@@ -130,9 +134,9 @@ def _check_decode(where: str, decode: object) -> None:
             raise ValueError(f"{at} must be a dict of BLOCK_N, BLOCK_K, num_warps, num_stages, got {c!r}")
         if _bad_int(c["BLOCK_N"], 4) or c["BLOCK_N"] & (c["BLOCK_N"] - 1) or c["BLOCK_N"] > 256:
             raise ValueError(f"{at}['BLOCK_N'] must be a power of two in [4, 256], got {c['BLOCK_N']!r}")
-        if c["BLOCK_K"] not in (16, 32, 64, 128) or isinstance(c["BLOCK_K"], bool):
-            raise ValueError(f"{at}['BLOCK_K'] must be 16, 32, 64 or 128 (a divisor of the scale block), "
-                             f"got {c['BLOCK_K']!r}")
+        if c["BLOCK_K"] not in _DECODE_BLOCK_K or isinstance(c["BLOCK_K"], bool):
+            raise ValueError(f"{at}['BLOCK_K'] must be one of {_DECODE_BLOCK_K} (a divisor of the scale block or "
+                             f"whole scale blocks), got {c['BLOCK_K']!r}")
         if c["num_warps"] not in (1, 2, 4, 8, 16) or isinstance(c["num_warps"], bool):
             raise ValueError(f"{at}['num_warps'] must be 1, 2, 4, 8 or 16, got {c['num_warps']!r}")
         if _bad_int(c["num_stages"], 1):

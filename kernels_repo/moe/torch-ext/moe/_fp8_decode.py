@@ -9,8 +9,10 @@ activation quantization (W8A16 math, on every capability) and no combine:
   1. `_fp8_decode_gate_up_kernel`, grid (T*K, I / BLOCK_N): h[t*K + k] = silu(Wg[e] x[t]) * (Wu[e] x[t])
   2. `_fp8_decode_down_kernel`, grid (T, H / BLOCK_N): out[t] = sum_k w[t, k] * (Wd[e] h[t*K + k])
 Weights: fp8 pointers where Triton has them (sm89+, the interpreter), else uint8 bits converted
-exactly (`_e4m3_bits`, W_BITS). BLOCK_K divides the 128-column scale block, so each K chunk has
-one scale per weight row: acc += w * (x * s). fp32 accumulation; h stored in x's dtype.
+exactly (`_e4m3_bits`, W_BITS). A K step is BLOCK_K columns: a divisor of the 128-column scale
+block, or whole scale blocks (their loads are not software-pipelined, so a wide step is what keeps
+bytes in flight); the tile is [.., NB, KC] with one scale per weight row and KC-column chunk:
+acc += w * (x * s). fp32 accumulation; h stored in x's dtype.
 """
 
 from __future__ import annotations
@@ -30,6 +32,15 @@ def _fp32_weight(w, W_BITS: tl.constexpr):
 
 
 @triton.jit
+def _k_chunks(BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr):
+    """A K step as [NB, KC] offsets, KC inside one scale block: BLOCK_K itself where it divides the
+    scale block (NB = 1), else NB whole scale blocks. Returns (offsets, per-chunk start)."""
+    KC: tl.constexpr = BLOCK_K if BLOCK_K < SCALE_K else SCALE_K
+    chunk = tl.arange(0, BLOCK_K // KC) * KC
+    return chunk[:, None] + tl.arange(0, KC)[None, :], chunk
+
+
+@triton.jit
 def _fp8_decode_gate_up_kernel(
     x_ptr, w_ptr, ws_ptr, idx_ptr, h_ptr, H, I, E,
     stride_xt, stride_it, stride_ik, stride_we, stride_wn, stride_wse, stride_wsn, stride_hm,
@@ -43,28 +54,30 @@ def _fp8_decode_gate_up_kernel(
         return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
-    offs_k = tl.arange(0, BLOCK_K)
-    g_ptrs = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    offs_k, chunk = _k_chunks(BLOCK_K, SCALE_K)  # [NB, KC], [NB]
+    g_ptrs = w_ptr + e * stride_we + offs_n[:, None, None].to(tl.int64) * stride_wn + offs_k[None, :, :]
     u_ptrs = g_ptrs + I * stride_wn
-    gs_ptrs = ws_ptr + e * stride_wse + (offs_n // SCALE_N) * stride_wsn  # + the K block
-    us_ptrs = ws_ptr + e * stride_wse + ((offs_n + I) // SCALE_N) * stride_wsn
+    gs_ptrs = ws_ptr + e * stride_wse + (offs_n // SCALE_N)[:, None] * stride_wsn  # [BN, 1] + the K blocks
+    us_ptrs = ws_ptr + e * stride_wse + ((offs_n + I) // SCALE_N)[:, None] * stride_wsn
     # x in the weight tile's layout (constant along BLOCK_N), as `_experts_decode` does
-    x_ptrs = x_ptr + t * stride_xt + (offs_n * 0)[:, None] + offs_k[None, :]
-    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    x_ptrs = x_ptr + t * stride_xt + (offs_n * 0)[:, None, None] + offs_k[None, :, :]
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K // SCALE_K if BLOCK_K > SCALE_K else 1,
+                      SCALE_K if BLOCK_K > SCALE_K else BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros_like(acc_g)
     for k0 in range(0, H, BLOCK_K):
-        mask = n_mask[:, None] & (offs_k < H - k0)[None, :]
+        mask = n_mask[:, None, None] & (offs_k < H - k0)[None, :, :]
         xv = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-        kb = k0 // SCALE_K
-        sg = tl.load(gs_ptrs + kb, mask=n_mask, other=0.0)
-        su = tl.load(us_ptrs + kb, mask=n_mask, other=0.0)
-        acc_g += _fp32_weight(tl.load(g_ptrs, mask=mask, other=0.0), W_BITS) * (xv * sg[:, None])
-        acc_u += _fp32_weight(tl.load(u_ptrs, mask=mask, other=0.0), W_BITS) * (xv * su[:, None])
+        s_mask = n_mask[:, None] & (chunk < H - k0)[None, :]
+        kb = ((k0 + chunk) // SCALE_K)[None, :]
+        sg = tl.load(gs_ptrs + kb, mask=s_mask, other=0.0)[:, :, None]
+        su = tl.load(us_ptrs + kb, mask=s_mask, other=0.0)[:, :, None]
+        acc_g += _fp32_weight(tl.load(g_ptrs, mask=mask, other=0.0), W_BITS) * (xv * sg)
+        acc_u += _fp32_weight(tl.load(u_ptrs, mask=mask, other=0.0), W_BITS) * (xv * su)
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    g = tl.sum(acc_g, axis=1)
-    u = tl.sum(acc_u, axis=1)
+    g = tl.sum(tl.sum(acc_g, axis=2), axis=1)
+    u = tl.sum(tl.sum(acc_u, axis=2), axis=1)
     h = g * tl.sigmoid(g) * u
     tl.store(h_ptr + pair * stride_hm + offs_n, _to(h, h_ptr.dtype.element_ty, UPCAST), mask=n_mask)
 
@@ -80,29 +93,31 @@ def _fp8_decode_down_kernel(
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
-    offs_k = tl.arange(0, BLOCK_K)
-    # the token's K experts side by side ([TOPK_P, BLOCK_N, BLOCK_K] tiles: all their bytes in
+    offs_k, chunk = _k_chunks(BLOCK_K, SCALE_K)  # [NB, KC], [NB]
+    # the token's K experts side by side ([TOPK_P, BLOCK_N, NB, KC] tiles: all their bytes in
     # flight together), as `_experts_decode._decode_down_kernel`
     slot = tl.arange(0, TOPK_P)
     e = tl.load(idx_ptr + t * stride_it + slot * stride_ik, mask=slot < TOPK, other=-1).to(tl.int64)
     valid = (slot < TOPK) & (e >= 0) & (e < E)
     e = tl.where(valid, e, 0)
     wt = tl.load(wts_ptr + t * stride_wt + slot * stride_wtk, mask=valid, other=0.0).to(tl.float32)
-    h_ptrs = (h_ptr + (t * TOPK + slot)[:, None, None] * stride_hm + (offs_n * 0)[None, :, None]
-              + offs_k[None, None, :])
-    w_ptrs = (w_ptr + e[:, None, None] * stride_we + offs_n[None, :, None].to(tl.int64) * stride_wn
-              + offs_k[None, None, :])
-    s_ptrs = ws_ptr + e[:, None] * stride_wse + (offs_n // SCALE_N)[None, :] * stride_wsn  # [TOPK_P, BLOCK_N]
-    s_mask = valid[:, None] & n_mask[None, :]
-    w_mask = valid[:, None, None] & n_mask[None, :, None]
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    h_ptrs = (h_ptr + (t * TOPK + slot)[:, None, None, None] * stride_hm + (offs_n * 0)[None, :, None, None]
+              + offs_k[None, None, :, :])
+    w_ptrs = (w_ptr + e[:, None, None, None] * stride_we + offs_n[None, :, None, None].to(tl.int64) * stride_wn
+              + offs_k[None, None, :, :])
+    # [TOPK_P, BLOCK_N, 1] + the K blocks
+    s_ptrs = ws_ptr + e[:, None, None] * stride_wse + (offs_n // SCALE_N)[None, :, None] * stride_wsn
+    row_ok = valid[:, None, None] & n_mask[None, :, None]
+    acc = tl.zeros((BLOCK_N, BLOCK_K // SCALE_K if BLOCK_K > SCALE_K else 1,
+                    SCALE_K if BLOCK_K > SCALE_K else BLOCK_K), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        mask = w_mask & (offs_k < I - k0)[None, None, :]
+        mask = row_ok[:, :, :, None] & (offs_k < I - k0)[None, None, :, :]
         hv = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
-        s = tl.load(s_ptrs + k0 // SCALE_K, mask=s_mask, other=0.0) * wt[:, None]
+        s_mask = row_ok & (chunk < I - k0)[None, None, :]
+        s = tl.load(s_ptrs + ((k0 + chunk) // SCALE_K)[None, None, :], mask=s_mask, other=0.0) * wt[:, None, None]
         wv = _fp32_weight(tl.load(w_ptrs, mask=mask, other=0.0), W_BITS)
-        acc += tl.sum(wv * (hv * s[:, :, None]), axis=0)
+        acc += tl.sum(wv * (hv * s[:, :, :, None]), axis=0)
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    out = tl.sum(acc, axis=1)
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)
     tl.store(out_ptr + t * stride_om + offs_n, _to(out, out_ptr.dtype.element_ty, UPCAST), mask=n_mask)
