@@ -351,13 +351,14 @@ def fp8_wide_tiles(gate_up: bool) -> list[dict]:
 
 def fp8_decode_space(stage: str) -> list[dict]:
     """Tiles of the fp8 token-major decode kernels (`_fp8_decode`; a bucket's "decode" key): BLOCK_N
-    weight rows per program; BLOCK_K up to 1024 columns (whole scale blocks), since their loads are
-    not software-pipelined and one K step's tile is all a program has in flight (at most 8 KB of
-    weights per program); the down kernel holds all K experts' tiles at once, hence its narrower rows."""
+    weight rows per program; BLOCK_K from 32 to 1024 columns (past 128: whole scale blocks), since
+    their loads are not software-pipelined and one K step's tile is all a program has in flight, yet
+    at DeepSeek-V3 T=1 the down kernel took twice as long with 128-column steps as with 64 (s39-1);
+    the down kernel holds all K experts' tiles at once, hence its narrower rows."""
     if stage == "gate_up":
-        pairs = [(4, 512), (4, 1024), (8, 256), (8, 512), (16, 128), (16, 256), (32, 128)]
+        pairs = [(4, 64), (4, 128), (8, 64), (8, 128), (16, 64), (32, 64), (4, 512), (8, 256), (16, 128)]
     else:
-        pairs = [(4, 128), (4, 256), (8, 128), (4, 64), (8, 64)]
+        pairs = [(4, 32), (4, 64), (8, 32), (8, 64), (16, 32), (16, 64), (4, 128)]
     return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 2} for bn, bk in pairs for nw in (4, 8)]
 
 
