@@ -138,6 +138,11 @@ def remember(key: tuple, calls: list, externals: tuple[torch.Tensor, ...], out: 
     _REPLAYS[key] = _plan(calls, externals, out)
 
 
+def refuse(key: tuple) -> None:
+    """Never replay `key`: its recorded call launched a kernel outside `CachedLaunch` (the Gluon GEMMs)."""
+    _REPLAYS[key] = None
+
+
 def _make_room() -> None:
     """At the bound, forget the keys seen once (prefill lengths that did not repeat) before the
     recordings (the decode shapes that do)."""
