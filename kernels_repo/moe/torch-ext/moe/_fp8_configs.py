@@ -20,10 +20,10 @@ gathering them, for T*K instead of T rows quantized); gate/up only "FUSED" (with
 a multiple of BLOCK_N <= 128: the gate and up tiles as one TMA box and one MMA per K step, see
 `_fp8_gemm_kernel`; elsewhere ignored); "PERSISTENT" (n >= 1, tiles as tall as block_m: n programs
 per SM loop over the used rows' tiles in one flattened, software-pipelined loop; 0: one program
-per tile); "GLUON" (sm90 fp8 math, block_m 128, BLOCK_N 64 or 128: the stage runs the
-warp-specialized Gluon kernel of `_fp8_gluon` with "num_stages" stages, A in row order; gate/up
-then stores 16-bit rows and one pass makes h; where Gluon or a capability 9.0 device is missing,
-or the shape does not fit it, the Triton kernel runs). Bucket flags: "tma" (sm90: weights through TMA
+per tile); "GLUON" (sm90 fp8 math, block_m 128: the stage runs the warp-specialized Gluon kernel
+of `_fp8_gluon`, 128 columns of h / 256 output columns per tile whatever BLOCK_N says, with up to
+"num_stages" stages, x quantized in row order; where Gluon or a capability 9.0 device is missing,
+or the shape does not fit its tiles, the Triton kernel runs). Bucket flags: "tma" (sm90: weights through TMA
 descriptors, default true), "quant_x" (sm90: x quantized by its own pass before the gate/up
 GEMM, default true; false: quantized inside that GEMM's load, once per column tile), "w8a16"
 (sm90 variant: this bucket runs
@@ -112,10 +112,10 @@ def check_fp8_bucket(bucket: object, where: str, variant: str | None = None) -> 
     if "FUSED" in bucket["down"]:
         raise ValueError(f"{where}['down']: 'FUSED' is a gate_up key (its gate and up tiles as one)")
     for stage in ("gate_up", "down"):
-        if bucket[stage].get("GLUON", False) and (bm != 128 or bucket[stage]["BLOCK_N"] not in (64, 128)
-                                                 or bucket.get("w8a16", False) or not bucket.get("quant_x", True)):
-            raise ValueError(f"{where}[{stage!r}]['GLUON'] needs block_m 128, BLOCK_N 64 or 128 and fp8 "
-                             "activations from x's quantize pass (not 'w8a16': true or 'quant_x': false)")
+        if bucket[stage].get("GLUON", False) and (bm != 128 or bucket.get("w8a16", False)
+                                                 or not bucket.get("quant_x", True)):
+            raise ValueError(f"{where}[{stage!r}]['GLUON'] needs block_m 128 and fp8 activations from x's "
+                             "quantize pass (not 'w8a16': true or 'quant_x': false)")
     if bucket["gate_up"].get("A_TMA", False) and (bucket.get("w8a16", False) or not bucket.get("quant_x", True)):
         raise ValueError(f"{where}['gate_up']['A_TMA'] needs fp8 activations from x's quantize pass "
                          "(not with 'w8a16': true or 'quant_x': false)")

@@ -33,7 +33,7 @@ from ._experts_routing import align_rows
 from ._experts_validate import FN, INTERPRET, check_ids, checked_variant, needs_grad
 from ._fp8_configs import FP8_INTERPRETER_CONFIG, QUANT_GROUP, check_fp8_bucket, picked_fp8_config
 from ._fp8_decode import _fp8_decode_down_kernel, _fp8_decode_gate_up_kernel
-from ._fp8_kernels import _fp8_gemm_kernel, _quantize_x_kernel, _swiglu_quant_kernel
+from ._fp8_kernels import _fp8_gemm_kernel, _quantize_x_kernel
 from ._fp8_validate import BLOCK, refuse_weight_gradients, validate_fp8_inputs
 from .reference_fp8 import fp8_reference_unchecked
 
@@ -44,8 +44,7 @@ _quant_launch = CachedLaunch(_quantize_x_kernel)
 Fp8GemmConstexprs = constexpr_spec(_fp8_gemm_kernel, """EPILOGUE GATHER_A TOPK FP8_DOT QUANT_A QUANT_C EMULATE
     PRECISION SCALE_N SCALE_K B_TMA A_TMA RESCALE ONE_SCALE FUSED PERSISTENT BLOCK_M BLOCK_N BLOCK_K""")
 QuantConstexprs = constexpr_spec(_quantize_x_kernel, "EMULATE ROWS TOPK BLOCK_T GROUP")
-_swiglu_quant_launch = CachedLaunch(_swiglu_quant_kernel)
-SwigluQuantConstexprs = constexpr_spec(_swiglu_quant_kernel, "EMULATE ALIGN BLOCK_T GROUP")
+
 _decode_gate_up_launch = CachedLaunch(_fp8_decode_gate_up_kernel)
 _decode_down_launch = CachedLaunch(_fp8_decode_down_kernel)
 DecodeGateUpConstexprs = constexpr_spec(_fp8_decode_gate_up_kernel,
@@ -118,19 +117,6 @@ def quantize_x(x: torch.Tensor, routing=None, topk: int = 1) -> tuple[torch.Tens
     elif n and H:  # (a column-strided x: one contiguous copy first)
         return quantize_x(x.contiguous(), routing, topk)
     return q, s
-
-
-def swiglu_quantize(gu: torch.Tensor, h: torch.Tensor, h_scale: torch.Tensor, routing) -> None:
-    """h (fp8 [P, I]) and h_scale ([P, cdiv(I, 128)]) from the gate/up rows gu [P, 2I]: silu(gate) *
-    up quantized per row and 128-column group, for the routing's used rows only (read on the device)."""
-    P, inter = h.shape
-    grid = (launch.cdiv(P, _QUANT_ROWS), h_scale.shape[1])
-    if P and inter:
-        _swiglu_quant_launch.split(
-            grid, _index(gu), (gu, h, h_scale, routing.expert_start, routing.expert_count),
-            (inter, routing.expert_count.shape[0], gu.stride(0), h.stride(0), h_scale.stride(0)),
-            SwigluQuantConstexprs(EMULATE=INTERPRET, ALIGN=routing.block_m, BLOCK_T=_QUANT_ROWS, GROUP=QUANT_GROUP),
-            num_warps=4)
 
 
 def one_scale(block_n: int, n: int, epilogue: int) -> bool:
@@ -261,8 +247,8 @@ def forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_scale, d
     # gate/up "A_TMA" (fp8 math, x's quantize pass): x quantized straight into the aligned row order
     # "GLUON" stages (sm90 fp8 math, 128-row alignment): the warp-specialized Gluon GEMM, x in row order
     gluon_gu, gluon_dn = (fp8_dot and tma and cfg[stage].get("GLUON", False)
-                          and gluon_gemm.applies(x.device, w, routing.block_m, cfg[stage]["BLOCK_N"])
-                          for stage, w in (("gate_up", gate_up_proj), ("down", down_proj)))
+                          and gluon_gemm.applies(x.device, w, routing.block_m, gated)
+                          for stage, w, gated in (("gate_up", gate_up_proj, True), ("down", down_proj, False)))
     in_rows = fp8_dot and tma and cfg.get("quant_x", True) and (gluon_gu or cfg["gate_up"].get("A_TMA", False))
     if fp8_dot:  # h as fp8 with one scale per row and 128-column group (gate/up BLOCK_N = 128)
         h = torch.empty(P, inter, device=dev, dtype=torch.float8_e4m3fn)
@@ -271,17 +257,15 @@ def forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_scale, d
             a, a_scale = quantize_x(x, routing if in_rows else None, K)
     else:
         h, h_scale = torch.empty(P, inter, device=dev, dtype=x.dtype), None
-    if gluon_gu:  # [P, 2I] 16-bit rows, then SwiGLU and h's quantization in one pass
-        gu = torch.empty(P, two_i, device=dev, dtype=x.dtype)
-        gluon_gemm.gemm(a, a_scale, gate_up_proj, gate_up_scale, gu, routing, launch.sm_count(dev),
-                        cfg["gate_up"]["BLOCK_N"], cfg["gate_up"]["num_stages"])
-        swiglu_quantize(gu, h, h_scale, routing)
+    if gluon_gu:
+        gluon_gemm.gemm(a, a_scale, gate_up_proj, gate_up_scale, h, h_scale, routing, launch.sm_count(dev),
+                        cfg["gate_up"]["num_stages"])
     else:
         _gemm(a, a_scale, gate_up_proj, gate_up_scale, h, h_scale, routing, cfg["gate_up"], n=inter, k=H,
               epilogue=1, gather_a=not in_rows, topk=K, fp8_dot=fp8_dot, tma=tma)
     y = torch.empty(P, H, device=dev, dtype=x.dtype)
     if gluon_dn:
-        gluon_gemm.gemm(h, h_scale, down_proj, down_scale, y, routing, launch.sm_count(dev), cfg["down"]["BLOCK_N"],
+        gluon_gemm.gemm(h, h_scale, down_proj, down_scale, y, None, routing, launch.sm_count(dev),
                         cfg["down"]["num_stages"])
     else:
         _gemm(h, h_scale, down_proj, down_scale, y, None, routing, cfg["down"], n=H, k=inter, epilogue=0,

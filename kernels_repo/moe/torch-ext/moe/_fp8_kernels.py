@@ -304,25 +304,3 @@ def _fp8_tile(
     else:
         tl.store(c_ptrs, _to(acc, c_ptr.dtype.element_ty, EMULATE), mask=c_mask)
 
-
-@triton.jit
-def _swiglu_quant_kernel(gu_ptr, q_ptr, s_ptr, start_ptr, count_ptr, I, E, stride_gu, stride_q, stride_s,
-                         EMULATE: tl.constexpr, ALIGN: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr):
-    """h = silu(gate) * up of the gate/up GEMM's rows [P, 2I] (gate columns, then up), stored as fp8
-    [P, I] with fp32 scales [P, cdiv(I, GROUP)] per row and GROUP-column group: the epilogue of the
-    fused Triton GEMM (`_fp8_tile`'s QUANT_C), for a GEMM that stores 16-bit rows. Only the rows the
-    routing uses (read on the device, rows aligned to ALIGN per expert); grid
-    (cdiv(P, BLOCK_T), cdiv(I, GROUP))."""
-    used = tl.load(start_ptr + E - 1) + tl.cdiv(tl.load(count_ptr + E - 1), ALIGN) * ALIGN
-    row0 = tl.program_id(0).to(tl.int64) * BLOCK_T
-    if row0 < used:
-        offs_t = row0 + tl.arange(0, BLOCK_T)
-        g = tl.program_id(1)
-        offs_i = g * GROUP + tl.arange(0, GROUP)
-        ok = (offs_t[:, None] < used) & (offs_i[None, :] < I)
-        at = gu_ptr + offs_t[:, None] * stride_gu + offs_i[None, :]
-        gate = tl.load(at, mask=ok, other=0.0).to(tl.float32)
-        up = tl.load(at + I, mask=ok, other=0.0).to(tl.float32)
-        q, s = _quantize_rows(gate / (1.0 + tl.exp(-gate)) * up, EMULATE)
-        tl.store(q_ptr + offs_t[:, None] * stride_q + offs_i[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
-        tl.store(s_ptr + offs_t * stride_s + g, s, mask=offs_t < used)
