@@ -177,22 +177,43 @@ if gluon is not None:
                 tma.async_copy_shared_to_global(c_desc, [m0 + HALF * 64, col + 128], d)
         tma.store_wait(pendings=0)
 
-    # (worker partitions share one signature: the halves are two functions)
+    # Partitions: worker functions share one signature and take no constexpr (triton 3.6 would pass
+    # it as a runtime value), so each (GATED, half) is its own function.
     @gluon.jit
-    def _consumer_lo(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
-                     row_expert_ptr, start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn,
-                     stride_csm, GATED: gl.constexpr):
-        _consumer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
-                  row_expert_ptr, start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm,
-                  GATED, 0)
+    def _producer_gated(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
+                        row_expert_ptr, start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm):
+        _producer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
+                  row_expert_ptr, start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm, True)
 
     @gluon.jit
-    def _consumer_hi(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
-                     row_expert_ptr, start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn,
-                     stride_csm, GATED: gl.constexpr):
+    def _consumer_lo_gated(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
+                           row_expert_ptr, start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm):
         _consumer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
-                  row_expert_ptr, start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm,
-                  GATED, 1)
+                  row_expert_ptr, start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm, True, 0)
+
+    @gluon.jit
+    def _consumer_hi_gated(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
+                           row_expert_ptr, start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm):
+        _consumer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
+                  row_expert_ptr, start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm, True, 1)
+
+    @gluon.jit
+    def _producer_plain(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
+                        row_expert_ptr, start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm):
+        _producer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
+                  row_expert_ptr, start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm, False)
+
+    @gluon.jit
+    def _consumer_lo_plain(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
+                           row_expert_ptr, start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm):
+        _consumer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
+                  row_expert_ptr, start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm, False, 0)
+
+    @gluon.jit
+    def _consumer_hi_plain(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
+                           row_expert_ptr, start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm):
+        _consumer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
+                  row_expert_ptr, start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm, False, 1)
 
     @gluon.jit
     def _fp8_gemm_gluon_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, cs_ptr, row_expert_ptr, start_ptr, count_ptr,
@@ -211,12 +232,13 @@ if gluon is not None:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # (both consumers)
         args = (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr, row_expert_ptr,
-                start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm, GATED)
-        gl.warp_specialize([
-            (_consumer_lo, args),
-            (_consumer_hi, args),
-            (_producer, args),
-        ], [4, 1], [232, 40])
+                start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm)
+        if GATED:
+            gl.warp_specialize([(_consumer_lo_gated, args), (_consumer_hi_gated, args), (_producer_gated, args)],
+                               [4, 1], [232, 40])
+        else:
+            gl.warp_specialize([(_consumer_lo_plain, args), (_consumer_hi_plain, args), (_producer_plain, args)],
+                               [4, 1], [232, 40])
 
 
 def available() -> bool:
