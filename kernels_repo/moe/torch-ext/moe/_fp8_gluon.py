@@ -181,39 +181,51 @@ if gluon is not None:
     # it as a runtime value), so each (GATED, half) is its own function.
     @gluon.jit
     def _producer_gated(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
-                        row_expert_ptr, start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm):
+                        row_expert_ptr, start_ptr, count_ptr, P, N, K, E,
+                        stride_asm, stride_bse, stride_bsn, stride_csm):
         _producer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
-                  row_expert_ptr, start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm, True)
+                  row_expert_ptr, start_ptr, count_ptr, P, N, K, E,
+                  stride_asm, stride_bse, stride_bsn, stride_csm, True)
 
     @gluon.jit
     def _consumer_lo_gated(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
-                           row_expert_ptr, start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm):
+                           row_expert_ptr, start_ptr, count_ptr, P, N, K, E,
+                           stride_asm, stride_bse, stride_bsn, stride_csm):
         _consumer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
-                  row_expert_ptr, start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm, True, 0)
+                  row_expert_ptr, start_ptr, count_ptr, P, N, K, E,
+                  stride_asm, stride_bse, stride_bsn, stride_csm, True, 0)
 
     @gluon.jit
     def _consumer_hi_gated(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
-                           row_expert_ptr, start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm):
+                           row_expert_ptr, start_ptr, count_ptr, P, N, K, E,
+                           stride_asm, stride_bse, stride_bsn, stride_csm):
         _consumer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
-                  row_expert_ptr, start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm, True, 1)
+                  row_expert_ptr, start_ptr, count_ptr, P, N, K, E,
+                  stride_asm, stride_bse, stride_bsn, stride_csm, True, 1)
 
     @gluon.jit
     def _producer_plain(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
-                        row_expert_ptr, start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm):
+                        row_expert_ptr, start_ptr, count_ptr, P, N, K, E,
+                        stride_asm, stride_bse, stride_bsn, stride_csm):
         _producer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
-                  row_expert_ptr, start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm, False)
+                  row_expert_ptr, start_ptr, count_ptr, P, N, K, E,
+                  stride_asm, stride_bse, stride_bsn, stride_csm, False)
 
     @gluon.jit
     def _consumer_lo_plain(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
-                           row_expert_ptr, start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm):
+                           row_expert_ptr, start_ptr, count_ptr, P, N, K, E,
+                           stride_asm, stride_bse, stride_bsn, stride_csm):
         _consumer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
-                  row_expert_ptr, start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm, False, 0)
+                  row_expert_ptr, start_ptr, count_ptr, P, N, K, E,
+                  stride_asm, stride_bse, stride_bsn, stride_csm, False, 0)
 
     @gluon.jit
     def _consumer_hi_plain(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
-                           row_expert_ptr, start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm):
+                           row_expert_ptr, start_ptr, count_ptr, P, N, K, E,
+                           stride_asm, stride_bse, stride_bsn, stride_csm):
         _consumer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
-                  row_expert_ptr, start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm, False, 1)
+                  row_expert_ptr, start_ptr, count_ptr, P, N, K, E,
+                  stride_asm, stride_bse, stride_bsn, stride_csm, False, 1)
 
     @gluon.jit
     def _fp8_gemm_gluon_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, cs_ptr, row_expert_ptr, start_ptr, count_ptr,
