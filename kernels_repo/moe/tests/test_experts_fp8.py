@@ -575,3 +575,76 @@ def test_gpu_fp8_gradients_for_x_and_topk_weights(variant):
     xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
     oracle(xr, guq, dq, idx, wr, scales).backward(dy.double())
     assert rel(xs.grad.cpu(), xr.grad) < 2e-2 and rel(ws.grad.cpu(), wr.grad) < 2e-2
+
+
+def _gluon_bucket(stages=(4, 3)):
+    """A bucket running both GEMMs in the Gluon kernels of `_fp8_gluon` (sm90)."""
+    return {"block_m": 128, "tma": True, "quant_x": True,
+            "gate_up": {"BLOCK_N": 128, "num_warps": 4, "num_stages": stages[0], "GLUON": True},
+            "down": {"BLOCK_N": 128, "num_warps": 4, "num_stages": stages[1], "GLUON": True}}
+
+
+def _needs_sm90_gluon():
+    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("needs a CUDA GPU and TRITON_INTERPRET=0")
+    gl8 = importlib.import_module(moe.__name__ + "._fp8_gluon")
+    if torch.cuda.get_device_capability() != (9, 0) or not gl8.available():
+        pytest.skip("the Gluon fp8 GEMMs need an sm90 GPU and triton's Gluon")
+    return gl8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("E,H,I,K,T", [(16, 2048, 768, 8, 600), (8, 1280, 384, 2, 300), (8, 1280, 384, 2, 1)])
+def test_gpu_gluon_fp8_gemms_match_the_oracle(E, H, I, K, T):
+    """Both Gluon GEMMs (odd numbers of K-blocks in the second shape; one token in the third)
+    within 1.25x of the activation-quantization emulation's error, as the Triton kernels are."""
+    gl8 = _needs_sm90_gluon()
+    x, guq, dq, idx, w, scales = make_fp8(T, H, I, E, K, seed=50)
+    ref, emu = oracle(x, guq, dq, idx, w, scales), emulation(x, guq, dq, idx, w, scales)
+    dev = torch.device("cuda")
+    before = gl8.launches[0]
+    out = moe.fused_experts(x.to(dev), guq.to(dev), dq.to(dev), idx.to(dev), w.to(dev), variant="sm90",
+                            config=_gluon_bucket(), **{k: v.to(dev) for k, v in scales.items()}).cpu()
+    assert gl8.launches[0] == before + 2, "the Gluon kernels did not run"
+    assert rel(out, ref) <= 1.25 * rel(emu, ref)
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_fp8_is_capturable_and_never_replayed(tmp_path, monkeypatch):
+    """The Gluon GEMMs capture in a CUDA graph (no host sync), and a call that launched them is not
+    recorded for replay (their launches bypass CachedLaunch)."""
+    gl8 = _needs_sm90_gluon()
+    rp = importlib.import_module(moe.__name__ + "._experts_replay")
+    fp8 = importlib.import_module(moe.__name__ + "._fp8_experts")
+    cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
+    x, guq, dq, idx, w, gus, ds = _fp8_gpu_inputs(16, 2048, 768, 8, 256, seed=51)
+    cfg = _gluon_bucket()
+
+    def call():
+        return moe.fused_experts(x, guq, dq, idx, w, variant="sm90", config=cfg, gate_up_proj_scale_inv=gus,
+                                 down_proj_scale_inv=ds)
+
+    with torch.no_grad():
+        want = call()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = call()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+        # unpinned, from a config directory whose only bucket runs Gluon: the recording is refused
+        (tmp_path / "fp8_sm90.json").write_text(json.dumps({"buckets": [{**cfg, "max_rows_per_expert": None}]}))
+        monkeypatch.setenv("KERNELHUB_MOE_CONFIG_DIR", str(tmp_path))
+        cfgs.clear_config_cache()
+        key = fp8.replay_key(x, guq, dq, idx, w, gus, ds, (128, 128), "sm90")
+        rp._REPLAYS.clear()
+        before = gl8.launches[0]
+        try:
+            for _ in range(3):
+                out = moe.fused_experts(x, guq, dq, idx, w, variant="sm90", gate_up_proj_scale_inv=gus,
+                                        down_proj_scale_inv=ds)
+        finally:
+            monkeypatch.delenv("KERNELHUB_MOE_CONFIG_DIR")
+            cfgs.clear_config_cache()
+        assert gl8.launches[0] == before + 6 and rp._REPLAYS.get(key, "missing") is None
+        assert torch.equal(out, want)

@@ -286,11 +286,24 @@ def test_pinned_config_tiles_are_used():
      r"\['gate_up'\]\['A_TMA'\] needs fp8 activations from x's quantize pass"),
     ({"w8a16": True, "gate_up": {**BASE["gate_up"], "A_TMA": True}}, ValueError, r"\['gate_up'\]\['A_TMA'\] needs"),
     ({"down": {**BASE["down"], "FUSED": True}}, ValueError, r"\['down'\]: 'FUSED' is a gate_up key"),
+    ({"down": {**BASE["down"], "GLUON": 1}}, TypeError, r"\['down'\]\['GLUON'\] must be true or false"),
+    ({"down": {**BASE["down"], "GLUON": True}}, ValueError, r"\['down'\]\['GLUON'\] needs block_m 128"),
+    ({"block_m": 128, "quant_x": False, "gate_up": {**BASE["gate_up"], "GLUON": True}}, ValueError,
+     r"\['gate_up'\]\['GLUON'\] needs block_m 128 and fp8 activations"),
 ])
 @pytest.mark.parametrize("variant", ["sm90", "reference"])
 def test_bad_fp8_config_raises_naming_the_key(patch, err, match, variant):
     with pytest.raises(err, match=match):
         _run(_inputs(), {**BASE, **patch}, variant)
+
+
+def test_gluon_stages_fall_back_to_the_triton_kernels_where_they_cannot_run():
+    """A "GLUON" bucket off a capability 9.0 GPU (here: the interpreter) runs the Triton kernels:
+    the same bits as the bucket without the key."""
+    args = _inputs(seed=25)
+    plain = {**BASE, "block_m": 128}
+    gluon = {**plain, "gate_up": {**plain["gate_up"], "GLUON": True}, "down": {**plain["down"], "GLUON": True}}
+    assert torch.equal(_run(args, gluon), _run(args, plain))
 
 
 def test_sm90_fp8_gate_up_tile_is_one_quantization_group_wide():
