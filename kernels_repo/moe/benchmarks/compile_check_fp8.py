@@ -168,6 +168,41 @@ def shipped(variant: str) -> list[dict]:
     return data["buckets"] + [b for bs in data.get("shapes", {}).values() for b in bs]
 
 
+def check_gluon(cap: int, gated: bool) -> dict | None:
+    """The Gluon warp-specialized GEMM of `_fp8_gluon` (bucket stage key "GLUON"), its stages as
+    `gemm` fits them to an H100's shared memory; None (and a FAIL line) on an error or a spill."""
+    import torch
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+    from triton.experimental.gluon._runtime import GluonASTSource
+    gl8 = importlib.import_module(cc.moe.__name__ + "._fp8_gluon")
+    label = f"gluon {'gate_up' if gated else 'down'}"
+    out = torch.empty(256, 256, dtype=torch.float8_e4m3fn if gated else torch.bfloat16)
+    fp8 = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
+    descs = {"a_desc": gl8._descriptor(fp8, [128, 128]), "b_desc": gl8._descriptor(fp8, [128, 128]),
+             "c_desc": gl8._descriptor(out, [64, 128])}
+    fn = gl8._fp8_gemm_gluon_kernel
+    sig = {n: native_specialize_impl(BaseBackend, d, False, True, True)[0] for n, d in descs.items()}
+    sig.update({n: "*fp32" for n in ("as_ptr", "bs_ptr", "cs_ptr")})
+    sig.update({n: "*i32" for n in ("row_expert_ptr", "start_ptr", "count_ptr")})
+    sig.update({n: "i32" for n in fn.arg_names if n not in sig})
+    stages = gl8.stages_that_fit(gated, out.element_size(), 4)
+    const = {"GATED": gated, "STAGES": stages, "num_warps": 4}
+    sig.update({n: "constexpr" for n in const})
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    try:
+        k = triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", cap, 32),
+                           options={"num_warps": 4, "maxnreg": 168})
+        rep = cc.ptxas_report(k.asm["ptx"], cap)
+    except Exception as e:  # noqa: BLE001 - report, count as a failure
+        print(f"FAIL sm{cap} {label}: {type(e).__name__}: {str(e)[-400:]}", flush=True)
+        return None
+    spills = int(re.search(r"spill_bytes=(\d+)", rep).group(1))
+    ok = spills == 0 and k.metadata.shared <= gl8.SMEM
+    print(f"{'ok  ' if ok else 'FAIL'} sm{cap} {label} stages={stages} smem={k.metadata.shared} {rep}", flush=True)
+    return {"smem": k.metadata.shared} if ok else None
+
+
 def main() -> None:
     fails = 0
     caps = {int(c) for c in sys.argv[1:]} or {90, 89, 80, 86}
@@ -183,6 +218,8 @@ def main() -> None:
             b = shipped(variant)[-1]
             fails += check_gemm(cap, variant, {**b, "quant_x": False}, "gate_up") is None
             fails += check_quantize(cap) is None  # (sm90 variant only: fp8e4nv stores need sm89+)
+            if cap == 90 and importlib.import_module(cc.moe.__name__ + "._fp8_gluon").available():
+                fails += sum(check_gluon(cap, gated) is None for gated in (True, False))
     for cap in [c for c in (90, 80) if c in caps]:
         for stage, tiles in DECODE_TILES.items():
             for c in tiles:

@@ -429,6 +429,8 @@ def test_fp8_kernels_compile_for_sm90_sm89_and_sm80_without_a_gpu(tmp_path):
     assert out.count(" backward ") == 6 * n80 and out.count("ok   sm90 fp8 sm90 gate_up x=bf16") == n90 + 1, out[-2000:]
     # the TMA path (weights, and down's h) is what sm90 compiles
     assert out.count("B_TMA") >= 2 * n90 and "A_TMA FP8_DOT" in out, out[-2000:]
+    # the Gluon warp-specialized GEMMs (bucket key "GLUON") compile for sm90 without spills
+    assert out.count("ok   sm90 gluon gate_up") == 1 and out.count("ok   sm90 gluon down") == 1, out[-2000:]
 
 
 # ---- GPU ----
