@@ -19,7 +19,7 @@ Each tile holds two [128, 128] accumulators over one [256, 128] weight stage (tw
   else (down): 256 consecutive output columns, stored 16-bit.
 Rows are the expert-aligned rows of `_experts_routing` (128-row alignment: each row block has one
 expert); A [P, K] fp8 in row order and the weight [E, N, K] fp8 (seen as [E * N, K]) by TMA,
-outputs by TMA store. One persistent program per SM walks its tiles (M blocks fastest); the
+outputs by TMA store. One persistent program per SM walks its tiles (column tiles fastest); the
 producer runs up to STAGES K steps ahead, into the next tile. Scales that are not positive are
 taken as 1 (their rows or blocks hold zeros). Constraints (`applies`): whole 128-column tiles of
 h / 256-column tiles of the output within each expert, K % 16 == 0 (TMA strides), a capability
@@ -55,10 +55,14 @@ if gluon is not None:
     SCALE = gl.constexpr(128)  # rows and columns of a weight scale block, columns of an activation group
 
     @gluon.jit
-    def _tile_coords(tile, num_m, N, GATED: gl.constexpr):
-        """(first row, first output column, weight rows of the two boxes within the expert)."""
-        m0 = (tile % num_m) * 128
-        tn = tile // num_m
+    def _tile_coords(tile, N, GATED: gl.constexpr):
+        """(first row, first output column, weight rows of the two boxes within the expert). Column
+        tiles fastest: the programs running at once share a few row blocks (A read from memory
+        once) and their experts' weights (each read once per expert instead of once per row block
+        pass: with row blocks fastest, A would be read once per column tile)."""
+        n_tiles = N // 256
+        m0 = (tile // n_tiles) * 128
+        tn = tile % n_tiles
         if GATED:
             col = tn * 128
             return m0, col, col, N // 2 + col
@@ -67,12 +71,12 @@ if gluon is not None:
 
     @gluon.jit
     def _num_tiles(start_ptr, count_ptr, N, E, GATED: gl.constexpr):
-        """(tiles of this program, row blocks in use): the used rows are read on the device (no sync)."""
+        """Tiles of this program: the used rows are read on the device (no sync)."""
         used = gl.load(start_ptr + E - 1) + gl.cdiv(gl.load(count_ptr + E - 1), 128) * 128
         num_m = gl.cdiv(used, 128)
         num_tiles = num_m * (N // 256)  # (GATED: N // 2 // 128 columns of h)
         pid = gl.program_id(0)
-        return gl.cdiv(gl.maximum(num_tiles - pid, 0), gl.num_programs(0)), num_m
+        return gl.cdiv(gl.maximum(num_tiles - pid, 0), gl.num_programs(0))
 
     @gluon.jit
     def _producer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
@@ -80,13 +84,13 @@ if gluon is not None:
                   GATED: gl.constexpr):
         """One warp: the TMA loads of every K step of this program's tiles, STAGES ahead at most."""
         STAGES: gl.constexpr = a_bufs.type.shape[0]
-        my_tiles, num_m = _num_tiles(start_ptr, count_ptr, N, E, GATED)
+        my_tiles = _num_tiles(start_ptr, count_ptr, N, E, GATED)
         num_k = gl.cdiv(K, 128)
         pid = gl.program_id(0)
         nprog = gl.num_programs(0)
         g = 0
         for t in range(my_tiles):
-            m0, col, r0, r1 = _tile_coords(pid + t * nprog, num_m, N, GATED)
+            m0, col, r0, r1 = _tile_coords(pid + t * nprog, N, GATED)
             base = gl.load(row_expert_ptr + m0) * N
             for kb in range(num_k):
                 s = g % STAGES
@@ -112,13 +116,13 @@ if gluon is not None:
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, 128, 32])
         row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-        my_tiles, num_m = _num_tiles(start_ptr, count_ptr, N, E, GATED)
+        my_tiles = _num_tiles(start_ptr, count_ptr, N, E, GATED)
         num_k = gl.cdiv(K, 128)
         pid = gl.program_id(0)
         nprog = gl.num_programs(0)
         g = 0
         for t in range(my_tiles):
-            m0, col, r0, r1 = _tile_coords(pid + t * nprog, num_m, N, GATED)
+            m0, col, r0, r1 = _tile_coords(pid + t * nprog, N, GATED)
             e = gl.load(row_expert_ptr + m0).to(gl.int64)
             rows = m0 + HALF * 64 + gl.arange(0, 64, layout=row_layout)
             a_at = as_ptr + rows.to(gl.int64) * stride_asm
