@@ -247,8 +247,9 @@ def forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_scale, d
     # gate/up "A_TMA" (fp8 math, x's quantize pass): x quantized straight into the aligned row order
     # "GLUON" stages (sm90 fp8 math, 128-row alignment): the warp-specialized Gluon GEMM, x in row order
     gluon_gu, gluon_dn = (fp8_dot and tma and cfg[stage].get("GLUON", False)
-                          and gluon_gemm.applies(x.device, w, routing.block_m, gated)
-                          for stage, w, gated in (("gate_up", gate_up_proj, True), ("down", down_proj, False)))
+                          and gluon_gemm.applies(x.device, w, sc, routing.block_m, gated)
+                          for stage, w, sc, gated in (("gate_up", gate_up_proj, gate_up_scale, True),
+                                                      ("down", down_proj, down_scale, False)))
     in_rows = fp8_dot and tma and cfg.get("quant_x", True) and (gluon_gu or cfg["gate_up"].get("A_TMA", False))
     if fp8_dot:  # h as fp8 with one scale per row and 128-column group (gate/up BLOCK_N = 128)
         h = torch.empty(P, inter, device=dev, dtype=torch.float8_e4m3fn)

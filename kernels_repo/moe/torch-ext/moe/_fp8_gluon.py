@@ -261,16 +261,17 @@ def available() -> bool:
     return gluon is not None
 
 
-def applies(device: torch.device, weight: torch.Tensor, block_m: int, gated: bool) -> bool:
+def applies(device: torch.device, weight: torch.Tensor, scale_inv: torch.Tensor, block_m: int, gated: bool) -> bool:
     """Whether `gemm` can run a stage with this weight [E, N, K]: Gluon present, a capability 9.0
     device (wgmma; sm89 runs the Triton kernel), 128-row alignment, whole tiles within each expert
-    (gated: N // 2 a multiple of 128; else N of 256), a contiguous weight with TMA-aligned rows."""
+    (gated: N // 2 a multiple of 128; else N of 256), a contiguous weight with TMA-aligned rows and
+    scales with unit K-block stride."""
     if gluon is None or device.type != "cuda" or device_capability(device) != 90:
         return False
     E, N, K = weight.shape
     tiles_fit = (N % 2 == 0 and (N // 2) % 128 == 0) if gated else N % 256 == 0
     return (block_m == BLOCK_M and tiles_fit and K % 16 == 0 and K > 0 and weight.is_contiguous()
-            and weight.data_ptr() % 16 == 0)
+            and weight.data_ptr() % 16 == 0 and scale_inv.stride(2) == 1)
 
 
 def stages_that_fit(gated: bool, out_bytes: int, wanted: int) -> int:
