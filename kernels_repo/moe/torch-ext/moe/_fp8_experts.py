@@ -44,7 +44,6 @@ _quant_launch = CachedLaunch(_quantize_x_kernel)
 Fp8GemmConstexprs = constexpr_spec(_fp8_gemm_kernel, """EPILOGUE GATHER_A TOPK FP8_DOT QUANT_A QUANT_C EMULATE
     PRECISION SCALE_N SCALE_K B_TMA A_TMA RESCALE ONE_SCALE FUSED PERSISTENT BLOCK_M BLOCK_N BLOCK_K""")
 QuantConstexprs = constexpr_spec(_quantize_x_kernel, "EMULATE ROWS TOPK BLOCK_T GROUP")
-
 _decode_gate_up_launch = CachedLaunch(_fp8_decode_gate_up_kernel)
 _decode_down_launch = CachedLaunch(_fp8_decode_down_kernel)
 DecodeGateUpConstexprs = constexpr_spec(_fp8_decode_gate_up_kernel,

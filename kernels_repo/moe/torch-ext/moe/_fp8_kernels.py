@@ -303,4 +303,3 @@ def _fp8_tile(
             tl.store(c_ptrs, _to(acc, c_ptr.dtype.element_ty, EMULATE), mask=c_mask)
     else:
         tl.store(c_ptrs, _to(acc, c_ptr.dtype.element_ty, EMULATE), mask=c_mask)
-
