@@ -36,9 +36,17 @@ def inputs(E, H, I, K, T, seed=0):
     x = torch.randn(T, H, device=dev, generator=g).bfloat16()
     idx = torch.rand(T, E, device=dev, generator=g).argsort(1)[:, :K].contiguous()
     w = torch.rand(T, K, device=dev, generator=g).bfloat16()
-    guq, gus = moe.quantize_blocks(torch.randn(E, 2 * I, H, device=dev, generator=g) * H**-0.5)
-    dq, ds = moe.quantize_blocks(torch.randn(E, H, I, device=dev, generator=g) * I**-0.5)
+    guq, gus = quantized(E, 2 * I, H, g)
+    dq, ds = quantized(E, H, I, g)
     return x, guq, dq, idx, w, gus, ds
+
+
+def quantized(E, N, K, g, chunk=16):
+    """Random fp8 block-quantized weights [E, N, K], a few experts at a time (DeepSeek-V3's fp32
+    weights at once would need 30 GB)."""
+    parts = [moe.quantize_blocks(torch.randn(min(chunk, E - e), N, K, device=g.device, generator=g) * K**-0.5)
+             for e in range(0, E, chunk)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
 def graph_ms(fn) -> float:
