@@ -187,7 +187,7 @@ def check_gluon(cap: int, gated: bool) -> dict | None:
     sig.update({n: "*i32" for n in ("row_expert_ptr", "start_ptr", "count_ptr")})
     sig.update({n: "i32" for n in fn.arg_names if n not in sig})
     stages = gl8.stages_that_fit(gated, out.element_size(), 4)
-    const = {"GATED": gated, "STAGES": stages, "num_warps": 4}
+    const = {"GATED": gated, "STAGES": stages}
     sig.update({n: "constexpr" for n in const})
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
     try:

@@ -139,7 +139,7 @@ def remember(key: tuple, calls: list, externals: tuple[torch.Tensor, ...], out: 
 
 
 def refuse(key: tuple) -> None:
-    """Never replay `key`: its recorded call launched a kernel outside `CachedLaunch` (the Gluon GEMMs)."""
+    """Never replay `key`: its recorded call made a launch a plan cannot rebuild (the Gluon GEMMs)."""
     _REPLAYS[key] = None
 
 

@@ -426,7 +426,7 @@ def run(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_i
         if key is None or not replay.should_record(key):
             return forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
                            down_proj_scale_inv, variant, config)
-        launched = gluon_gemm.launches[0]
+        launched = gluon_gemm.launches[0]  # (Gluon GEMMs: never replayed, see _fp8_gluon.launches)
         with CachedLaunch.recording() as calls:  # the second call of a replay key
             out = forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
                           down_proj_scale_inv, variant, config)

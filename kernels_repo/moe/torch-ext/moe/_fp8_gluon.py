@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from kernelhub.device import device_capability
+from kernelhub.device import CachedLaunch, device_capability
 
 try:  # triton >= 3.5 ships Gluon with the Hopper wgmma and TMA builtins (3.6 on the GPU image, 3.7 in CI)
     from triton.experimental import gluon
@@ -48,7 +48,8 @@ except ImportError:  # pragma: no cover - older triton: the Triton kernels run i
 
 BLOCK_M = 128  # two consumers of 64 rows
 SMEM = 232448  # shared memory per block on an H100 (227 KB)
-# Launches so far: they bypass `CachedLaunch`, so a call that made one is not recorded for replay
+# Launches so far: a call that made one is not recorded for replay (its weight descriptors view the
+# weights as [E * N, K], which a replay's plan does not rebuild)
 launches = [0]
 
 if gluon is not None:
@@ -232,13 +233,14 @@ if gluon is not None:
                   stride_asm, stride_bse, stride_bsn, stride_csm, False, 1)
 
     @gluon.jit
-    def _fp8_gemm_gluon_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, cs_ptr, row_expert_ptr, start_ptr, count_ptr,
+    def _fp8_gemm_gluon_kernel(as_ptr, bs_ptr, cs_ptr, row_expert_ptr, start_ptr, count_ptr,
+                               a_desc, b_desc, c_desc,  # (CachedLaunch.split's order: tensors, extras, ints)
                                P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm,
-                               GATED: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+                               GATED: gl.constexpr, STAGES: gl.constexpr):
+        """Launched with num_warps=4: the default partition is the first consumer."""
         gl.static_assert(a_desc.block_type.shape[0] == 128)
         gl.static_assert(a_desc.block_type.shape[1] == 128)
         gl.static_assert(b_desc.block_type.shape[0] == 128)
-        gl.static_assert(num_warps == 4)
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, 128, 128], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES, 256, 128], b_desc.layout)
         c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2 if GATED else 4, 64, 128], c_desc.layout)
@@ -255,6 +257,11 @@ if gluon is not None:
         else:
             gl.warp_specialize([(_consumer_lo_plain, args), (_consumer_hi_plain, args), (_producer_plain, args)],
                                [4, 1], [232, 40])
+
+
+# (a cached launcher: Triton's `kernel[grid]` costs tens of us of Python per launch; 168 registers a
+# thread for 12 warps fill the register file, and the partitions' setmaxnreg splits them 232/232/40)
+_launch = CachedLaunch(_fp8_gemm_gluon_kernel, maxnreg=168) if gluon is not None else None
 
 
 def available() -> bool:
@@ -304,8 +311,10 @@ def gemm(a, a_scale, weight, scale_inv, out, out_scale, routing, sm_count: int, 
     c_desc = _descriptor(out, [64, 128])
     stages = stages_that_fit(gated, out.element_size(), stages)
     launches[0] += 1
-    _fp8_gemm_gluon_kernel[(min(tiles, sm_count),)](
-        a_desc, b_desc, c_desc, a_scale, scale_inv, out_scale if gated else a_scale, routing.row_expert,
-        routing.expert_start, routing.expert_count, routing.num_rows, N, K, E, a_scale.stride(0),
-        scale_inv.stride(0), scale_inv.stride(1), out_scale.stride(0) if gated else 0,
-        GATED=gated, STAGES=stages, num_warps=4, maxnreg=168)
+    _launch.split(
+        (min(tiles, sm_count),), a.get_device(),
+        (a_scale, scale_inv, out_scale if gated else a_scale, routing.row_expert, routing.expert_start,
+         routing.expert_count),
+        (routing.num_rows, N, K, E, a_scale.stride(0), scale_inv.stride(0), scale_inv.stride(1),
+         out_scale.stride(0) if gated else 0),
+        (gated, stages), num_warps=4, extras=(a_desc, b_desc, c_desc))
