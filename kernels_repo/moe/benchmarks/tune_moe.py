@@ -25,7 +25,8 @@ token-major decode kernels, kept as a "decode" key where they win); about 90 dis
 to compile, sized for one GPU call of under 8 minutes (FP8_BUDGET_S, default 400: past it each
 stage keeps its best candidate so far; FP8_BLOCK_MS=128: only those of the point's alignments;
 FP8_DECODE_ONLY=1: at T <= 8 only the decode kernels, against the shipped bucket, by CUDA-graph time).
-Each fp8 line: stage, block_m, config, ms.
+Each fp8 line: stage, block_m, config, ms. At block_m 128 each stage's best Triton tile is also
+timed in the Gluon kernel of `_fp8_gluon` (sm90); where that wins the stage gets "GLUON": true.
 Each line printed is one measurement: stage, block_m, config, ms.
 """
 
@@ -433,9 +434,31 @@ def fp8_tune_block_m(fp8x, variant, bm, x, gu, gus, dn, dns, idx, K, rpe, w8a16)
                         fp8_stage_space(stage, bm, rpe, w8a16 or variant != "sm90"))
         if c is None:
             return None, math.inf
+        gl_ms = fp8_time_gluon(fp8x, stage, bm, fp8_dot and tma, xr if fp8_dot else None, xrs if fp8_dot else None,
+                               gu, gus, dn, dns, h, hs, y, r, c)
+        if gl_ms < ms:  # (the Triton tile stays: it runs where the Gluon kernels cannot)
+            ms, c = gl_ms, {**c, "GLUON": True}
         bucket[stage] = c
         total += ms
     return bucket, total
+
+
+def fp8_time_gluon(fp8x, stage, bm, fp8_tma, xr, xrs, gu, gus, dn, dns, h, hs, y, r, c) -> float:
+    """ms of the stage in the Gluon kernel of `_fp8_gluon` (bucket key "GLUON", with the stage's
+    num_stages) where it can run (sm90 fp8 math with TMA, 128-row alignment, its tile shapes);
+    inf elsewhere."""
+    gl8 = fp8x.gluon_gemm
+    gated = stage == "gate_up"
+    w, sc = (gu, gus) if gated else (dn, dns)
+    if not (fp8_tma and gl8.applies(DEV, w, sc, bm, gated)):
+        return math.inf
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    if gated:
+        ms = timed(lambda: gl8.gemm(xr, xrs, gu, gus, h, hs, r, sms, c["num_stages"]))
+    else:
+        ms = timed(lambda: gl8.gemm(h, hs, dn, dns, y, None, r, sms, c["num_stages"]))
+    print(f"  fp8 {stage} block_m={bm} GLUON stages={c['num_stages']} ms={ms:.4f}", flush=True)
+    return ms
 
 
 def fp8_tune_point(fp8x, variant, x, gu, gus, dn, dns, idx, w, K):
