@@ -28,6 +28,8 @@ h / 256-column tiles of the output within each expert, K % 16 == 0 (TMA strides)
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kernelhub.device import CachedLaunch, device_capability
@@ -80,10 +82,10 @@ if gluon is not None:
         return gl.cdiv(gl.maximum(num_tiles - pid, 0), gl.num_programs(0))
 
     @gluon.jit
-    def _producer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
-                  row_expert_ptr, start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm,
-                  GATED: gl.constexpr):
+    def _producer(args, GATED: gl.constexpr):
         """One warp: the TMA loads of every K step of this program's tiles, STAGES ahead at most."""
+        (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr, row_expert_ptr,
+         start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm) = args
         STAGES: gl.constexpr = a_bufs.type.shape[0]
         my_tiles = _num_tiles(start_ptr, count_ptr, N, E, GATED)
         num_k = gl.cdiv(K, 128)
@@ -109,10 +111,10 @@ if gluon is not None:
         return gl.where(v > 0, v, 1.0)
 
     @gluon.jit
-    def _consumer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
-                  row_expert_ptr, start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm,
-                  GATED: gl.constexpr, HALF: gl.constexpr):
+    def _consumer(args, GATED: gl.constexpr, HALF: gl.constexpr):
         """Rows [HALF * 64, +64) of every tile: rescale, wait for the stage, MMAs, wait for them, free it."""
+        (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr, row_expert_ptr,
+         start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm) = args
         STAGES: gl.constexpr = a_bufs.type.shape[0]
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, 128, 32])
@@ -183,54 +185,30 @@ if gluon is not None:
         tma.store_wait(pendings=0)
 
     # Partitions: worker functions share one signature and take no constexpr (triton 3.6 would pass
-    # it as a runtime value), so each (GATED, half) is its own function.
+    # it as a runtime value), so each (GATED, half) is its own function over the one args tuple.
     @gluon.jit
-    def _producer_gated(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
-                        row_expert_ptr, start_ptr, count_ptr, P, N, K, E,
-                        stride_asm, stride_bse, stride_bsn, stride_csm):
-        _producer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
-                  row_expert_ptr, start_ptr, count_ptr, P, N, K, E,
-                  stride_asm, stride_bse, stride_bsn, stride_csm, True)
+    def _producer_gated(args):
+        _producer(args, True)
 
     @gluon.jit
-    def _consumer_lo_gated(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
-                           row_expert_ptr, start_ptr, count_ptr, P, N, K, E,
-                           stride_asm, stride_bse, stride_bsn, stride_csm):
-        _consumer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
-                  row_expert_ptr, start_ptr, count_ptr, P, N, K, E,
-                  stride_asm, stride_bse, stride_bsn, stride_csm, True, 0)
+    def _consumer_lo_gated(args):
+        _consumer(args, True, 0)
 
     @gluon.jit
-    def _consumer_hi_gated(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
-                           row_expert_ptr, start_ptr, count_ptr, P, N, K, E,
-                           stride_asm, stride_bse, stride_bsn, stride_csm):
-        _consumer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
-                  row_expert_ptr, start_ptr, count_ptr, P, N, K, E,
-                  stride_asm, stride_bse, stride_bsn, stride_csm, True, 1)
+    def _consumer_hi_gated(args):
+        _consumer(args, True, 1)
 
     @gluon.jit
-    def _producer_plain(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
-                        row_expert_ptr, start_ptr, count_ptr, P, N, K, E,
-                        stride_asm, stride_bse, stride_bsn, stride_csm):
-        _producer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
-                  row_expert_ptr, start_ptr, count_ptr, P, N, K, E,
-                  stride_asm, stride_bse, stride_bsn, stride_csm, False)
+    def _producer_plain(args):
+        _producer(args, False)
 
     @gluon.jit
-    def _consumer_lo_plain(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
-                           row_expert_ptr, start_ptr, count_ptr, P, N, K, E,
-                           stride_asm, stride_bse, stride_bsn, stride_csm):
-        _consumer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
-                  row_expert_ptr, start_ptr, count_ptr, P, N, K, E,
-                  stride_asm, stride_bse, stride_bsn, stride_csm, False, 0)
+    def _consumer_lo_plain(args):
+        _consumer(args, False, 0)
 
     @gluon.jit
-    def _consumer_hi_plain(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
-                           row_expert_ptr, start_ptr, count_ptr, P, N, K, E,
-                           stride_asm, stride_bse, stride_bsn, stride_csm):
-        _consumer(a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr,
-                  row_expert_ptr, start_ptr, count_ptr, P, N, K, E,
-                  stride_asm, stride_bse, stride_bsn, stride_csm, False, 1)
+    def _consumer_hi_plain(args):
+        _consumer(args, False, 1)
 
     @gluon.jit
     def _fp8_gemm_gluon_kernel(as_ptr, bs_ptr, cs_ptr, row_expert_ptr, start_ptr, count_ptr,
@@ -252,11 +230,11 @@ if gluon is not None:
         args = (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr, row_expert_ptr,
                 start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm)
         if GATED:
-            gl.warp_specialize([(_consumer_lo_gated, args), (_consumer_hi_gated, args), (_producer_gated, args)],
-                               [4, 1], [232, 40])
+            gl.warp_specialize([(_consumer_lo_gated, (args,)), (_consumer_hi_gated, (args,)),
+                                (_producer_gated, (args,))], [4, 1], [232, 40])
         else:
-            gl.warp_specialize([(_consumer_lo_plain, args), (_consumer_hi_plain, args), (_producer_plain, args)],
-                               [4, 1], [232, 40])
+            gl.warp_specialize([(_consumer_lo_plain, (args,)), (_consumer_hi_plain, (args,)),
+                                (_producer_plain, (args,))], [4, 1], [232, 40])
 
 
 # (a cached launcher: Triton's `kernel[grid]` costs tens of us of Python per launch; 168 registers a
@@ -288,11 +266,16 @@ def stages_that_fit(gated: bool, out_bytes: int, wanted: int) -> int:
     return max(2, min(wanted, (SMEM - out - 1024) // per_stage))
 
 
+@functools.cache
+def _smem_layout(block: tuple[int, int], dtype: torch.dtype):
+    """The swizzle Triton picks for a `block` box of `dtype` (once per kind: `gemm` is on the call path)."""
+    gl_dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
+
+
 def _descriptor(t: torch.Tensor, block: list[int]):
-    """A Gluon TMA descriptor over 2-D t loading `block` boxes (the swizzle Triton picks for it)."""
-    dtype = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[t.dtype]
-    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    """A Gluon TMA descriptor over 2-D t loading `block` boxes."""
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, _smem_layout(tuple(block), t.dtype))
 
 
 def gemm(a, a_scale, weight, scale_inv, out, out_scale, routing, sm_count: int, stages: int = 4) -> None:
