@@ -192,7 +192,7 @@ def check_gluon(cap: int, gated: bool) -> dict | None:
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
     try:
         k = triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", cap, 32),
-                           options={"num_warps": 4, "maxnreg": 168})
+                           options={"num_warps": 4, "maxnreg": gl8.MAXNREG})
         rep = cc.ptxas_report(k.asm["ptx"], cap)
     except Exception as e:  # noqa: BLE001 - report, count as a failure
         print(f"FAIL sm{cap} {label}: {type(e).__name__}: {str(e)[-400:]}", flush=True)

@@ -452,7 +452,7 @@ def fp8_time_gluon(fp8x, stage, bm, fp8_tma, xr, xrs, gu, gus, dn, dns, h, hs, y
     w, sc = (gu, gus) if gated else (dn, dns)
     if not (fp8_tma and gl8.applies(DEV, w, sc, bm, gated)):
         return math.inf
-    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    sms = launch.sm_count(DEV)
     if gated:
         ms = timed(lambda: gl8.gemm(xr, xrs, gu, gus, h, hs, r, sms, c["num_stages"]))
     else:

@@ -50,6 +50,9 @@ except ImportError:  # pragma: no cover - older triton: the Triton kernels run i
 
 BLOCK_M = 128  # two consumers of 64 rows
 SMEM = 232448  # shared memory per block on an H100 (227 KB)
+# registers a thread: 12 warps of 168 fill the register file, which the partitions' setmaxnreg
+# splits 232 / 232 / 40 (consumers, producer)
+MAXNREG = 168
 # Launches so far: a call that made one is not recorded for replay (its weight descriptors view the
 # weights as [E * N, K], which a replay's plan does not rebuild)
 launches = [0]
@@ -237,9 +240,8 @@ if gluon is not None:
                                 (_producer_plain, (args,))], [4, 1], [232, 40])
 
 
-# (a cached launcher: Triton's `kernel[grid]` costs tens of us of Python per launch; 168 registers a
-# thread for 12 warps fill the register file, and the partitions' setmaxnreg splits them 232/232/40)
-_launch = CachedLaunch(_fp8_gemm_gluon_kernel, maxnreg=168) if gluon is not None else None
+# (a cached launcher: Triton's `kernel[grid]` costs tens of us of Python per launch)
+_launch = CachedLaunch(_fp8_gemm_gluon_kernel, maxnreg=MAXNREG) if gluon is not None else None
 
 
 def available() -> bool:
