@@ -1,0 +1,54 @@
+"""Merge the "decode" keys of a `tune_moe.py --fp8` decode-only sweep (FP8_DECODE_ONLY=1) into the
+shipped fp8 config, so that the other buckets of each shape stay as shipped.
+
+The sweep writes each shape's entry as just the buckets it tuned; this takes, per shape, the decode
+key of the tuned bucket with the largest `max_tokens` and sets it on the shipped shape's first
+bucket (or removes it where the sweep kept none: the grouped path won).
+
+Usage: python tools/merge_fp8_decode.py TUNED.json OUT_DIR_OR_FILE [--variant sm90]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+SHIPPED = Path(__file__).resolve().parents[1] / "kernels_repo" / "moe" / "torch-ext" / "moe" / "configs"
+
+
+def merge(tuned: dict, shipped: dict) -> dict:
+    out = json.loads(json.dumps(shipped))
+    for key, buckets in tuned.get("shapes", {}).items():
+        if key not in out.get("shapes", {}):
+            print(f"{key}: not a shipped shape, skipped")
+            continue
+        decodes = [b["decode"] for b in buckets if isinstance(b, dict) and "decode" in b]
+        first = out["shapes"][key][0]
+        if decodes:
+            first["decode"] = max(decodes, key=lambda d: d["max_tokens"])
+            print(f"{key}: decode {json.dumps(first['decode'], sort_keys=True)}")
+        else:
+            first.pop("decode", None)
+            print(f"{key}: no decode key (the grouped path won)")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("tuned")
+    ap.add_argument("out")
+    ap.add_argument("--variant", default="sm90")
+    args = ap.parse_args()
+    name = f"fp8_{args.variant}.json"
+    merged = merge(json.loads(Path(args.tuned).read_text()), json.loads((SHIPPED / name).read_text()))
+    out = Path(args.out)
+    if out.suffix != ".json":
+        out.mkdir(parents=True, exist_ok=True)
+        out = out / name
+    out.write_text(json.dumps(merged, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
