@@ -168,20 +168,23 @@ def shipped(variant: str) -> list[dict]:
     return data["buckets"] + [b for bs in data.get("shapes", {}).values() for b in bs]
 
 
-def check_gluon(cap: int, gated: bool) -> dict | None:
-    """The Gluon warp-specialized GEMM of `_fp8_gluon` (bucket stage key "GLUON"), its stages as
-    `gemm` fits them to an H100's shared memory; None (and a FAIL line) on an error or a spill."""
+def check_gluon(cap: int, gated: bool, operand: str = "fp8") -> dict | None:
+    """The Gluon warp-specialized GEMM of `_gluon_gemm` (bucket stage key "GLUON") on fp8 or 16-bit
+    (`operand` "bf16") operands, its stages as `gemm` fits them to an H100's shared memory; None
+    (and a FAIL line) on an error or a spill, else the shared memory and the PTX."""
     import torch
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
     from triton.experimental.gluon._runtime import GluonASTSource
-    gl8 = importlib.import_module(cc.moe.__name__ + "._fp8_gluon")
-    label = f"gluon {'gate_up' if gated else 'down'}"
-    out = torch.empty(256, 256, dtype=torch.float8_e4m3fn if gated else torch.bfloat16)
-    fp8 = torch.empty(256, 256, dtype=torch.float8_e4m3fn)
-    descs = {"a_desc": gl8._descriptor(fp8, [128, 128]), "b_desc": gl8._descriptor(fp8, [128, 128]),
+    gl8 = importlib.import_module(cc.moe.__name__ + "._gluon_gemm")
+    label = f"gluon {operand} {'gate_up' if gated else 'down'}"
+    dtype = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}[operand]
+    out = torch.empty(256, 256, dtype=torch.float8_e4m3fn if gated and operand == "fp8" else torch.bfloat16)
+    ab = torch.empty(256, 256, dtype=dtype)
+    bk = 128 // ab.element_size()
+    descs = {"a_desc": gl8._descriptor(ab, [128, bk]), "b_desc": gl8._descriptor(ab, [128, bk]),
              "c_desc": gl8._descriptor(out, [64, 128])}
-    fn = gl8._fp8_gemm_gluon_kernel
+    fn = gl8._gluon_grouped_gemm_kernel
     sig = {n: native_specialize_impl(BaseBackend, d, False, True, True)[0] for n, d in descs.items()}
     sig.update({n: "*fp32" for n in ("as_ptr", "bs_ptr", "cs_ptr")})
     sig.update({n: "*i32" for n in ("row_expert_ptr", "start_ptr", "count_ptr")})
@@ -200,7 +203,7 @@ def check_gluon(cap: int, gated: bool) -> dict | None:
     spills = int(re.search(r"spill_bytes=(\d+)", rep).group(1))
     ok = spills == 0 and k.metadata.shared <= gl8.SMEM
     print(f"{'ok  ' if ok else 'FAIL'} sm{cap} {label} stages={stages} smem={k.metadata.shared} {rep}", flush=True)
-    return {"smem": k.metadata.shared} if ok else None
+    return {"smem": k.metadata.shared, "ptx": k.asm["ptx"]} if ok else None
 
 
 def main() -> None:
@@ -218,8 +221,9 @@ def main() -> None:
             b = shipped(variant)[-1]
             fails += check_gemm(cap, variant, {**b, "quant_x": False}, "gate_up") is None
             fails += check_quantize(cap) is None  # (sm90 variant only: fp8e4nv stores need sm89+)
-            if cap == 90 and importlib.import_module(cc.moe.__name__ + "._fp8_gluon").available():
-                fails += sum(check_gluon(cap, gated) is None for gated in (True, False))
+            if cap == 90 and importlib.import_module(cc.moe.__name__ + "._gluon_gemm").available():
+                fails += sum(check_gluon(cap, gated, operand) is None
+                             for gated in (True, False) for operand in ("fp8", "bf16"))
     for cap in [c for c in (90, 80) if c in caps]:
         for stage, tiles in DECODE_TILES.items():
             for c in tiles:

@@ -26,7 +26,7 @@ to compile, sized for one GPU call of under 8 minutes (FP8_BUDGET_S, default 400
 stage keeps its best candidate so far; FP8_BLOCK_MS=128: only those of the point's alignments;
 FP8_DECODE_ONLY=1: at T <= 8 only the decode kernels, against the shipped bucket, by CUDA-graph time).
 Each fp8 line: stage, block_m, config, ms. At block_m 128 each stage's best Triton tile is also
-timed in the Gluon kernel of `_fp8_gluon` (sm90); where that wins the stage gets "GLUON": true.
+timed in the Gluon kernel of `_gluon_gemm` (sm90); where that wins the stage gets "GLUON": true.
 Each line printed is one measurement: stage, block_m, config, ms.
 """
 
@@ -444,7 +444,7 @@ def fp8_tune_block_m(fp8x, variant, bm, x, gu, gus, dn, dns, idx, K, rpe, w8a16)
 
 
 def fp8_time_gluon(fp8x, stage, bm, fp8_tma, xr, xrs, gu, gus, dn, dns, h, hs, y, r, c) -> float:
-    """ms of the stage in the Gluon kernel of `_fp8_gluon` (bucket key "GLUON", with the stage's
+    """ms of the stage in the Gluon kernel of `_gluon_gemm` (bucket key "GLUON", with the stage's
     num_stages) where it can run (sm90 fp8 math with TMA, 128-row alignment, its tile shapes);
     inf elsewhere."""
     gl8 = fp8x.gluon_gemm

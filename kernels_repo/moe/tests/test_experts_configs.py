@@ -136,6 +136,11 @@ def test_stages_fit_the_shared_memory_of_each_device_index(fake_gpus):
     (lambda c: c["gate_up"].update(A_TMA=1), TypeError, "['gate_up']['A_TMA'] must be true or false"),
     (lambda c: c["down"].update(ROWS=True), ValueError, "['down']: 'ROWS' is a gate_up key"),
     (lambda c: c["dgrad"].update(EPI_HALVES=True), ValueError, "['dgrad']: 'EPI_HALVES' is a gate_up key"),
+    (lambda c: c["down"].update(GLUON=1), TypeError, "['down']['GLUON'] must be true or false"),
+    (lambda c: c["down"].update(GLUON=True), ValueError,
+     "['down']['GLUON'] needs a gate_up or down stage and block_m 128"),
+    (lambda c: c.update(block_m=128) or c["dgrad"].update(GLUON=True), ValueError,
+     "['dgrad']['GLUON'] needs a gate_up or down stage and block_m 128"),
     (lambda c: c.update(decode=[1]), TypeError, "['decode'] must be a dict"),
     (lambda c: c.update(decode={"gate_up": DECODE["gate_up"], "down": DECODE["down"]}), ValueError,
      "['decode']: missing key 'max_tokens'"),
@@ -238,3 +243,15 @@ def test_a_config_file_with_bad_bucket_selection_is_a_clear_error(edit, words, t
     with config_dir(monkeypatch, tmp_path) as configs:
         with pytest.raises(ValueError, match=r"sm80.json: " + words):
             configs.pick_config(80, 8, 64, 64, 16)
+
+
+def test_gluon_stages_fall_back_to_the_triton_kernels_where_they_cannot_run():
+    """A "GLUON" bucket off a capability 9.0 GPU (here: the interpreter) runs the Triton kernels:
+    the same bits as the bucket without the key."""
+    plain = {**copy.deepcopy(cfgs.INTERPRETER_CONFIG), "block_m": 128}
+    gluon = copy.deepcopy(plain)
+    gluon["gate_up"]["GLUON"] = gluon["down"]["GLUON"] = True
+    x, gu, dn, idx, w = make_inputs(5, 32, 16, 4, 2, seed=3)
+    a, b = (moe.fused_experts(x, gu, dn, idx, w, variant="sm90", config=c) for c in (plain, gluon))
+    assert torch.equal(a, b)
+    assert_close_rel(b, loop_reference(x, gu, dn, idx, w), 1e-2, "output")

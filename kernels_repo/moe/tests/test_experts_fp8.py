@@ -430,7 +430,8 @@ def test_fp8_kernels_compile_for_sm90_sm89_and_sm80_without_a_gpu(tmp_path):
     # the TMA path (weights, and down's h) is what sm90 compiles
     assert out.count("B_TMA") >= 2 * n90 and "A_TMA FP8_DOT" in out, out[-2000:]
     # the Gluon warp-specialized GEMMs (bucket key "GLUON") compile for sm90 without spills
-    assert out.count("ok   sm90 gluon gate_up") == 1 and out.count("ok   sm90 gluon down") == 1, out[-2000:]
+    assert all(out.count(f"ok   sm90 gluon {op} {stage}") == 1
+               for op in ("fp8", "bf16") for stage in ("gate_up", "down")), out[-2000:]
 
 
 # ---- GPU ----
@@ -580,7 +581,7 @@ def test_gpu_fp8_gradients_for_x_and_topk_weights(variant):
 
 
 def _gluon_bucket(stages=(4, 3)):
-    """A bucket running both GEMMs in the Gluon kernels of `_fp8_gluon` (sm90)."""
+    """A bucket running both GEMMs in the Gluon kernels of `_gluon_gemm` (sm90)."""
     return {"block_m": 128, "tma": True, "quant_x": True,
             "gate_up": {"BLOCK_N": 128, "num_warps": 4, "num_stages": stages[0], "GLUON": True},
             "down": {"BLOCK_N": 128, "num_warps": 4, "num_stages": stages[1], "GLUON": True}}
@@ -589,7 +590,7 @@ def _gluon_bucket(stages=(4, 3)):
 def _needs_sm90_gluon():
     if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
         pytest.skip("needs a CUDA GPU and TRITON_INTERPRET=0")
-    gl8 = importlib.import_module(moe.__name__ + "._fp8_gluon")
+    gl8 = importlib.import_module(moe.__name__ + "._gluon_gemm")
     if torch.cuda.get_device_capability() != (9, 0) or not gl8.available():
         pytest.skip("the Gluon fp8 GEMMs need an sm90 GPU and triton's Gluon")
     return gl8

@@ -446,3 +446,79 @@ def test_weight_gradients_of_experts_past_2_to_the_31_elements(variant):
     assert_close_rel(dn.grad[touched].float(), dn_s.grad, 2e-2, "dW_down")
     assert_close_rel(x.grad.float(), x_s.grad, 2e-2, "dx")
 
+
+
+def _gluon_bf16_bucket(group_m: int = 8) -> dict:
+    """The shipped sm90 large-load bucket with both forward GEMMs in the Gluon kernel."""
+    data = json.loads((Path(cfgs.__file__).parent / "configs" / "sm90.json").read_text())
+    bucket = copy.deepcopy(data["buckets"][-1])
+    for stage in ("gate_up", "down"):
+        bucket[stage].update(GLUON=True, GROUP_M=group_m)
+    bucket.pop("max_rows_per_expert", None)
+    return bucket
+
+
+def _needs_sm90_gluon():
+    gl = importlib.import_module(moe.__name__ + "._gluon_gemm")
+    if torch.cuda.get_device_capability() != (9, 0) or not gl.available():
+        pytest.skip("the Gluon GEMMs need an sm90 GPU and triton's Gluon")
+    return gl
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("E,H,I,K,T,group_m,dtype", [
+    (16, 2048, 768, 8, 600, 8, torch.bfloat16),    # several experts per group of row blocks
+    (8, 1024, 1536, 2, 3000, 3, torch.bfloat16),   # groups of 3 row blocks, the last one short
+    (8, 1280, 384, 2, 1, 1, torch.float16),        # one token; K steps: 20 and 6
+])
+def test_gpu_gluon_16bit_gemms_match_the_reference(E, H, I, K, T, group_m, dtype):
+    """Inference with "GLUON" stages: both forward GEMMs in the Gluon kernel, against the fp32
+    reference and within rounding of the Triton bucket; training runs the Triton kernels."""
+    gl = _needs_sm90_gluon()
+    x, gu, dn, idx, w = gpu_inputs(E, H, I, K, T, dtype)
+    cfg = _gluon_bf16_bucket(group_m)
+    triton_cfg = copy.deepcopy(cfg)
+    for stage in ("gate_up", "down"):
+        triton_cfg[stage].pop("GLUON")
+    ref = moe.fused_experts_reference(x.float(), gu.float(), dn.float(), idx, w)
+    with torch.no_grad():
+        before = gl.launches[0]
+        out = moe.fused_experts(x, gu, dn, idx, w, variant="sm90", config=cfg)
+        assert gl.launches[0] == before + 2, "the Gluon kernels did not run"
+        tri = moe.fused_experts(x, gu, dn, idx, w, variant="sm90", config=triton_cfg)
+    assert_close_rel(out, ref, 1e-2, "output")
+    assert_close_rel(out, tri, 5e-3, "output against the Triton kernels")
+    before = gl.launches[0]
+    xg = x.clone().requires_grad_()
+    moe.fused_experts(xg, gu, dn, idx, w, variant="sm90", config=cfg).sum().backward()
+    assert gl.launches[0] == before and xg.grad is not None
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_16bit_is_capturable_and_never_replayed(tmp_path, monkeypatch):
+    """The Gluon GEMMs capture in a CUDA graph (no host sync), and an unpinned call that launched
+    them (a config directory whose buckets say GLUON) is not recorded for replay."""
+    gl = _needs_sm90_gluon()
+    rp = importlib.import_module(moe.__name__ + "._experts_replay")
+    x, gu, dn, idx, w = gpu_inputs(16, 2048, 768, 8, 1024)
+    cfg = _gluon_bf16_bucket()
+    with torch.no_grad():
+        want = moe.fused_experts(x, gu, dn, idx, w, variant="sm90", config=cfg)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = moe.fused_experts(x, gu, dn, idx, w, variant="sm90", config=cfg)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+        data = json.loads((Path(cfgs.__file__).parent / "configs" / "sm90.json").read_text())
+        data["buckets"], data["shapes"] = [{**cfg, "max_rows_per_expert": None}], {}
+        (tmp_path / "sm90.json").write_text(json.dumps(data))
+        with config_dir(monkeypatch, tmp_path):
+            key = rp.replay_key(x, gu, dn, idx, w, "sm90")
+            rp._REPLAYS.clear()
+            before = gl.launches[0]
+            for _ in range(3):
+                out = moe.fused_experts(x, gu, dn, idx, w, variant="sm90")
+            state = rp._REPLAYS.get(key, "missing")
+        assert gl.launches[0] == before + 6 and state is None
+        assert torch.equal(out, want)

@@ -40,7 +40,10 @@ _GEMM_OPTIONAL = {"maxnreg": int}
 # programs per SM looping over the tiles in one flattened loop (_experts_launch.gemm); gate_up only: "ROWS"
 # (the forward reads a row-ordered copy of x instead of gathering it, so A_TMA applies there too) and
 # "EPI_HALVES" (the training epilogue, which also saves [g | u], in two column halves).
-_GEMM_ONLY = {"A_TMA": bool, "PERSISTENT": int, "ROWS": bool, "EPI_HALVES": bool}
+# gate_up / down "GLUON" (sm90, block_m 128): inference runs that GEMM in the warp-specialized Gluon
+# kernel of `_gluon_gemm` (its own 128 x 256 tiles, GROUP_M and num_stages from the stage; its other
+# keys are for the Triton kernel, which runs elsewhere: training, other devices, shapes it does not fit).
+_GEMM_ONLY = {"A_TMA": bool, "PERSISTENT": int, "ROWS": bool, "EPI_HALVES": bool, "GLUON": bool}
 _GATE_UP_ONLY = ("ROWS", "EPI_HALVES")
 _WGRAD_OPTIONAL = {"GROUP_M": int, "ROWS_PARTS": int, "ROWS": bool, "TMA": bool, "TMA_STORE": bool,
                    "PERSISTENT": int, "FLAT_STEPS": int, **_GEMM_OPTIONAL}
@@ -115,6 +118,9 @@ def check_bucket(bucket: object, where: str) -> None:
         for key in _GATE_UP_ONLY:
             if stage != "gate_up" and key in bucket[stage]:
                 raise ValueError(f"{where}[{stage!r}]: {key!r} is a gate_up key")
+        if bucket[stage].get("GLUON", False) and (stage == "dgrad" or bucket["block_m"] != 128):
+            raise ValueError(f"{where}[{stage!r}]['GLUON'] needs a gate_up or down stage and block_m 128 "
+                             f"(the Gluon kernel's row tile), got stage {stage!r} and block_m {bucket['block_m']!r}")
     check_stage(f"{where}['wgrad']", bucket["wgrad"], _WGRAD_KEYS, _WGRAD_OPTIONAL)
     if "decode" in bucket:
         _check_decode(f"{where}['decode']", bucket["decode"])

@@ -17,6 +17,7 @@ from . import _experts_autograd as autograd
 from . import _experts_pipeline as pipeline
 from . import _experts_replay as replay
 from . import _experts_validate as checks
+from . import _gluon_gemm as gluon_gemm
 from .reference_experts import reference_unchecked
 
 
@@ -63,7 +64,11 @@ def run(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant: str | None,
     with device_guard(x):
         if key is None or not replay.should_record(key):
             return pipeline.infer(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg)
+        launched = gluon_gemm.launches[0]  # (Gluon GEMMs: never replayed, see _gluon_gemm.launches)
         with CachedLaunch.recording() as calls:  # the second call of a replay key
             out = pipeline.infer(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg)
-    replay.remember(key, calls, (x, gate_up_proj, down_proj, topk_idx, topk_weights), out)
+    if gluon_gemm.launches[0] != launched:  # (not recorded: another thread's launch also refuses, safely)
+        replay.refuse(key)
+    else:
+        replay.remember(key, calls, (x, gate_up_proj, down_proj, topk_idx, topk_weights), out)
     return out

@@ -20,6 +20,7 @@ from kernelhub.device import device_capability, device_properties
 
 from . import _experts_launch as launch
 from . import _experts_sm90 as sm90
+from . import _gluon_gemm as gluon_gemm
 from ._experts_configs import INTERPRETER_CONFIG, pick_config, picked_config
 from ._experts_routing import ExpertRows, align_rows
 from ._experts_validate import INTERPRET, check_config
@@ -52,6 +53,13 @@ def use_tma(variant: str, cfg: dict, gate_up_proj, down_proj) -> bool:
     return sm90.tma_ok(gate_up_proj) and sm90.tma_ok(down_proj)
 
 
+def use_gluon(cfg: dict, stage: str, weight: torch.Tensor, block_m: int, tma: bool, save: bool) -> bool:
+    """A "GLUON" stage runs the warp-specialized Gluon GEMM (`_gluon_gemm`, sm90, 128-row
+    alignment) where its tiles fit; inference only (the training forward also saves [g | u])."""
+    return (tma and not save and cfg[stage].get("GLUON", False)
+            and gluon_gemm.applies(weight.device, weight, None, block_m, stage == "gate_up"))
+
+
 def forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, save: bool):
     """(out [T, H], routing, h, aux or None): the grouped-GEMM forward; `save` keeps aux for backward."""
     # Inference calls are recorded and replayed (_experts_replay): every GPU operation here must be
@@ -69,13 +77,24 @@ def forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, sa
     aux = torch.empty(P, two_i, device=dev, dtype=x.dtype) if save else None
     # gate_up "ROWS": x's rows copied into the aligned order first, so the GEMM reads A without a
     # gather (by TMA with "A_TMA"; a persistent gathering gate_up needs 255 registers, ptxas sm90)
-    rows = cfg["gate_up"].get("ROWS", False)
-    launch.gemm(launch.gather_rows(x, routing, K) if rows else x, gate_up_proj, h, routing, cfg["gate_up"], n=inter,
-                k=H, epilogue=1, gather_a=not rows, b_ncontig=False, topk=K, use_tma=tma, aux=aux, save_aux=save,
-                pair=pair)
+    # "GLUON" stages (sm90 inference, 128-row alignment): the Gluon GEMM, x's rows copied first
+    gluon_gu, gluon_dn = (use_gluon(cfg, stage, w, routing.block_m, tma, save)
+                          for stage, w in (("gate_up", gate_up_proj), ("down", down_proj)))
+    rows = cfg["gate_up"].get("ROWS", False) or gluon_gu
+    a = launch.gather_rows(x, routing, K) if rows else x
+    if gluon_gu:
+        gluon_gemm.gemm(a, None, gate_up_proj, None, h, None, routing, launch.sm_count(dev),
+                        cfg["gate_up"]["num_stages"], cfg["gate_up"]["GROUP_M"], gated=True)
+    else:
+        launch.gemm(a, gate_up_proj, h, routing, cfg["gate_up"], n=inter, k=H, epilogue=1, gather_a=not rows,
+                    b_ncontig=False, topk=K, use_tma=tma, aux=aux, save_aux=save, pair=pair)
     y = torch.empty(P, H, device=dev, dtype=x.dtype)
-    launch.gemm(h, down_proj, y, routing, cfg["down"], n=H, k=inter, epilogue=0, gather_a=False,
-                b_ncontig=False, topk=K, use_tma=tma, pair=pair)
+    if gluon_dn:
+        gluon_gemm.gemm(h, None, down_proj, None, y, None, routing, launch.sm_count(dev), cfg["down"]["num_stages"],
+                        cfg["down"]["GROUP_M"], gated=False)
+    else:
+        launch.gemm(h, down_proj, y, routing, cfg["down"], n=H, k=inter, epilogue=0, gather_a=False,
+                    b_ncontig=False, topk=K, use_tma=tma, pair=pair)
     out = torch.empty(T, H, device=dev, dtype=x.dtype)
     launch.combine(y, routing.token_topk_to_pos, topk_weights, out)
     return out, routing, h, aux

@@ -21,7 +21,7 @@ a multiple of BLOCK_N <= 128: the gate and up tiles as one TMA box and one MMA p
 `_fp8_gemm_kernel`; elsewhere ignored); "PERSISTENT" (n >= 1, tiles as tall as block_m: n programs
 per SM loop over the used rows' tiles in one flattened, software-pipelined loop; 0: one program
 per tile); "GLUON" (sm90 fp8 math, block_m 128: the stage runs the warp-specialized Gluon kernel
-of `_fp8_gluon`, 128 columns of h / 256 output columns per tile whatever BLOCK_N says, with up to
+of `_gluon_gemm`, 128 columns of h / 256 output columns per tile whatever BLOCK_N says, with up to
 "num_stages" stages, x quantized in row order; where Gluon or a capability 9.0 device is missing,
 or the shape does not fit its tiles, the Triton kernel runs). Bucket flags: "tma" (sm90: weights through TMA
 descriptors, default true), "quant_x" (sm90: x quantized by its own pass before the gate/up

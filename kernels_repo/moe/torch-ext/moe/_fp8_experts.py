@@ -27,7 +27,7 @@ from kernelhub.device import CachedLaunch, device_capability, device_guard, devi
 from . import _experts_launch as launch
 from . import _experts_replay as replay
 from . import _experts_sm90 as sm90
-from . import _fp8_gluon as gluon_gemm
+from . import _gluon_gemm as gluon_gemm
 from ._constexpr_spec import constexpr_spec
 from ._experts_routing import align_rows
 from ._experts_validate import FN, INTERPRET, check_ids, checked_variant, needs_grad
@@ -426,7 +426,7 @@ def run(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_i
         if key is None or not replay.should_record(key):
             return forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
                            down_proj_scale_inv, variant, config)
-        launched = gluon_gemm.launches[0]  # (Gluon GEMMs: never replayed, see _fp8_gluon.launches)
+        launched = gluon_gemm.launches[0]  # (Gluon GEMMs: never replayed, see _gluon_gemm.launches)
         with CachedLaunch.recording() as calls:  # the second call of a replay key
             out = forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_proj_scale_inv,
                           down_proj_scale_inv, variant, config)
