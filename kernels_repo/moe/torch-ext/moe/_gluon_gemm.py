@@ -186,8 +186,47 @@ if gluon is not None:
         return acc0, acc1, g
 
     @gluon.jit
+    def _pass_stages(ready, empty, num_k, g):
+        """A half tile of padding rows only: no MMAs, but each stage still waited for and freed in
+        turn (an early arrival would count towards an earlier use of the stage)."""
+        STAGES: gl.constexpr = ready.type.shape[0]
+        for _ in range(num_k):
+            s = g % STAGES
+            mbarrier.wait(ready.index(s), (g // STAGES) & 1)
+            mbarrier.arrive(empty.index(s), count=1)
+            g += 1
+        return g
+
+    @gluon.jit
+    def _epilogue(acc0, acc1, c_desc, c_bufs, cs_ptr, rows, P, m0, col, stride_csm, GATED: gl.constexpr,
+                  SCALED: gl.constexpr, HALF: gl.constexpr):
+        """The half tile's outputs by TMA store (gated: h, fp8 with its scales or 16-bit)."""
+        tma.store_wait(pendings=0)  # (this consumer's last stores have left its buffers)
+        if GATED:
+            h = acc0 / (1.0 + gl.exp(-acc0)) * acc1  # h = silu(gate) * up
+            c = c_bufs.index(HALF)
+            if SCALED:  # one quantization group per row (amax floor: reference_fp8's)
+                amax = gl.maximum(gl.max(gl.abs(h), axis=1), 1e-4)
+                c.store((h * (448.0 / amax)[:, None]).to(c_desc.dtype))
+                gl.store(cs_ptr + rows.to(gl.int64) * stride_csm + col // 128, amax / 448.0, mask=rows < P)
+            else:
+                c.store(h.to(c_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [m0 + HALF * 64, col], c)
+        else:
+            c = c_bufs.index(2 * HALF)
+            c.store(acc0.to(c_desc.dtype))
+            d = c_bufs.index(2 * HALF + 1)
+            d.store(acc1.to(c_desc.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(c_desc, [m0 + HALF * 64, col], c)
+            tma.async_copy_shared_to_global(c_desc, [m0 + HALF * 64, col + 128], d)
+
+    @gluon.jit
     def _consumer(args, GATED: gl.constexpr, HALF: gl.constexpr):
-        """Rows [HALF * 64, +64) of every tile: the main loop, then the epilogue (TMA stores)."""
+        """Rows [HALF * 64, +64) of every tile: the main loop, then the epilogue; a half holding only
+        padding rows (the expert's last row block, often at medium loads) skips both, so the other
+        half's MMAs have the tensor cores to themselves. Those rows of the output are not written."""
         (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr, row_expert_ptr,
          start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm, group_m) = args
         BK: gl.constexpr = a_bufs.type.shape[2]
@@ -203,35 +242,21 @@ if gluon is not None:
         g = 0
         for t in range(my_tiles):
             m0, col, r0, r1 = _tile_coords(pid + t * nprog, num_m, N, group_m, GATED)
-            rows = m0 + HALF * 64 + gl.arange(0, 64, layout=row_layout)
-            acc0 = gl.zeros((64, 128), gl.float32, mma_layout)
-            acc1 = gl.zeros((64, 128), gl.float32, mma_layout)
-            if SCALED:
-                e = gl.load(row_expert_ptr + m0).to(gl.int64)
-                acc0, acc1, g = _mainloop_scaled(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, rows, P, e, r0, r1,
-                                                 stride_asm, stride_bse, stride_bsn, num_k, g, acc0, acc1, HALF)
-            else:
-                acc0, acc1, g = _mainloop_16bit(a_bufs, b_bufs, ready, empty, num_k, g, acc0, acc1, HALF)
-            tma.store_wait(pendings=0)  # (this consumer's last stores have left its buffers)
-            if GATED:
-                h = acc0 / (1.0 + gl.exp(-acc0)) * acc1  # h = silu(gate) * up
-                c = c_bufs.index(HALF)
-                if SCALED:  # one quantization group per row (amax floor: reference_fp8's)
-                    amax = gl.maximum(gl.max(gl.abs(h), axis=1), 1e-4)
-                    c.store((h * (448.0 / amax)[:, None]).to(c_desc.dtype))
-                    gl.store(cs_ptr + rows.to(gl.int64) * stride_csm + col // 128, amax / 448.0, mask=rows < P)
+            e = gl.load(row_expert_ptr + m0)
+            first = m0 + HALF * 64
+            if first < gl.load(start_ptr + e) + gl.load(count_ptr + e):
+                rows = first + gl.arange(0, 64, layout=row_layout)
+                acc0 = gl.zeros((64, 128), gl.float32, mma_layout)
+                acc1 = gl.zeros((64, 128), gl.float32, mma_layout)
+                if SCALED:
+                    acc0, acc1, g = _mainloop_scaled(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, rows, P,
+                                                     e.to(gl.int64), r0, r1, stride_asm, stride_bse, stride_bsn,
+                                                     num_k, g, acc0, acc1, HALF)
                 else:
-                    c.store(h.to(c_desc.dtype))
-                fence_async_shared()
-                tma.async_copy_shared_to_global(c_desc, [m0 + HALF * 64, col], c)
+                    acc0, acc1, g = _mainloop_16bit(a_bufs, b_bufs, ready, empty, num_k, g, acc0, acc1, HALF)
+                _epilogue(acc0, acc1, c_desc, c_bufs, cs_ptr, rows, P, m0, col, stride_csm, GATED, SCALED, HALF)
             else:
-                c = c_bufs.index(2 * HALF)
-                c.store(acc0.to(c_desc.dtype))
-                d = c_bufs.index(2 * HALF + 1)
-                d.store(acc1.to(c_desc.dtype))
-                fence_async_shared()
-                tma.async_copy_shared_to_global(c_desc, [m0 + HALF * 64, col], c)
-                tma.async_copy_shared_to_global(c_desc, [m0 + HALF * 64, col + 128], d)
+                g = _pass_stages(ready, empty, num_k, g)
         tma.store_wait(pendings=0)
 
     # Partitions: worker functions share one signature and take no constexpr (triton 3.6 would pass
