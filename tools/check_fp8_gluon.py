@@ -3,7 +3,7 @@ tiles on the GPU: the same inputs through `fused_experts` with each bucket pinne
 compared with each other and (T=4096) with the float64 emulation of the activation quantization,
 then timed (do_bench median and CUDA-graph replay).
 
-Usage (repo root, on an sm90 GPU): PYTHONPATH=src python tools/check_gluon_gemm.py
+Usage (repo root, on an sm90 GPU): PYTHONPATH=src python tools/check_fp8_gluon.py
     env: POINTS=deepseek_v3:4096,deepseek_v3:16384,qwen3_30b_a3b:4096,qwen3_30b_a3b:16384
          VARIANTS=4,3 (num_stages of the Gluon stages; fewer where they do not fit)
 Prints one line per (point, bucket): ms, TFLOP/s, relative error against the emulation.
