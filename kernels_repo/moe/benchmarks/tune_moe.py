@@ -27,7 +27,9 @@ stage keeps its best candidate so far; FP8_BLOCK_MS=128: only those of the point
 FP8_DECODE_ONLY=1: at T <= 8 only the decode kernels, against the shipped bucket, by CUDA-graph time).
 Each fp8 line: stage, block_m, config, ms. At block_m 128 each stage's best Triton tile is also
 timed in the Gluon kernel of `_gluon_gemm` (sm90); where that wins the stage gets "GLUON": true.
-Each line printed is one measurement: stage, block_m, config, ms.
+Each line printed is one measurement: stage, block_m, config, ms. 16-bit forward-only sweeps
+(--forward-only) also time the gate_up and down stages at block_m 128 in the Gluon kernel of
+`_gluon_gemm` (sm90) and set "GLUON" (with its GROUP_M) where it wins.
 """
 
 from __future__ import annotations
@@ -241,6 +243,8 @@ def tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, tma, full, training, 
     label = f"block_m={bm}{' pair_m' if pair else ''}"
     for stage, run in stages.items():
         ms, c = best_of(f"{stage} T={T} {label}", run, stage_space(stage, full, rpe, tma))
+        if not training and bm == 128 and tma and not pair and c is not None and stage in ("gate_up", "down"):
+            ms, c = gluon_or_triton(stage, ms, c, x, gu, dn, h, y, r, K)
         bucket[stage] = c
         total += ms
     if training:
@@ -248,6 +252,30 @@ def tune_block_m(bm, x, gu, dn, idx, w, dy, E, H, I, K, T, tma, full, training, 
         bucket["wgrad"] = c
         total += ms
     return bucket, total
+
+
+def gluon_or_triton(stage, ms, c, x, gu, dn, h, y, r, K):
+    """(ms, config) of the inference stage: the best Triton tile `c` (ms), or it with "GLUON" (the
+    warp-specialized kernel of `_gluon_gemm`, GROUP_M 1 or 8, gate/up timed with x's row copy it
+    reads) where that is faster."""
+    gl = sys.modules[moe.__name__ + "._gluon_gemm"]
+    weight = gu if stage == "gate_up" else dn
+    if not gl.applies(DEV, weight, None, r.block_m, stage == "gate_up"):
+        return ms, c
+    sms = launch.sm_count(DEV)
+    best = (ms, c)
+    for group_m in (1, 8):
+        if stage == "gate_up":
+            def run(g=group_m):
+                gl.gemm(launch.gather_rows(x, r, K), None, gu, None, h, None, r, sms, c["num_stages"], g, gated=True)
+        else:
+            def run(g=group_m):
+                gl.gemm(h, None, dn, None, y, None, r, sms, c["num_stages"], g, gated=False)
+        t = timed(run)
+        print(f"  {stage} block_m=128 GLUON GROUP_M={group_m} ms={t:.4f} (Triton {ms:.4f})", flush=True)
+        if t < best[0]:
+            best = (t, {**c, "GLUON": True, "GROUP_M": group_m})
+    return best
 
 
 def tune_point(E, H, I, K, T, variant, full, training):
