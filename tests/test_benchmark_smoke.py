@@ -8,6 +8,7 @@ with the reference. Timings on the CPU mean nothing and are not checked.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -78,3 +79,53 @@ def test_bench_fp8_runs_and_says_why_a_peer_is_skipped(tmp_path):
     assert relerr and all(e < 6e-2 for e in relerr), out[-2000:]  # activation rounding: ~4-5% on random data
     # no peer runs on a CPU here (no _scaled_grouped_mm, no Hub kernel offline): each one says why
     assert out.count("skip ") >= 1, out[-2000:]
+
+
+
+def _tool(*args: str) -> None:
+    res = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-2000:])
+
+
+def test_config_tools_write_valid_configs(tmp_path):
+    """tools/gluon_sm90_config.py (GLUON on every block_m-128 bucket, nothing else) and
+    tools/merge_fp8_decode.py (a sweep's decode key on the shipped shape's first bucket, the other
+    buckets as shipped) write files the config checks accept."""
+    sys.path.insert(0, str(ROOT / "src"))
+    from kernelhub._loader import load_kernel_from_dir
+
+    moe = load_kernel_from_dir(ROOT / "kernels_repo" / "moe")
+    cfgs = importlib.import_module(moe.__name__ + "._experts_configs")
+    fp8c = importlib.import_module(moe.__name__ + "._fp8_configs")
+    configs = ROOT / "kernels_repo" / "moe" / "torch-ext" / "moe" / "configs"
+
+    _tool("tools/gluon_sm90_config.py", str(tmp_path / "gl" / "sm90.json"), "--group-m", "4")
+    shipped, got = (json.loads(p.read_text()) for p in (configs / "sm90.json", tmp_path / "gl" / "sm90.json"))
+    pairs = list(zip(shipped["buckets"] + [b for bs in shipped["shapes"].values() for b in bs],
+                     got["buckets"] + [b for bs in got["shapes"].values() for b in bs]))
+    assert any(a["block_m"] == 128 for a, _ in pairs)
+    for a, b in pairs:
+        cfgs.check_bucket(b, "gluon config")
+        for stage in ("gate_up", "down"):
+            want = {**a[stage], "GLUON": True, "GROUP_M": 4} if a["block_m"] == 128 else a[stage]
+            assert b[stage] == want
+        assert {k: v for k, v in b.items() if k not in ("gate_up", "down")} == \
+            {k: v for k, v in a.items() if k not in ("gate_up", "down")}
+
+    fp8 = json.loads((configs / "fp8_sm90.json").read_text())
+    key, other = sorted(fp8["shapes"])[:2]
+    decode = {"max_tokens": 8, "gate_up": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 2},
+              "down": {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2}}
+    small = {**decode, "max_tokens": 1}
+    tuned = {"shapes": {key: [{**fp8["shapes"][key][0], "decode": small}, {**fp8["shapes"][key][0], "decode": decode}],
+                        other: [fp8["shapes"][other][0]]}}
+    (tmp_path / "tuned.json").write_text(json.dumps(tuned))
+    _tool("tools/merge_fp8_decode.py", str(tmp_path / "tuned.json"), str(tmp_path / "out"))
+    merged = json.loads((tmp_path / "out" / "fp8_sm90.json").read_text())
+    want = json.loads((configs / "fp8_sm90.json").read_text())
+    want["shapes"][key][0]["decode"] = decode
+    want["shapes"][other][0].pop("decode", None)
+    assert merged == want
+    for name, buckets in merged["shapes"].items():
+        for i, b in enumerate(buckets):
+            fp8c.check_fp8_bucket(b, f"{name}[{i}]", "sm90")
