@@ -11,6 +11,7 @@ the whole pipeline up to ptxas. Usage (repo root, TRITON_INTERPRET unset):
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -220,6 +221,11 @@ def main() -> None:
         buckets = list(data["buckets"])
         for shape_buckets in data.get("shapes", {}).values():
             buckets += shape_buckets
+        # (once each: a shape entry may repeat the defaults, and "GLUON" does not change the Triton tile)
+        unique = {json.dumps({k: ({kk: vv for kk, vv in v.items() if kk != "GLUON"} if isinstance(v, dict) else v)
+                              for k, v in b.items() if k != "max_rows_per_expert"}, sort_keys=True): b
+                  for b in buckets}
+        buckets = list(unique.values())
         for b in buckets:
             tma = cap == 90 and b.get("tma", True)
             for stage, epi, ncontig in (("gate_up", 1, False), ("down", 0, False), ("dgrad", 2, True),
