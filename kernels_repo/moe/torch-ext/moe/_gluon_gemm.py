@@ -363,8 +363,8 @@ def _descriptor(t: torch.Tensor, block: list[int]):
 
 def gemm(a, a_scale, weight, scale_inv, out, out_scale, routing, sm_count: int, stages: int = 4,
          group_m: int = 1, gated: bool | None = None) -> None:
-    """For the used rows of `routing` (128-row alignment; rows past them are not written), a [P, K]
-    in row order:
+    """For the used rows of `routing` (128-row alignment; rows past them, and 64-row halves of
+    padding rows only, are not written), a [P, K] in row order:
       down (not gated): out[p] = A[p] @ W[e(p)]^T (out [P, N] 16-bit);
       gate/up (gated, W [E, 2I, K]): h = silu(A W_gate^T) * (A W_up^T) as out [P, I].
     fp8 (a and weight float8_e4m3fn): a_scale [P, cdiv(K, 128)] and scale_inv
