@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
+import os
 from pathlib import Path
 
 import pytest
@@ -173,7 +174,6 @@ def run_compile_checks(script, tmp_path, groups: list[list[str]]) -> list[str]:
     """The stdout of `script` (a benchmarks/compile_check*.py) run once per group of capability
     arguments, the processes side by side (ptxas and LLVM keep one core each busy), each with its
     own Triton cache under tmp_path and TRITON_INTERPRET unset; fails on any non-zero exit."""
-    import os
     import subprocess
     import sys
 
@@ -189,3 +189,13 @@ def run_compile_checks(script, tmp_path, groups: list[list[str]]) -> list[str]:
         assert proc.returncode == 0, (caps, out[-3000:], err[-3000:])
         outs.append(out)
     return outs
+
+
+def needs_sm90_gluon():
+    """The `_gluon_gemm` module, or a skip: its kernels need a capability 9.0 GPU and triton's Gluon."""
+    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("needs a CUDA GPU and TRITON_INTERPRET=0")
+    gl = importlib.import_module(moe.__name__ + "._gluon_gemm")
+    if torch.cuda.get_device_capability() != (9, 0) or not gl.available():
+        pytest.skip("the Gluon GEMMs need an sm90 GPU and triton's Gluon")
+    return gl

@@ -26,7 +26,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from _experts_helpers import GraphRecorder, loop_reference, moe, run_compile_checks
+from _experts_helpers import GraphRecorder, loop_reference, moe, needs_sm90_gluon, run_compile_checks
 
 from kernelhub.device import clear_device_caches
 
@@ -587,21 +587,12 @@ def _gluon_bucket(stages=(4, 3)):
             "down": {"BLOCK_N": 128, "num_warps": 4, "num_stages": stages[1], "GLUON": True}}
 
 
-def _needs_sm90_gluon():
-    if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("needs a CUDA GPU and TRITON_INTERPRET=0")
-    gl8 = importlib.import_module(moe.__name__ + "._gluon_gemm")
-    if torch.cuda.get_device_capability() != (9, 0) or not gl8.available():
-        pytest.skip("the Gluon fp8 GEMMs need an sm90 GPU and triton's Gluon")
-    return gl8
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("E,H,I,K,T", [(16, 2048, 768, 8, 600), (8, 1280, 384, 2, 300), (8, 1280, 384, 2, 1)])
 def test_gpu_gluon_fp8_gemms_match_the_oracle(E, H, I, K, T):
     """Both Gluon GEMMs (odd numbers of K-blocks in the second shape; one token in the third)
     within 1.25x of the activation-quantization emulation's error, as the Triton kernels are."""
-    gl8 = _needs_sm90_gluon()
+    gl8 = needs_sm90_gluon()
     x, guq, dq, idx, w, scales = make_fp8(T, H, I, E, K, seed=50)
     ref, emu = oracle(x, guq, dq, idx, w, scales), emulation(x, guq, dq, idx, w, scales)
     dev = torch.device("cuda")
@@ -616,7 +607,7 @@ def test_gpu_gluon_fp8_gemms_match_the_oracle(E, H, I, K, T):
 def test_gpu_gluon_fp8_is_capturable_and_never_replayed(tmp_path, monkeypatch):
     """The Gluon GEMMs capture in a CUDA graph (no host sync), and a call that launched them is not
     recorded for replay (their launches bypass CachedLaunch)."""
-    gl8 = _needs_sm90_gluon()
+    gl8 = needs_sm90_gluon()
     rp = importlib.import_module(moe.__name__ + "._experts_replay")
     fp8 = importlib.import_module(moe.__name__ + "._fp8_experts")
     cfgs = importlib.import_module(moe.__name__ + "._experts_configs")

@@ -21,6 +21,7 @@ from _experts_helpers import (
     count_row_descriptors,
     kern,
     moe,
+    needs_sm90_gluon,
     pipeline,
     run_with_grads,
     with_wgrad_tma,
@@ -459,13 +460,6 @@ def _gluon_bf16_bucket(group_m: int = 8) -> dict:
     return bucket
 
 
-def _needs_sm90_gluon():
-    gl = importlib.import_module(moe.__name__ + "._gluon_gemm")
-    if torch.cuda.get_device_capability() != (9, 0) or not gl.available():
-        pytest.skip("the Gluon GEMMs need an sm90 GPU and triton's Gluon")
-    return gl
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("E,H,I,K,T,group_m,dtype", [
     (16, 2048, 768, 8, 600, 8, torch.bfloat16),    # several experts per group of row blocks
@@ -475,7 +469,7 @@ def _needs_sm90_gluon():
 def test_gpu_gluon_16bit_gemms_match_the_reference(E, H, I, K, T, group_m, dtype):
     """Inference with "GLUON" stages: both forward GEMMs in the Gluon kernel, against the fp32
     reference and within rounding of the Triton bucket; training runs the Triton kernels."""
-    gl = _needs_sm90_gluon()
+    gl = needs_sm90_gluon()
     x, gu, dn, idx, w = gpu_inputs(E, H, I, K, T, dtype)
     cfg = _gluon_bf16_bucket(group_m)
     triton_cfg = copy.deepcopy(cfg)
@@ -499,7 +493,7 @@ def test_gpu_gluon_16bit_gemms_match_the_reference(E, H, I, K, T, group_m, dtype
 def test_gpu_gluon_16bit_is_capturable_and_never_replayed(tmp_path, monkeypatch):
     """The Gluon GEMMs capture in a CUDA graph (no host sync), and an unpinned call that launched
     them (a config directory whose buckets say GLUON) is not recorded for replay."""
-    gl = _needs_sm90_gluon()
+    gl = needs_sm90_gluon()
     rp = importlib.import_module(moe.__name__ + "._experts_replay")
     x, gu, dn, idx, w = gpu_inputs(16, 2048, 768, 8, 1024)
     cfg = _gluon_bf16_bucket()
