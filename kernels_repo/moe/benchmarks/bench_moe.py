@@ -33,6 +33,9 @@ Usage (repo root): PYTHONPATH=src python kernels_repo/moe/benchmarks/bench_moe.p
          (Mode.INFERENCE / Mode.TRAINING | Mode.TORCH_COMPILE; the default) or fused_experts under
          torch.compile (always with MOE_DIR, which kernelize would not load)
        MODES=fwd,fwdbwd  STAGES=1 (per-stage kernelhub times; 0: off)
+       ORDER=compiled-first: each point's compiled configurations before the eager ones (default
+         eager first), so that two runs in opposite orders tell a compiled/eager gap from the
+         card's drift (clocks, power) across one point's minutes
        OUT=/tmp (appends $OUT/bench_moe.jsonl)  MOE_DIR=DIR (the kernel repository to time; default ours)
        SKEW=s: skewed routing, as a trained router's hot experts: expert logits get a bias of
          -s * log(1 + rank) over a random ranking of the experts (0, the default: uniform); rows
@@ -316,6 +319,8 @@ def impls_for(base, T, E, H, I, K, idx, w, wanted, configs, compiled_bases, phas
     # eager configurations first (no compile), then each compiled mode with kernelhub next to its
     # closest peers: a point cut short by a timeout still holds comparable pairs
     config_rank = {"eager": 0, "graph": 1, "compiled": 2, "reduce-overhead": 3}
+    if os.environ.get("ORDER") == "compiled-first":
+        config_rank = {c: -r for c, r in config_rank.items()}
     base_rank = {"kernelhub": 0, "hf_grouped_mm": 1, "liger": 2, "hf_batched_mm": 3, "hf_eager": 4}
     return sorted(out, key=lambda i: (config_rank[i.config], base_rank.get(i.base, 5)))
 

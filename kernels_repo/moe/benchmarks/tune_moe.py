@@ -383,12 +383,15 @@ def fp8_decode_space(stage: str) -> list[dict]:
     weight rows per program; BLOCK_K from 32 to 1024 columns (past 128: whole scale blocks), since
     their loads are not software-pipelined and one K step's tile is all a program has in flight, yet
     at DeepSeek-V3 T=1 the down kernel took twice as long with 128-column steps as with 64 (s39-1);
-    the down kernel holds all K experts' tiles at once, hence its narrower rows."""
+    the down kernel holds all K experts' tiles at once, hence its narrower rows. Each tile also with
+    PREFETCH (the next step's loads issued before this step's math), next to it so that a budget
+    cut leaves both timed."""
     if stage == "gate_up":
         pairs = [(4, 64), (4, 128), (8, 64), (8, 128), (16, 64), (32, 64), (4, 512), (8, 256), (16, 128)]
     else:
         pairs = [(4, 32), (4, 64), (8, 32), (8, 64), (16, 32), (16, 64), (4, 128)]
-    return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 2} for bn, bk in pairs for nw in (4, 8)]
+    return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 2, "PREFETCH": pf}
+            for bn, bk in pairs for nw in (4, 8) for pf in (False, True)]
 
 
 def fp8_tune_decode(fp8x, variant, best, x, gu, gus, dn, dns, idx, w):

@@ -488,6 +488,11 @@ DECODE_WIDE = {"max_tokens": 4, "gate_up": {"BLOCK_N": 4, "BLOCK_K": 256, "num_w
                "down": {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1}}
 
 
+def _prefetched(decode: dict) -> dict:
+    """`decode` with both stages' loads issued one K step ahead (their last step's prefetch masked)."""
+    return {**decode, **{s: {**decode[s], "PREFETCH": True} for s in ("gate_up", "down")}}
+
+
 def _kernels(run) -> list[str]:
     from kernelhub.device import CachedLaunch
 
@@ -499,11 +504,13 @@ def _kernels(run) -> list[str]:
 
 @pytest.mark.parametrize("variant", ["sm90", "sm80"])
 @pytest.mark.parametrize(("T", "H", "decode"), [(1, 200, DECODE), (3, 200, DECODE), (1, 300, DECODE_WIDE),
-                                                (3, 300, DECODE_WIDE)])
+                                                (3, 300, DECODE_WIDE), (3, 200, _prefetched(DECODE)),
+                                                (1, 300, _prefetched(DECODE_WIDE))])
 def test_decode_key_runs_the_token_major_kernels_and_matches_the_float64_loop(variant, T, H, decode):
     """Two launches (no routing, no combine), W8A16 math on both variants; -1 ids dropped; H and I
     not multiples of 128: BLOCK_K 32 / 64 chunks inside one scale block, or 256 (two scale blocks
-    per step: H=300's second step holds one partial block and one past H); K = 3 (padded to 4)."""
+    per step: H=300's second step holds one partial block and one past H); K = 3 (padded to 4);
+    PREFETCH (loads one step ahead, the step past H or I masked)."""
     x, guq, dq, idx, w, scales = make_fp8(T, H, 136, 6, 3, seed=31, drop=1)
     cfg = {**BASE, "decode": decode}
     out, names = _kernels(lambda: moe.fused_experts(x, guq, dq, idx, w, variant=variant, config=cfg, **scales))
@@ -536,9 +543,13 @@ def test_decode_ids_out_of_range_are_dropped_when_unchecked():
     ({"down": {"BLOCK_N": 2, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1}},
      r"\['decode'\]\['down'\]\['BLOCK_N'\] must be a power of two in \[4, 256\]"),
     ({"extra": 1}, r"\['decode'\]: keys must be"),
+    ({"gate_up": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "PREFETCH": 1}},
+     r"\['decode'\]\['gate_up'\]\['PREFETCH'\] must be a bool"),
+    ({"down": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "PREFTCH": True}},
+     r"\['decode'\]\['down'\] must be a dict of BLOCK_N"),
 ])
 def test_bad_decode_key_raises_naming_it(patch, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         _run(_inputs(), {**BASE, "decode": {**DECODE, **patch}})
 
 
@@ -546,7 +557,7 @@ def test_decode_weight_bits_path_equals_fp8_pointer_loads():
     """sm80 reads the fp8 weights as uint8 bits (Triton has no fp8 pointers there): exact, so the
     same output as fp8 loads, bit for bit."""
     x, guq, dq, idx, w, scales = make_fp8(2, 200, 136, 5, 3, seed=34, drop=1)
-    for decode in (DECODE, DECODE_WIDE):
+    for decode in (DECODE, DECODE_WIDE, _prefetched(DECODE_WIDE)):
         args = (x, guq, dq, idx, w, scales["gate_up_proj_scale_inv"], scales["down_proj_scale_inv"], decode)
         bits = fp8x.decode_forward(*args, w_bits=True)
         assert torch.equal(bits, fp8x.decode_forward(*args, w_bits=False))

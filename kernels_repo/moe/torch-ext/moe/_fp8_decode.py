@@ -12,7 +12,9 @@ Weights: fp8 pointers where Triton has them (sm89+, the interpreter), else uint8
 exactly (`_e4m3_bits`, W_BITS). A K step is BLOCK_K columns: a divisor of the 128-column scale
 block, or whole scale blocks (their loads are not software-pipelined, so a wide step is what keeps
 bytes in flight); the tile is [.., NB, KC] with one scale per weight row and KC-column chunk:
-acc += w * (x * s). fp32 accumulation; h stored in x's dtype.
+acc += w * (x * s). PREFETCH: the loads of step k+1 are issued before step k's math (registers
+carry them across the loop), two steps' bytes in flight per program without a wider step's
+registers. fp32 accumulation; h stored in x's dtype.
 """
 
 from __future__ import annotations
@@ -41,11 +43,34 @@ def _k_chunks(BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr):
 
 
 @triton.jit
+def _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, k0, H, n_mask, offs_k, chunk, SCALE_K: tl.constexpr):
+    """K step k0's x (fp32), gate/up scales and raw gate/up weight tiles; all masked past H (a step
+    at or past H loads nothing)."""
+    mask = n_mask[:, None, None] & (offs_k < H - k0)[None, :, :]
+    s_mask = n_mask[:, None] & (chunk < H - k0)[None, :]
+    kb = ((k0 + chunk) // SCALE_K)[None, :]
+    xv = tl.load(x_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
+    sg = tl.load(gs_ptrs + kb, mask=s_mask, other=0.0)[:, :, None]
+    su = tl.load(us_ptrs + kb, mask=s_mask, other=0.0)[:, :, None]
+    return xv, sg, su, tl.load(g_ptrs + k0, mask=mask, other=0.0), tl.load(u_ptrs + k0, mask=mask, other=0.0)
+
+
+@triton.jit
+def _down_tiles(h_ptrs, w_ptrs, s_ptrs, k0, I, row_ok, offs_k, chunk, SCALE_K: tl.constexpr):
+    """K step k0's h (fp32), scales and raw weight tiles of the token's K experts; masked past I."""
+    mask = row_ok[:, :, :, None] & (offs_k < I - k0)[None, None, :, :]
+    s_mask = row_ok & (chunk < I - k0)[None, None, :]
+    hv = tl.load(h_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(s_ptrs + ((k0 + chunk) // SCALE_K)[None, None, :], mask=s_mask, other=0.0)
+    return hv, s, tl.load(w_ptrs + k0, mask=mask, other=0.0)
+
+
+@triton.jit
 def _fp8_decode_gate_up_kernel(
     x_ptr, w_ptr, ws_ptr, idx_ptr, h_ptr, H, I, E,
     stride_xt, stride_it, stride_ik, stride_we, stride_wn, stride_wse, stride_wsn, stride_hm,
     TOPK: tl.constexpr, W_BITS: tl.constexpr, UPCAST: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pair = tl.program_id(0).to(tl.int64)  # t * TOPK + k
     t = pair // TOPK
@@ -64,18 +89,18 @@ def _fp8_decode_gate_up_kernel(
     acc_g = tl.zeros((BLOCK_N, BLOCK_K // SCALE_K if BLOCK_K > SCALE_K else 1,
                       SCALE_K if BLOCK_K > SCALE_K else BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros_like(acc_g)
+    if PREFETCH:
+        nxt = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, 0, H, n_mask, offs_k, chunk, SCALE_K)
     for k0 in range(0, H, BLOCK_K):
-        mask = n_mask[:, None, None] & (offs_k < H - k0)[None, :, :]
-        xv = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-        s_mask = n_mask[:, None] & (chunk < H - k0)[None, :]
-        kb = ((k0 + chunk) // SCALE_K)[None, :]
-        sg = tl.load(gs_ptrs + kb, mask=s_mask, other=0.0)[:, :, None]
-        su = tl.load(us_ptrs + kb, mask=s_mask, other=0.0)[:, :, None]
-        acc_g += _fp32_weight(tl.load(g_ptrs, mask=mask, other=0.0), W_BITS) * (xv * sg)
-        acc_u += _fp32_weight(tl.load(u_ptrs, mask=mask, other=0.0), W_BITS) * (xv * su)
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+        if PREFETCH:  # the next step's loads issued before this step's math: two steps' bytes in flight
+            xv, sg, su, wg, wu = nxt
+            nxt = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, k0 + BLOCK_K, H, n_mask, offs_k, chunk,
+                                 SCALE_K)
+        else:
+            xv, sg, su, wg, wu = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, k0, H, n_mask, offs_k,
+                                                chunk, SCALE_K)
+        acc_g += _fp32_weight(wg, W_BITS) * (xv * sg)
+        acc_u += _fp32_weight(wu, W_BITS) * (xv * su)
     g = tl.sum(tl.sum(acc_g, axis=2), axis=1)
     u = tl.sum(tl.sum(acc_u, axis=2), axis=1)
     h = g * tl.sigmoid(g) * u
@@ -88,7 +113,7 @@ def _fp8_decode_down_kernel(
     stride_hm, stride_it, stride_ik, stride_we, stride_wn, stride_wse, stride_wsn, stride_wt, stride_wtk,
     stride_om,
     TOPK: tl.constexpr, TOPK_P: tl.constexpr, W_BITS: tl.constexpr, UPCAST: tl.constexpr, SCALE_N: tl.constexpr,
-    SCALE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCALE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -110,14 +135,14 @@ def _fp8_decode_down_kernel(
     row_ok = valid[:, None, None] & n_mask[None, :, None]
     acc = tl.zeros((BLOCK_N, BLOCK_K // SCALE_K if BLOCK_K > SCALE_K else 1,
                     SCALE_K if BLOCK_K > SCALE_K else BLOCK_K), dtype=tl.float32)
+    if PREFETCH:
+        nxt = _down_tiles(h_ptrs, w_ptrs, s_ptrs, 0, I, row_ok, offs_k, chunk, SCALE_K)
     for k0 in range(0, I, BLOCK_K):
-        mask = row_ok[:, :, :, None] & (offs_k < I - k0)[None, None, :, :]
-        hv = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
-        s_mask = row_ok & (chunk < I - k0)[None, None, :]
-        s = tl.load(s_ptrs + ((k0 + chunk) // SCALE_K)[None, None, :], mask=s_mask, other=0.0) * wt[:, None, None]
-        wv = _fp32_weight(tl.load(w_ptrs, mask=mask, other=0.0), W_BITS)
-        acc += tl.sum(wv * (hv * s[:, :, :, None]), axis=0)
-        h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        if PREFETCH:
+            hv, s, wv = nxt
+            nxt = _down_tiles(h_ptrs, w_ptrs, s_ptrs, k0 + BLOCK_K, I, row_ok, offs_k, chunk, SCALE_K)
+        else:
+            hv, s, wv = _down_tiles(h_ptrs, w_ptrs, s_ptrs, k0, I, row_ok, offs_k, chunk, SCALE_K)
+        acc += tl.sum(_fp32_weight(wv, W_BITS) * (hv * (s * wt[:, None, None])[:, :, :, None]), axis=0)
     out = tl.sum(tl.sum(acc, axis=2), axis=1)
     tl.store(out_ptr + t * stride_om + offs_n, _to(out, out_ptr.dtype.element_ty, UPCAST), mask=n_mask)
