@@ -588,6 +588,12 @@ LARGE = {"block_m": 128, "gate_up": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps":
     (600, {**LARGE, "w8a16": True, "gate_up": {**LARGE["gate_up"], "FUSED": True}}, False),
     (600, {**LARGE, "w8a16": True, "gate_up": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}}, False),
     (4, {**BASE, "decode": DECODE}, False),
+    # compiled prefetching decode kernels, at the widths the sweep times (whole scale blocks per step)
+    (4, {**BASE, "decode": _prefetched(DECODE)}, False),
+    (1, {**BASE, "decode": _prefetched({"max_tokens": 1, "gate_up": {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 8,
+                                                                     "num_stages": 2},
+                                        "down": {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4,
+                                                 "num_stages": 2}})}, False),
 ])
 def test_gpu_sm90_pinned_paths_match_the_oracle(T, config, quantized):
     if not torch.cuda.is_available():
