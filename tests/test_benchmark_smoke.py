@@ -44,6 +44,15 @@ def test_bench_moe_times_every_configuration(tmp_path):
             assert r["relerr"] < 2e-2, r
 
 
+def test_bench_moe_order_compiled_first_times_compiled_before_eager(tmp_path):
+    """ORDER=compiled-first: a point's compiled configurations are timed before its eager call (the
+    A/B that tells a compiled/eager gap from the card's drift within a point)."""
+    _run("kernels_repo/moe/benchmarks/bench_moe.py", tmp_path, DEVICE="cpu", TOKENS="1", MODES="fwd",
+         IMPLS="kernelhub", COMPILE="default", STAGES="0", ORDER="compiled-first")
+    impls = [r["impl"] for r in _rows(tmp_path / "bench_moe.jsonl") if r["kind"] == "moe_fwd"]
+    assert impls.index("kernelhub[compiled]") < impls.index("kernelhub"), impls
+
+
 def test_bench_model_slice_times_every_configuration(tmp_path):
     _run("benchmarks/bench_model_slice.py", tmp_path, DEVICE="cpu", TOKENS="1")
     rows = _rows(tmp_path / "bench_model_slice.jsonl")
