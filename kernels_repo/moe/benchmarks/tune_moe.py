@@ -387,7 +387,9 @@ def fp8_decode_space(stage: str) -> list[dict]:
     PREFETCH (the next step's loads issued before this step's math), next to it so that a budget
     cut leaves both timed."""
     if stage == "gate_up":
-        pairs = [(4, 64), (4, 128), (8, 64), (8, 128), (16, 64), (32, 64), (4, 512), (8, 256), (16, 128)]
+        # (s42: Qwen3-30B-A3B T=1 picked the widest step, (4, 512); hence (4, 1024) and (8, 512))
+        pairs = [(4, 64), (4, 128), (8, 64), (8, 128), (16, 64), (32, 64), (4, 512), (8, 256), (16, 128), (4, 1024),
+                 (8, 512)]
     else:
         pairs = [(4, 32), (4, 64), (8, 32), (8, 64), (16, 32), (16, 64), (4, 128)]
     return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 2, "PREFETCH": pf}
