@@ -94,10 +94,13 @@ if gluon is not None:
         return gl.cdiv(gl.maximum(num_tiles - pid, 0), gl.num_programs(0)), num_m
 
     @gluon.jit
-    def _producer(args, GATED: gl.constexpr):
+    def _producer(args):
         """One warp: the TMA loads of every K step of this program's tiles, STAGES ahead at most."""
         (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr, row_expert_ptr,
          start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm, group_m) = args
+        # gate/up writes two 64-row halves of h, down four [64, 128] quarters: GATED from the buffers'
+        # type (triton 3.6 passes a worker partition's constexpr argument as a runtime value)
+        GATED: gl.constexpr = c_bufs.type.shape[0] == 2
         STAGES: gl.constexpr = a_bufs.type.shape[0]
         BK: gl.constexpr = a_bufs.type.shape[2]
         my_tiles, num_m = _num_tiles(start_ptr, count_ptr, N, E, GATED)
@@ -223,12 +226,13 @@ if gluon is not None:
             tma.async_copy_shared_to_global(c_desc, [m0 + HALF * 64, col + 128], d)
 
     @gluon.jit
-    def _consumer(args, GATED: gl.constexpr, HALF: gl.constexpr):
+    def _consumer(args, HALF: gl.constexpr):
         """Rows [HALF * 64, +64) of every tile: the main loop, then the epilogue; a half holding only
         padding rows (the expert's last row block, often at medium loads) skips both, so the other
         half's MMAs have the tensor cores to themselves. Those rows of the output are not written."""
         (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr, row_expert_ptr,
          start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm, group_m) = args
+        GATED: gl.constexpr = c_bufs.type.shape[0] == 2  # (as in _producer)
         BK: gl.constexpr = a_bufs.type.shape[2]
         BITS: gl.constexpr = a_desc.dtype.primitive_bitwidth
         SCALED: gl.constexpr = BITS == 8
@@ -259,31 +263,15 @@ if gluon is not None:
                 g = _pass_stages(ready, empty, num_k, g)
         tma.store_wait(pendings=0)
 
-    # Partitions: worker functions share one signature and take no constexpr (triton 3.6 would pass
-    # it as a runtime value), so each (GATED, half) is its own function over the one args tuple.
+    # The two consumers: worker functions take no constexpr (triton 3.6 would pass it as a runtime
+    # value), so each half is its own function over the one args tuple.
     @gluon.jit
-    def _producer_gated(args):
-        _producer(args, True)
+    def _consumer_lo(args):
+        _consumer(args, 0)
 
     @gluon.jit
-    def _consumer_lo_gated(args):
-        _consumer(args, True, 0)
-
-    @gluon.jit
-    def _consumer_hi_gated(args):
-        _consumer(args, True, 1)
-
-    @gluon.jit
-    def _producer_plain(args):
-        _producer(args, False)
-
-    @gluon.jit
-    def _consumer_lo_plain(args):
-        _consumer(args, False, 0)
-
-    @gluon.jit
-    def _consumer_hi_plain(args):
-        _consumer(args, False, 1)
+    def _consumer_hi(args):
+        _consumer(args, 1)
 
     @gluon.jit
     def _gluon_grouped_gemm_kernel(as_ptr, bs_ptr, cs_ptr, row_expert_ptr, start_ptr, count_ptr,
@@ -307,12 +295,8 @@ if gluon is not None:
             mbarrier.init(empty.index(i), count=2)  # (both consumers)
         args = (a_desc, b_desc, c_desc, a_bufs, b_bufs, c_bufs, ready, empty, as_ptr, bs_ptr, cs_ptr, row_expert_ptr,
                 start_ptr, count_ptr, P, N, K, E, stride_asm, stride_bse, stride_bsn, stride_csm, group_m)
-        if GATED:
-            gl.warp_specialize([(_consumer_lo_gated, (args,)), (_consumer_hi_gated, (args,)),
-                                (_producer_gated, (args,))], [4, 1], [232, 40])
-        else:
-            gl.warp_specialize([(_consumer_lo_plain, (args,)), (_consumer_hi_plain, (args,)),
-                                (_producer_plain, (args,))], [4, 1], [232, 40])
+        gl.warp_specialize([(_consumer_lo, (args,)), (_consumer_hi, (args,)), (_producer, (args,))], [4, 1],
+                           [232, 40])
 
 
 # (a cached launcher: Triton's `kernel[grid]` costs tens of us of Python per launch)
