@@ -149,7 +149,8 @@ def check_decode(cap: int, stage: str, c: dict, dtype: str = "bf16", label: str 
            {"h_ptr": f"*{dtype}", "w_ptr": w, "ws_ptr": "*fp32", "idx_ptr": "*i64", "wts_ptr": "*fp32",
             "out_ptr": f"*{dtype}"})
     const = dict(TOPK=8, W_BITS=w_bits, UPCAST=False, SCALE_N=128, SCALE_K=128, BLOCK_N=c["BLOCK_N"],
-                 BLOCK_K=c["BLOCK_K"], PREFETCH=c.get("PREFETCH", False), stride_ik=1)
+                 BLOCK_K=c["BLOCK_K"], PREFETCH=c.get("PREFETCH", False), LOAD_STAGES=c.get("LOAD_STAGES", 1),
+                 stride_ik=1)
     if stage == "down":
         const.update(TOPK_P=8, stride_wtk=1)
     full = {n: sig.get(n, "constexpr" if n in const else cc.I32) for n in fn.arg_names}

@@ -380,20 +380,21 @@ def fp8_wide_tiles(gate_up: bool) -> list[dict]:
 
 def fp8_decode_space(stage: str) -> list[dict]:
     """Tiles of the fp8 token-major decode kernels (`_fp8_decode`; a bucket's "decode" key): BLOCK_N
-    weight rows per program; BLOCK_K from 32 to 1024 columns (past 128: whole scale blocks), since
-    their loads are not software-pipelined and one K step's tile is all a program has in flight, yet
-    at DeepSeek-V3 T=1 the down kernel took twice as long with 128-column steps as with 64 (s39-1);
-    the down kernel holds all K experts' tiles at once, hence its narrower rows. Each tile also with
-    PREFETCH (the next step's loads issued before this step's math), next to it so that a budget
-    cut leaves both timed."""
+    weight rows per program; BLOCK_K from 32 to 1024 columns (past 128: whole scale blocks). Plain
+    loads leave one K step's tile in flight per program, yet at DeepSeek-V3 T=1 the down kernel took
+    twice as long with 128-column steps as with 64 (s39-1); the down kernel holds all K experts'
+    tiles at once, hence its narrower rows. Each tile four ways, next to each other so that a budget
+    cut leaves all timed: plain, PREFETCH (the next step's loads issued before this step's math)
+    and LOAD_STAGES 3 and 4 (the loop's loads pipelined through shared memory)."""
     if stage == "gate_up":
         # (s42: Qwen3-30B-A3B T=1 picked the widest step, (4, 512); hence (4, 1024) and (8, 512))
         pairs = [(4, 64), (4, 128), (8, 64), (8, 128), (16, 64), (32, 64), (4, 512), (8, 256), (16, 128), (4, 1024),
                  (8, 512)]
     else:
-        pairs = [(4, 32), (4, 64), (8, 32), (8, 64), (16, 32), (16, 64), (4, 128)]
-    return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 2, "PREFETCH": pf}
-            for bn, bk in pairs for nw in (4, 8) for pf in (False, True)]
+        pairs = [(4, 32), (4, 64), (8, 32), (8, 64), (16, 32), (16, 64), (4, 128), (8, 128)]
+    ways = ({}, {"PREFETCH": True}, {"LOAD_STAGES": 3}, {"LOAD_STAGES": 4})
+    return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 2, **way}
+            for bn, bk in pairs for nw in (4, 8) for way in ways]
 
 
 def fp8_tune_decode(fp8x, variant, best, x, gu, gus, dn, dns, idx, w):

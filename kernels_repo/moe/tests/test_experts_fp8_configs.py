@@ -493,6 +493,12 @@ def _prefetched(decode: dict) -> dict:
     return {**decode, **{s: {**decode[s], "PREFETCH": True} for s in ("gate_up", "down")}}
 
 
+def _staged(decode: dict, stages: int = 3) -> dict:
+    """`decode` with both stages' K loops pipelined `stages` deep (cp.async into shared memory on a
+    GPU; the interpreter runs the loop as written)."""
+    return {**decode, **{s: {**decode[s], "LOAD_STAGES": stages} for s in ("gate_up", "down")}}
+
+
 def _kernels(run) -> list[str]:
     from kernelhub.device import CachedLaunch
 
@@ -505,12 +511,12 @@ def _kernels(run) -> list[str]:
 @pytest.mark.parametrize("variant", ["sm90", "sm80"])
 @pytest.mark.parametrize(("T", "H", "decode"), [(1, 200, DECODE), (3, 200, DECODE), (1, 300, DECODE_WIDE),
                                                 (3, 300, DECODE_WIDE), (3, 200, _prefetched(DECODE)),
-                                                (1, 300, _prefetched(DECODE_WIDE))])
+                                                (1, 300, _prefetched(DECODE_WIDE)), (3, 300, _staged(DECODE))])
 def test_decode_key_runs_the_token_major_kernels_and_matches_the_float64_loop(variant, T, H, decode):
     """Two launches (no routing, no combine), W8A16 math on both variants; -1 ids dropped; H and I
     not multiples of 128: BLOCK_K 32 / 64 chunks inside one scale block, or 256 (two scale blocks
     per step: H=300's second step holds one partial block and one past H); K = 3 (padded to 4);
-    PREFETCH (loads one step ahead, the step past H or I masked)."""
+    PREFETCH (loads one step ahead, the step past H or I masked); LOAD_STAGES."""
     x, guq, dq, idx, w, scales = make_fp8(T, H, 136, 6, 3, seed=31, drop=1)
     cfg = {**BASE, "decode": decode}
     out, names = _kernels(lambda: moe.fused_experts(x, guq, dq, idx, w, variant=variant, config=cfg, **scales))
@@ -547,6 +553,10 @@ def test_decode_ids_out_of_range_are_dropped_when_unchecked():
      r"\['decode'\]\['gate_up'\]\['PREFETCH'\] must be a bool"),
     ({"down": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "PREFTCH": True}},
      r"\['decode'\]\['down'\] must be a dict of BLOCK_N"),
+    ({"down": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "LOAD_STAGES": 2.0}},
+     r"\['decode'\]\['down'\]\['LOAD_STAGES'\] must be an int"),
+    ({"gate_up": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "LOAD_STAGES": 0}},
+     r"\['decode'\]\['gate_up'\]\['LOAD_STAGES'\] must be in \[1, 8\]"),
 ])
 def test_bad_decode_key_raises_naming_it(patch, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -557,7 +567,7 @@ def test_decode_weight_bits_path_equals_fp8_pointer_loads():
     """sm80 reads the fp8 weights as uint8 bits (Triton has no fp8 pointers there): exact, so the
     same output as fp8 loads, bit for bit."""
     x, guq, dq, idx, w, scales = make_fp8(2, 200, 136, 5, 3, seed=34, drop=1)
-    for decode in (DECODE, DECODE_WIDE, _prefetched(DECODE_WIDE)):
+    for decode in (DECODE, DECODE_WIDE, _prefetched(DECODE_WIDE), _staged(DECODE_WIDE)):
         args = (x, guq, dq, idx, w, scales["gate_up_proj_scale_inv"], scales["down_proj_scale_inv"], decode)
         bits = fp8x.decode_forward(*args, w_bits=True)
         assert torch.equal(bits, fp8x.decode_forward(*args, w_bits=False))
@@ -594,6 +604,12 @@ LARGE = {"block_m": 128, "gate_up": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps":
                                                                      "num_stages": 2},
                                         "down": {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4,
                                                  "num_stages": 2}})}, False),
+    # K loops pipelined through shared memory (cp.async), narrow and whole-scale-block steps
+    (1, {**BASE, "decode": _staged({"max_tokens": 1, "gate_up": {"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 4,
+                                                                 "num_stages": 2},
+                                    "down": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2}}, 4)},
+     False),
+    (4, {**BASE, "decode": _staged(DECODE_WIDE)}, False),
 ])
 def test_gpu_sm90_pinned_paths_match_the_oracle(T, config, quantized):
     if not torch.cuda.is_available():

@@ -32,7 +32,8 @@ the W8A16 math, 16-bit activations, e.g. at decode where weight bytes bound the 
 "gate_up", "down"}, each stage {"BLOCK_N" (weight rows per program, power of two >= 4),
 "BLOCK_K" (16 to 1024, a power of two: a divisor of the scale block or whole scale blocks),
 "num_warps", "num_stages", optional "PREFETCH" (bool, default false: each K step's loads issued
-one step ahead, so a program keeps two steps' bytes in flight)}).
+one step ahead, so a program keeps two steps' bytes in flight) and "LOAD_STAGES" (int 1 to 8,
+default 1: the K loop's loads pipelined through shared memory that many steps deep)}).
 With fp8 activations the gate/up tile is 128 columns wide (one quantization group of h per tile,
 quantized in its epilogue).
 """
@@ -140,11 +141,15 @@ def _check_decode(where: str, decode: object) -> None:
     for stage in ("gate_up", "down"):
         c, at = decode[stage], f"{where}[{stage!r}]"
         needed = {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
-        if not isinstance(c, dict) or not needed <= set(c) <= needed | {"PREFETCH"}:
+        if not isinstance(c, dict) or not needed <= set(c) <= needed | {"PREFETCH", "LOAD_STAGES"}:
             raise ValueError(f"{at} must be a dict of BLOCK_N, BLOCK_K, num_warps, num_stages (and optionally "
-                             f"PREFETCH), got {c!r}")
+                             f"PREFETCH, LOAD_STAGES), got {c!r}")
         if not isinstance(c.get("PREFETCH", False), bool):
             raise TypeError(f"{at}['PREFETCH'] must be a bool, got {c['PREFETCH']!r}")
+        if not isinstance(c.get("LOAD_STAGES", 1), int) or isinstance(c.get("LOAD_STAGES"), bool):
+            raise TypeError(f"{at}['LOAD_STAGES'] must be an int, got {c['LOAD_STAGES']!r}")
+        if not 1 <= c.get("LOAD_STAGES", 1) <= 8:
+            raise ValueError(f"{at}['LOAD_STAGES'] must be in [1, 8], got {c['LOAD_STAGES']!r}")
         if _bad_int(c["BLOCK_N"], 4) or c["BLOCK_N"] & (c["BLOCK_N"] - 1) or c["BLOCK_N"] > 256:
             raise ValueError(f"{at}['BLOCK_N'] must be a power of two in [4, 256], got {c['BLOCK_N']!r}")
         if c["BLOCK_K"] not in _DECODE_BLOCK_K or isinstance(c["BLOCK_K"], bool):

@@ -14,7 +14,10 @@ block, or whole scale blocks (their loads are not software-pipelined, so a wide 
 bytes in flight); the tile is [.., NB, KC] with one scale per weight row and KC-column chunk:
 acc += w * (x * s). PREFETCH: the loads of step k+1 are issued before step k's math (registers
 carry them across the loop), two steps' bytes in flight per program without a wider step's
-registers. fp32 accumulation; h stored in x's dtype.
+registers. LOAD_STAGES > 1: the K loop's loads software-pipelined by Triton (cp.async into shared
+memory, LOAD_STAGES - 1 steps ahead), bytes in flight without the registers to hold them; Triton
+pipelines loads that feed no MMA only in a loop that asks for it (`tl.range(num_stages=)`).
+fp32 accumulation; h stored in x's dtype.
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ def _fp8_decode_gate_up_kernel(
     x_ptr, w_ptr, ws_ptr, idx_ptr, h_ptr, H, I, E,
     stride_xt, stride_it, stride_ik, stride_we, stride_wn, stride_wse, stride_wsn, stride_hm,
     TOPK: tl.constexpr, W_BITS: tl.constexpr, UPCAST: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, LOAD_STAGES: tl.constexpr,
 ):
     pair = tl.program_id(0).to(tl.int64)  # t * TOPK + k
     t = pair // TOPK
@@ -91,7 +94,7 @@ def _fp8_decode_gate_up_kernel(
     acc_u = tl.zeros_like(acc_g)
     if PREFETCH:
         nxt = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, 0, H, n_mask, offs_k, chunk, SCALE_K)
-    for k0 in range(0, H, BLOCK_K):
+    for k0 in tl.range(0, H, BLOCK_K, num_stages=LOAD_STAGES):
         if PREFETCH:  # the next step's loads issued before this step's math: two steps' bytes in flight
             xv, sg, su, wg, wu = nxt
             nxt = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, k0 + BLOCK_K, H, n_mask, offs_k, chunk,
@@ -114,6 +117,7 @@ def _fp8_decode_down_kernel(
     stride_om,
     TOPK: tl.constexpr, TOPK_P: tl.constexpr, W_BITS: tl.constexpr, UPCAST: tl.constexpr, SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
+    LOAD_STAGES: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -137,7 +141,7 @@ def _fp8_decode_down_kernel(
                     SCALE_K if BLOCK_K > SCALE_K else BLOCK_K), dtype=tl.float32)
     if PREFETCH:
         nxt = _down_tiles(h_ptrs, w_ptrs, s_ptrs, 0, I, row_ok, offs_k, chunk, SCALE_K)
-    for k0 in range(0, I, BLOCK_K):
+    for k0 in tl.range(0, I, BLOCK_K, num_stages=LOAD_STAGES):
         if PREFETCH:
             hv, s, wv = nxt
             nxt = _down_tiles(h_ptrs, w_ptrs, s_ptrs, k0 + BLOCK_K, I, row_ok, offs_k, chunk, SCALE_K)

@@ -47,9 +47,10 @@ QuantConstexprs = constexpr_spec(_quantize_x_kernel, "EMULATE ROWS TOPK BLOCK_T 
 _decode_gate_up_launch = CachedLaunch(_fp8_decode_gate_up_kernel)
 _decode_down_launch = CachedLaunch(_fp8_decode_down_kernel)
 DecodeGateUpConstexprs = constexpr_spec(_fp8_decode_gate_up_kernel,
-                                        "TOPK W_BITS UPCAST SCALE_N SCALE_K BLOCK_N BLOCK_K PREFETCH")
+                                        "TOPK W_BITS UPCAST SCALE_N SCALE_K BLOCK_N BLOCK_K PREFETCH LOAD_STAGES")
 DecodeDownConstexprs = constexpr_spec(_fp8_decode_down_kernel,
-                                      "TOPK TOPK_P W_BITS UPCAST SCALE_N SCALE_K BLOCK_N BLOCK_K PREFETCH")
+                                      "TOPK TOPK_P W_BITS UPCAST SCALE_N SCALE_K BLOCK_N BLOCK_K PREFETCH "
+                                      "LOAD_STAGES")
 _capped: dict[int, CachedLaunch] = {}
 _QUANT_ROWS = 32  # tokens per program of the quantize pass
 
@@ -208,7 +209,8 @@ def decode_forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_s
             (H, inter, E, x.stride(0), topk_idx.stride(0), topk_idx.stride(1), gate_up_proj.stride(0),
              gate_up_proj.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1), h.stride(0)),
             DecodeGateUpConstexprs(TOPK=K, W_BITS=w_bits, UPCAST=INTERPRET, SCALE_N=BLOCK[0], SCALE_K=BLOCK[1],
-                                   BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], PREFETCH=c.get("PREFETCH", False)),
+                                   BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], PREFETCH=c.get("PREFETCH", False),
+                                   LOAD_STAGES=c.get("LOAD_STAGES", 1)),
             num_warps=c["num_warps"], num_stages=c["num_stages"])
     c = decode["down"]
     if H:
@@ -219,7 +221,7 @@ def decode_forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_s
              topk_weights.stride(1), out.stride(0)),
             DecodeDownConstexprs(TOPK=K, TOPK_P=launch.next_pow2(K), W_BITS=w_bits, UPCAST=INTERPRET,
                                  SCALE_N=BLOCK[0], SCALE_K=BLOCK[1], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
-                                 PREFETCH=c.get("PREFETCH", False)),
+                                 PREFETCH=c.get("PREFETCH", False), LOAD_STAGES=c.get("LOAD_STAGES", 1)),
             num_warps=c["num_warps"], num_stages=c["num_stages"])
     return out
 
