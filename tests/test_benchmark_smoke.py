@@ -138,3 +138,18 @@ def test_config_tools_write_valid_configs(tmp_path):
     for name, buckets in merged["shapes"].items():
         for i, b in enumerate(buckets):
             fp8c.check_fp8_bucket(b, f"{name}[{i}]", "sm90")
+
+    # a 16-bit sweep (DECODE_ONLY=1, sm90.json): merged into sm90.json; a shape the file has no
+    # entry for gets the default buckets, the key on the first
+    bf16 = json.loads((configs / "sm90.json").read_text())
+    staged = {s: {**decode[s], "LOAD_STAGES": 3} for s in ("gate_up", "down")}
+    tuned = {"shapes": {"E256_H7168_I2048": [{**bf16["buckets"][0], "decode": {**decode, **staged}}]}}
+    (tmp_path / "bf16").mkdir()
+    (tmp_path / "bf16" / "sm90.json").write_text(json.dumps(tuned))
+    _tool("tools/merge_fp8_decode.py", str(tmp_path / "bf16" / "sm90.json"), str(tmp_path / "out"))
+    merged = json.loads((tmp_path / "out" / "sm90.json").read_text())
+    want = {**bf16, "shapes": {**bf16["shapes"], "E256_H7168_I2048": json.loads(json.dumps(bf16["buckets"]))}}
+    want["shapes"]["E256_H7168_I2048"][0]["decode"] = {**decode, **staged}
+    assert merged == want
+    for i, b in enumerate(merged["shapes"]["E256_H7168_I2048"]):
+        cfgs.check_bucket(b, f"E256_H7168_I2048[{i}]")

@@ -1,11 +1,14 @@
-"""Merge the "decode" keys of a `tune_moe.py --fp8` decode-only sweep (FP8_DECODE_ONLY=1) into the
-shipped fp8 config, so that the other buckets of each shape stay as shipped.
+"""Merge the "decode" keys of a decode-only sweep (`tune_moe.py --fp8` with FP8_DECODE_ONLY=1, or
+the 16-bit `tune_moe.py` with DECODE_ONLY=1) into the shipped config of the same file name
+(`fp8_sm90.json`, `sm90.json`, ...), so that the other buckets of each shape stay as shipped.
 
 The sweep writes each shape's entry as just the buckets it tuned; this takes, per shape, the decode
 key of the tuned bucket with the largest `max_tokens` and sets it on the shipped shape's first
-bucket (or removes it where the sweep kept none: the grouped path won).
+bucket (or removes it where the sweep kept none: the grouped path won). A shape the shipped file
+has no entry for gets one: a copy of the default buckets, with the key on the first.
 
 Usage: python tools/merge_fp8_decode.py TUNED.json OUT_DIR_OR_FILE [--variant sm90]
+(TUNED.json named like a shipped file merges into that file; else into fp8_<variant>.json)
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ SHIPPED = Path(__file__).resolve().parents[1] / "kernels_repo" / "moe" / "torch-
 def merge(tuned: dict, shipped: dict) -> dict:
     out = json.loads(json.dumps(shipped))
     for key, buckets in tuned.get("shapes", {}).items():
-        if key not in out.get("shapes", {}):
-            print(f"{key}: not a shipped shape, skipped")
-            continue
         decodes = [b["decode"] for b in buckets if isinstance(b, dict) and "decode" in b]
+        if key not in out.get("shapes", {}):
+            if not decodes:
+                print(f"{key}: not a shipped shape and no decode key, skipped")
+                continue
+            out.setdefault("shapes", {})[key] = json.loads(json.dumps(out["buckets"]))
         first = out["shapes"][key][0]
         if decodes:
             first["decode"] = max(decodes, key=lambda d: d["max_tokens"])
@@ -40,7 +45,9 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--variant", default="sm90")
     args = ap.parse_args()
-    name = f"fp8_{args.variant}.json"
+    name = Path(args.tuned).name
+    if not (SHIPPED / name).is_file():
+        name = f"fp8_{args.variant}.json"
     merged = merge(json.loads(Path(args.tuned).read_text()), json.loads((SHIPPED / name).read_text()))
     out = Path(args.out)
     if out.suffix != ".json":

@@ -174,7 +174,8 @@ def decode(cap, stage: str, c: dict, dtype: str = "bf16") -> int | None:
         fn = dec._decode_down_kernel
         sig = {"h_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "idx_ptr": "*i64", "wts_ptr": "*fp32",
                "out_ptr": f"*{dtype}"}
-    const = dict(TOPK=8, UPCAST=False, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"])
+    const = dict(TOPK=8, UPCAST=False, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
+                 LOAD_STAGES=c.get("LOAD_STAGES", 1))
     if stage == "down":
         const["TOPK_P"] = 8
     full = {n: sig.get(n, "constexpr" if n in const else I32) for n in fn.arg_names}

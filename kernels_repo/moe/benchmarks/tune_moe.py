@@ -24,7 +24,9 @@ Qwen3-30B-A3B at T=1,32,512,4096,16384 (SHAPES=, TOKENS= as above), writing DIR/
 token-major decode kernels, kept as a "decode" key where they win); about 90 distinct kernels
 to compile, sized for one GPU call of under 8 minutes (FP8_BUDGET_S, default 400: past it each
 stage keeps its best candidate so far; FP8_BLOCK_MS=128: only those of the point's alignments;
-FP8_DECODE_ONLY=1: at T <= 8 only the decode kernels, against the shipped bucket, by CUDA-graph time).
+FP8_DECODE_ONLY=1: at T <= 8 only the decode kernels, against the shipped bucket, by CUDA-graph time;
+DECODE_ONLY=1 does the same for the 16-bit path; tools/merge_fp8_decode.py merges either into the
+shipped file).
 Each fp8 line: stage, block_m, config, ms. At block_m 128 each stage's best Triton tile is also
 timed in the Gluon kernel of `_gluon_gemm` (sm90); where that wins the stage gets "GLUON": true.
 Each line printed is one measurement: stage, block_m, config, ms. 16-bit forward-only sweeps
@@ -121,32 +123,39 @@ def wgrad_space(full: bool, tma: bool):
 
 def decode_space(stage: str, full: bool) -> list[dict]:
     """Tiles of the token-major decode kernels (a bucket's "decode" key): BLOCK_N weight rows per
-    program; the bytes in flight grow with BLOCK_K (their loads are not software-pipelined). The
-    down kernel holds all K experts' tiles at once: BLOCK_N <= 8 (ptxas spills at 16)."""
+    program; with plain loads the bytes in flight grow with BLOCK_K, with LOAD_STAGES (3 or 4) the
+    loop's loads are pipelined through shared memory, which narrower steps can afford. The down
+    kernel holds all K experts' tiles at once: BLOCK_N <= 8 (ptxas spills at 16)."""
     bns = ([4, 8, 16, 32] if full else [4, 8, 16]) if stage == "gate_up" else [4, 8]
-    bks = [128, 256, 512] if full else [256, 512]
-    return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 2}
-            for bn, bk, nw in itertools.product(bns, bks, [4, 8])]
+    bks = [64, 128, 256, 512] if full else [128, 256, 512]
+    ways = ({}, {"LOAD_STAGES": 3}, {"LOAD_STAGES": 4})
+    # a staged step: 16-bit x, gate and up tiles, or the K=8 experts' weight and h tiles
+    staged = (lambda bn, bk: 3 * bn * bk * 2) if stage == "gate_up" else (lambda bn, bk: 2 * 8 * bn * bk * 2)
+    return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 2, **way}
+            for bn, bk, nw, way in itertools.product(bns, bks, [4, 8], ways)
+            if way.get("LOAD_STAGES", 0) * staged(bn, bk) <= 160 * 1024]
 
 
 def tune_decode(bucket, x, gu, dn, idx, w, T, full):
     """The bucket with a "decode" key for calls of up to T tokens where the token-major path beats
-    the bucket's grouped GEMMs end to end (routing and combine included); else the bucket as is."""
+    the bucket's grouped GEMMs end to end (routing and combine included); else the bucket as is.
+    By GPU time (CUDA-graph replays): at decode an eager call's time is mostly its host's."""
     E, two_i, H = gu.shape
     h = torch.empty(T * idx.shape[1], two_i // 2, device=DEV, dtype=x.dtype)
     out = torch.empty(T, H, device=DEV, dtype=x.dtype)
     _, c_gu = best_of(f"decode_gate_up T={T}", lambda c: launch.decode_gate_up(x, gu, idx, h, c),
-                       decode_space("gate_up", full))
+                       decode_space("gate_up", full), graphed)
     _, c_dn = best_of(f"decode_down T={T}", lambda c: launch.decode_down(h, dn, idx, w, out, c),
-                       decode_space("down", full))
+                       decode_space("down", full), graphed)
     if c_gu is None or c_dn is None:
         return bucket
     with_decode = {**bucket, "decode": {"max_tokens": T, "gate_up": c_gu, "down": c_dn}}
     grouped = {k: v for k, v in bucket.items() if k != "decode"}
-    ms = {name: timed(lambda b=b: moe.fused_experts(x, gu, dn, idx, w, config=b))
-          for name, b in (("grouped", grouped), ("decode", with_decode))}
-    print(f" T={T} end to end: grouped {ms['grouped']:.4f} ms, decode {ms['decode']:.4f} ms", flush=True)
-    return with_decode if ms["decode"] < ms["grouped"] else grouped
+    ms = {name: (timed(f), graphed(f)) for name, b in (("grouped", grouped), ("decode", with_decode))
+          for f in [lambda b=b: moe.fused_experts(x, gu, dn, idx, w, config=b)]}
+    print(f" T={T} end to end (eager, graph): grouped {ms['grouped'][0]:.4f} {ms['grouped'][1]:.4f} ms, "
+          f"decode {ms['decode'][0]:.4f} {ms['decode'][1]:.4f} ms", flush=True)
+    return with_decode if ms["decode"][1] < ms["grouped"][1] else grouped
 
 
 def sweep_points(sweep_point, default: str) -> None:
@@ -286,6 +295,11 @@ def tune_point(E, H, I, K, T, variant, full, training):
     dy = torch.randn_like(x)
     tma = variant == "sm90"
     rpe = T * K / E
+    if os.environ.get("DECODE_ONLY") == "1" and T <= DECODE_MAX_TOKENS and rpe <= 4:
+        # only the decode kernels, against the shipped bucket (tools/merge_decode.py puts the key back)
+        cap = 90 if variant == "sm90" else 80
+        shipped = {k: v for k, v in cfgs.pick_config(cap, E, H, I, T * K).items() if k != "decode"}
+        return tune_decode(shipped, x, gu, dn, idx, w, T, full)
     block_ms = [16, 32, 64] if rpe <= 32 else [64, 128]
     if os.environ.get("BLOCK_MS"):  # e.g. BLOCK_MS=64 to retune one bucket's tiles only
         block_ms = [int(b) for b in os.environ["BLOCK_MS"].split(",")]

@@ -56,6 +56,19 @@ def test_decode_path_matches_the_float64_loop(T, variant, dtype):
     assert_close_rel(out, grouped, tol, "decode vs grouped path")
 
 
+@pytest.mark.parametrize("variant", TRITON_VARIANTS)
+def test_decode_load_stages_matches_the_float64_loop(variant):
+    """LOAD_STAGES (the K loops' loads pipelined through shared memory on a GPU): the same sums;
+    several K steps in both kernels, the last partial."""
+    E, H, I, K = 6, 72, 40, 3
+    x, gu, dn, idx, w = make_inputs(2, H, I, E, K, dtype=torch.bfloat16, seed=5)
+    idx[1, 0] = -1
+    staged = {**DECODE, **{s: {**DECODE[s], "LOAD_STAGES": 3} for s in ("gate_up", "down")}}
+    out = moe.fused_experts(x, gu, dn, idx, w, variant=variant, config=with_decode(staged))
+    assert_close_rel(out, loop_reference(x, gu, dn, idx, w), 1e-2, "staged decode output")
+    assert torch.equal(out, moe.fused_experts(x, gu, dn, idx, w, variant=variant, config=with_decode()))
+
+
 def test_decode_key_applies_up_to_max_tokens_and_only_to_inference():
     from kernelhub.device import CachedLaunch
 

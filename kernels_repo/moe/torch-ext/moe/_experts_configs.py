@@ -145,7 +145,7 @@ def _check_decode(where: str, decode: object) -> None:
         c = decode[stage]
         # BLOCK_N may be as small as 4 here (rows of one expert's weight, not an MMA tile)
         check_stage(f"{where}[{stage!r}]", {**c, "BLOCK_N": 16} if isinstance(c, dict) and "BLOCK_N" in c else c,
-                     _DECODE_KEYS, {})
+                     _DECODE_KEYS, {"LOAD_STAGES": int})
         if not _pow2(c["BLOCK_N"]) or c["BLOCK_N"] < 4:
             raise ValueError(f"{where}[{stage!r}]['BLOCK_N'] must be a power of two >= 4, got {c['BLOCK_N']!r}")
 

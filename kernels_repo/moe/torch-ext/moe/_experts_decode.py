@@ -9,6 +9,8 @@ program, so there is no row alignment and no combine:
   1. `_decode_gate_up_kernel`, grid (T*K, I / BLOCK_N): h[t*K + k] = silu(Wg[e] @ x[t]) * (Wu[e] @ x[t])
   2. `_decode_down_kernel`, grid (T, H / BLOCK_N): out[t] = sum_k w[t, k] * (Wd[e] @ h[t*K + k])
 fp32 accumulation; h rounded to x's dtype (as the grouped path stores it); the output rounded once.
+LOAD_STAGES > 1: the K loop's loads software-pipelined by Triton (cp.async into shared memory,
+LOAD_STAGES - 1 steps ahead); Triton pipelines loads that feed no MMA only where the loop asks.
 Ids outside [0, E) contribute nothing (their h rows are never written nor read). A weight read
 once per (token, k): for T = 1 that is each touched expert once; where tokens share experts
 (larger T, few experts) the grouped path reads less, hence the bucket's `max_tokens`.
@@ -27,6 +29,7 @@ def _decode_gate_up_kernel(
     x_ptr, w_ptr, idx_ptr, h_ptr, H, I, E,
     stride_xt, stride_xh, stride_it, stride_ik, stride_we, stride_wn, stride_wk, stride_hm,
     TOPK: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    LOAD_STAGES: tl.constexpr,
 ):
     pair = tl.program_id(0).to(tl.int64)  # t * TOPK + k
     t = pair // TOPK
@@ -44,7 +47,7 @@ def _decode_gate_up_kernel(
     # elementwise products in a 2-D accumulator, reduced once after the loop
     acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
+    for k0 in tl.range(0, H, BLOCK_K, num_stages=LOAD_STAGES):
         k_mask = offs_k < H - k0
         mask = n_mask[:, None] & k_mask[None, :]
         xv = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -64,7 +67,7 @@ def _decode_down_kernel(
     h_ptr, w_ptr, idx_ptr, wts_ptr, out_ptr, H, I, E,
     stride_hm, stride_it, stride_ik, stride_we, stride_wn, stride_wk, stride_wt, stride_wtk, stride_om,
     TOPK: tl.constexpr, TOPK_P: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, LOAD_STAGES: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -72,7 +75,7 @@ def _decode_down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     # the token's K experts side by side (TOPK_P: K rounded up to a power of two, the rest masked),
     # so that each chunk's [K, BLOCK_N, BLOCK_K] weight tile is one load: all K experts' bytes in
-    # flight together (these loads feed no MMA, so Triton does not software-pipeline them)
+    # flight together (these loads feed no MMA: Triton pipelines them only with LOAD_STAGES > 1)
     slot = tl.arange(0, TOPK_P)
     e = tl.load(idx_ptr + t * stride_it + slot * stride_ik, mask=slot < TOPK, other=-1).to(tl.int64)
     valid = (slot < TOPK) & (e >= 0) & (e < E)
@@ -86,7 +89,7 @@ def _decode_down_kernel(
               + offs_n[None, :, None].to(tl.int64) * stride_wn + offs_k[None, None, :] * stride_wk)
     w_mask = valid[:, None, None] & n_mask[None, :, None]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
+    for k0 in tl.range(0, I, BLOCK_K, num_stages=LOAD_STAGES):
         k_mask = offs_k < I - k0
         mask = w_mask & k_mask[None, None, :]
         hv = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
