@@ -36,6 +36,9 @@ DECODE_TILES = {"gate_up": [{"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4, "num_
                             {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2}],
                 "down": [{"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2},
                          {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2}]}
+# the K loop pipelined through shared memory (LOAD_STAGES): its loads must become cp.async
+for _stage, _tile in (("gate_up", {"BLOCK_N": 4, "BLOCK_K": 128}), ("down", {"BLOCK_N": 8, "BLOCK_K": 64})):
+    DECODE_TILES[_stage].append({**_tile, "num_warps": 4, "num_stages": 2, "LOAD_STAGES": 3})
 SM89_SMEM = 101376  # shared memory per block (opt-in) of sm86/sm89
 _UNIT = ("stride_ak", "stride_bk", "stride_cn")  # unit strides the JIT specializes to constexpr 1
 
@@ -51,7 +54,8 @@ def compile_report(fn, sig: dict, const: dict, cap: int, num_warps: int, num_sta
     rep = cc.ptxas_report(k.asm["ptx"], cap)
     regs = re.search(r"regs=(\S+)", rep).group(1)
     return {"smem": k.metadata.shared, "regs": int(regs) if regs.isdigit() else -1,
-            "spills": int(re.search(r"spill_bytes=(\d+)", rep).group(1))}
+            "spills": int(re.search(r"spill_bytes=(\d+)", rep).group(1)),
+            "cp_async": len(re.findall(r"cp\.async\.c[ag]\.", k.asm["ptx"]))}
 
 
 def gemm_signature(cap: int, variant: str, bucket: dict, stage: str, dtype: str = "bf16",
@@ -120,7 +124,8 @@ def check_gemm(cap: int, variant: str, bucket: dict, stage: str, dtype: str = "b
     except Exception as e:  # noqa: BLE001
         print(f"FAIL sm{cap} {text}: {type(e).__name__}: {str(e)[:400]}", flush=True)
         return None
-    print(f"ok   sm{cap} {text} smem={rep['smem']} regs={rep['regs']} spill_bytes={rep['spills']}", flush=True)
+    print(f"ok   sm{cap} {text} smem={rep['smem']} regs={rep['regs']} spill_bytes={rep['spills']} "
+          f"cp_async={rep['cp_async']}", flush=True)
     return rep
 
 
@@ -160,7 +165,8 @@ def check_decode(cap: int, stage: str, c: dict, dtype: str = "bf16", label: str 
     except Exception as e:  # noqa: BLE001
         print(f"FAIL sm{cap} {text}: {type(e).__name__}: {str(e)[:400]}", flush=True)
         return None
-    print(f"ok   sm{cap} {text} smem={rep['smem']} regs={rep['regs']} spill_bytes={rep['spills']}", flush=True)
+    print(f"ok   sm{cap} {text} smem={rep['smem']} regs={rep['regs']} spill_bytes={rep['spills']} "
+          f"cp_async={rep['cp_async']}", flush=True)
     return rep
 
 

@@ -432,6 +432,11 @@ def test_fp8_kernels_compile_for_sm90_sm89_and_sm80_without_a_gpu(tmp_path):
     # the Gluon warp-specialized GEMMs (bucket key "GLUON") compile for sm90 without spills
     assert all(out.count(f"ok   sm90 gluon {op} {stage}") == 1
                for op in ("fp8", "bf16") for stage in ("gate_up", "down")), out[-2000:]
+    # decode kernels: LOAD_STAGES > 1 pipelines the K loop's loads (cp.async), plain loads do not
+    decode = [line for line in out.splitlines() if line.startswith("ok   sm90 fp8 decode")]
+    staged = [line for line in decode if '"LOAD_STAGES": 3' in line]
+    assert len(staged) == 2 and all(" cp_async=0" not in line for line in staged), decode
+    assert all(line.endswith(" cp_async=0") for line in decode if line not in staged), decode
 
 
 # ---- GPU ----
