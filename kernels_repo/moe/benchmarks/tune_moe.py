@@ -405,10 +405,12 @@ def fp8_decode_space(stage: str) -> list[dict]:
         pairs = [(4, 64), (4, 128), (8, 64), (8, 128), (16, 64), (32, 64), (4, 512), (8, 256), (16, 128), (4, 1024),
                  (8, 512)]
     else:
-        pairs = [(4, 32), (4, 64), (8, 32), (8, 64), (16, 32), (16, 64), (4, 128), (8, 128)]
+        pairs = [(4, 32), (4, 64), (8, 32), (8, 64), (16, 32), (16, 64), (4, 128), (8, 128), (16, 128)]
     ways = ({}, {"PREFETCH": True}, {"LOAD_STAGES": 3}, {"LOAD_STAGES": 4})
+    # (the down tile holds 8 experts' rows: prefetching more than 64 weights per thread spills)
     return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 2, **way}
-            for bn, bk in pairs for nw in (4, 8) for way in ways]
+            for bn, bk in pairs for nw in (4, 8) for way in ways
+            if not (stage == "down" and way.get("PREFETCH") and bn * bk * 8 > 64 * 32 * nw)]
 
 
 def fp8_tune_decode(fp8x, variant, best, x, gu, gus, dn, dns, idx, w):
