@@ -48,6 +48,9 @@ UNIT_STRIDES = {
 DECODE_TILES = {stage: [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": 2} for n, k, w in tiles]
                 for stage, tiles in (("gate_up", ((4, 512, 4), (8, 256, 4), (16, 256, 4), (16, 512, 8))),
                                      ("down", ((4, 256, 4), (4, 512, 4), (8, 256, 4), (8, 512, 8))))}
+# the K loop pipelined through shared memory (LOAD_STAGES): its loads must become cp.async
+DECODE_TILES["gate_up"].append({"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "LOAD_STAGES": 3})
+DECODE_TILES["down"].append({"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "LOAD_STAGES": 3})
 
 
 def ptxas_report(ptx: str, cap: int) -> str:
@@ -82,7 +85,8 @@ def compile_one(fn, signature, constexprs, cap, num_warps, num_stages, label):
         if os.environ.get("PTX_DIR"):  # to diff the code of two trees (e.g. a refactor that should not change it)
             name = re.sub(r"[^A-Za-z0-9_.=-]+", "_", f"sm{cap}_{label}")[:200]
             Path(os.environ["PTX_DIR"], name + ".ptx").write_text(k.asm["ptx"])
-        print(f"ok   sm{cap} {label} smem={smem} {ptxas_report(k.asm['ptx'], cap)}", flush=True)
+        cp_async = len(re.findall(r"cp\.async\.c[ag]\.", k.asm["ptx"]))
+        print(f"ok   sm{cap} {label} smem={smem} {ptxas_report(k.asm['ptx'], cap)} cp_async={cp_async}", flush=True)
         return smem
     except Exception as e:  # noqa: BLE001
         print(f"FAIL sm{cap} {label}: {type(e).__name__}: {str(e)[:400]}", flush=True)

@@ -343,6 +343,12 @@ def test_every_shipped_bucket_compiles_for_sm90_and_sm80_without_a_gpu(tmp_path)
     sm90, sm80 = run_compile_checks(script, tmp_path, [["90"], ["80"]])
     assert "failures: 0" in sm90 and "failures: 0" in sm80, (sm90[-2000:], sm80[-2000:])
     assert sm90.count("ok   sm90 wgrad") >= 10 and sm80.count("ok   sm80 ") >= 10, (sm90[-2000:], sm80[-2000:])
+    # decode kernels: LOAD_STAGES > 1 pipelines the K loop's loads (cp.async), plain loads do not
+    for out in (sm90, sm80):
+        decode = [line for line in out.splitlines() if line.startswith("ok ") and " decode " in line]
+        staged = [line for line in decode if "'LOAD_STAGES': 3" in line]
+        assert len(staged) == 2 and all(" cp_async=0" not in line for line in staged), decode
+        assert all(line.endswith(" cp_async=0") for line in decode if line not in staged), decode
 
 
 def test_gather_rows_copies_real_rows_and_zeroes_padding():
