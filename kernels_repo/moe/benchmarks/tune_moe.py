@@ -296,7 +296,7 @@ def tune_point(E, H, I, K, T, variant, full, training):
     tma = variant == "sm90"
     rpe = T * K / E
     if os.environ.get("DECODE_ONLY") == "1" and T <= DECODE_MAX_TOKENS and rpe <= 4:
-        # only the decode kernels, against the shipped bucket (tools/merge_decode.py puts the key back)
+        # only the decode kernels, against the shipped bucket (tools/merge_fp8_decode.py puts the key back)
         cap = 90 if variant == "sm90" else 80
         shipped = {k: v for k, v in cfgs.pick_config(cap, E, H, I, T * K).items() if k != "decode"}
         return tune_decode(shipped, x, gu, dn, idx, w, T, full)
