@@ -53,6 +53,11 @@ DECODE_TILES["gate_up"].append({"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4, "n
 DECODE_TILES["down"].append({"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "LOAD_STAGES": 3})
 
 
+def cp_async_count(ptx: str) -> int:
+    """Global-to-shared `cp.async` copies in the PTX: loads Triton software-pipelined."""
+    return len(re.findall(r"cp\.async\.c[ag]\.", ptx))
+
+
 def ptxas_report(ptx: str, cap: int) -> str:
     """Registers per thread and spill bytes as ptxas reports them (the GPU is not needed)."""
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -85,8 +90,8 @@ def compile_one(fn, signature, constexprs, cap, num_warps, num_stages, label):
         if os.environ.get("PTX_DIR"):  # to diff the code of two trees (e.g. a refactor that should not change it)
             name = re.sub(r"[^A-Za-z0-9_.=-]+", "_", f"sm{cap}_{label}")[:200]
             Path(os.environ["PTX_DIR"], name + ".ptx").write_text(k.asm["ptx"])
-        cp_async = len(re.findall(r"cp\.async\.c[ag]\.", k.asm["ptx"]))
-        print(f"ok   sm{cap} {label} smem={smem} {ptxas_report(k.asm['ptx'], cap)} cp_async={cp_async}", flush=True)
+        ptx = k.asm["ptx"]
+        print(f"ok   sm{cap} {label} smem={smem} {ptxas_report(ptx, cap)} cp_async={cp_async_count(ptx)}", flush=True)
         return smem
     except Exception as e:  # noqa: BLE001
         print(f"FAIL sm{cap} {label}: {type(e).__name__}: {str(e)[:400]}", flush=True)

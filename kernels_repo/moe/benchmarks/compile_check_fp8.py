@@ -55,7 +55,7 @@ def compile_report(fn, sig: dict, const: dict, cap: int, num_warps: int, num_sta
     regs = re.search(r"regs=(\S+)", rep).group(1)
     return {"smem": k.metadata.shared, "regs": int(regs) if regs.isdigit() else -1,
             "spills": int(re.search(r"spill_bytes=(\d+)", rep).group(1)),
-            "cp_async": len(re.findall(r"cp\.async\.c[ag]\.", k.asm["ptx"]))}
+            "cp_async": cc.cp_async_count(k.asm["ptx"])}
 
 
 def gemm_signature(cap: int, variant: str, bucket: dict, stage: str, dtype: str = "bf16",

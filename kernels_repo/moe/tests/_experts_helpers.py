@@ -191,6 +191,14 @@ def run_compile_checks(script, tmp_path, groups: list[list[str]]) -> list[str]:
     return outs
 
 
+def assert_only_staged_decode_tiles_pipelined(lines: list[str], staged_marker: str) -> None:
+    """Compile-check report lines of decode kernels: the two tiles with `staged_marker` (LOAD_STAGES
+    3) have their K loop's loads as cp.async, every other tile none."""
+    staged = [line for line in lines if staged_marker in line]
+    assert len(staged) == 2 and all(" cp_async=0" not in line for line in staged), lines
+    assert all(line.endswith(" cp_async=0") for line in lines if line not in staged), lines
+
+
 def needs_sm90_gluon():
     """The `_gluon_gemm` module, or a skip: its kernels need a capability 9.0 GPU and triton's Gluon."""
     if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":

@@ -26,7 +26,14 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from _experts_helpers import GraphRecorder, loop_reference, moe, needs_sm90_gluon, run_compile_checks
+from _experts_helpers import (
+    GraphRecorder,
+    assert_only_staged_decode_tiles_pipelined,
+    loop_reference,
+    moe,
+    needs_sm90_gluon,
+    run_compile_checks,
+)
 
 from kernelhub.device import clear_device_caches
 
@@ -433,10 +440,8 @@ def test_fp8_kernels_compile_for_sm90_sm89_and_sm80_without_a_gpu(tmp_path):
     assert all(out.count(f"ok   sm90 gluon {op} {stage}") == 1
                for op in ("fp8", "bf16") for stage in ("gate_up", "down")), out[-2000:]
     # decode kernels: LOAD_STAGES > 1 pipelines the K loop's loads (cp.async), plain loads do not
-    decode = [line for line in out.splitlines() if line.startswith("ok   sm90 fp8 decode")]
-    staged = [line for line in decode if '"LOAD_STAGES": 3' in line]
-    assert len(staged) == 2 and all(" cp_async=0" not in line for line in staged), decode
-    assert all(line.endswith(" cp_async=0") for line in decode if line not in staged), decode
+    assert_only_staged_decode_tiles_pipelined(
+        [line for line in out.splitlines() if line.startswith("ok   sm90 fp8 decode")], '"LOAD_STAGES": 3')
 
 
 # ---- GPU ----

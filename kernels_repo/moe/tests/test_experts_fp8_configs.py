@@ -488,15 +488,19 @@ DECODE_WIDE = {"max_tokens": 4, "gate_up": {"BLOCK_N": 4, "BLOCK_K": 256, "num_w
                "down": {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1}}
 
 
+def _both_stages(decode: dict, **keys) -> dict:
+    return {**decode, **{s: {**decode[s], **keys} for s in ("gate_up", "down")}}
+
+
 def _prefetched(decode: dict) -> dict:
     """`decode` with both stages' loads issued one K step ahead (their last step's prefetch masked)."""
-    return {**decode, **{s: {**decode[s], "PREFETCH": True} for s in ("gate_up", "down")}}
+    return _both_stages(decode, PREFETCH=True)
 
 
 def _staged(decode: dict, stages: int = 3) -> dict:
     """`decode` with both stages' K loops pipelined `stages` deep (cp.async into shared memory on a
     GPU; the interpreter runs the loop as written)."""
-    return {**decode, **{s: {**decode[s], "LOAD_STAGES": stages} for s in ("gate_up", "down")}}
+    return _both_stages(decode, LOAD_STAGES=stages)
 
 
 def _kernels(run) -> list[str]:
