@@ -1,0 +1,113 @@
+"""Where the time of an fp8 token-major decode call goes, kernel by kernel.
+
+The sweep (`tune_moe.py FP8_DECODE_ONLY=1`) times whole calls from CUDA graphs; this splits a call
+into its gate/up and down kernels (torch.profiler GPU durations, L2 flushed before each call, as a
+cold decode step sees it) and sets each beside what its weight bytes take at the card's copy
+bandwidth, measured in the same run. So one GPU call tells whether a kernel is far from its bytes
+and which tile or load mode closes the gap.
+
+Usage (repo root, GPU): PYTHONPATH=src python tools/diag_fp8_decode.py  (`fp8diag`)
+  env: SHAPE=qwen3_30b_a3b  T=1  REPS=20
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels_repo" / "moe" / "benchmarks"))
+from tune_moe import DEV, SHAPES, fp8_weights, moe  # noqa: E402  (kernels_repo/moe/benchmarks/)
+
+
+def _tile(bn: int, bk: int, nw: int, **way) -> dict:
+    return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 2, **way}
+
+
+# hand-picked: the shipped Qwen3 pick (s42), then wider steps and each load mode
+GATE_UP = [_tile(4, 512, 8), _tile(4, 128, 4), _tile(8, 128, 4), _tile(4, 128, 4, LOAD_STAGES=3),
+           _tile(4, 128, 4, LOAD_STAGES=4), _tile(8, 128, 4, LOAD_STAGES=4), _tile(8, 128, 8, LOAD_STAGES=4),
+           _tile(4, 256, 4, LOAD_STAGES=3), _tile(16, 128, 8, LOAD_STAGES=3)]
+DOWN = [_tile(8, 64, 8, PREFETCH=True), _tile(4, 64, 4), _tile(4, 128, 4, LOAD_STAGES=3),
+        _tile(4, 64, 4, LOAD_STAGES=4), _tile(8, 64, 4, LOAD_STAGES=4), _tile(8, 64, 8, LOAD_STAGES=4),
+        _tile(8, 128, 8, LOAD_STAGES=3), _tile(16, 64, 8, LOAD_STAGES=3), _tile(2, 128, 4, LOAD_STAGES=4)]
+
+
+def kernel_us(fn, reps: int) -> dict[str, float]:
+    """{kernel name: GPU us per call} with L2 flushed (a 256 MB write, not counted) before each call."""
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=DEV)
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush.zero_()
+            fn()
+        torch.cuda.synchronize()
+    tot: dict[str, float] = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and "decode" in ev.name:
+            tot[ev.name.split("(")[0][:48]] += ev.device_time_total / reps
+    return dict(tot)
+
+
+def copy_gbs() -> float:
+    """Copy bandwidth (GB/s, read + write counted) of a 1 GiB device copy."""
+    a = torch.empty(2**30, dtype=torch.uint8, device=DEV)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(10):
+        b.copy_(a)
+    e.record()
+    torch.cuda.synchronize()
+    return 2 * 2**30 * 10 / (s.elapsed_time(e) * 1e6)
+
+
+def main() -> None:
+    name = os.environ.get("SHAPE", "qwen3_30b_a3b")
+    T, reps = int(os.environ.get("T", "1")), int(os.environ.get("REPS", "20"))
+    s = SHAPES[name]
+    E, H, I, K = s["E"], s["H"], s["I"], s["K"]
+    gu, gus = fp8_weights(E, 2 * I, H)
+    dn, dns = fp8_weights(E, H, I)
+    fp8x = importlib.import_module(moe.__name__ + "._fp8_experts")
+    g = torch.Generator(device=DEV).manual_seed(0)
+    x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16, generator=g)
+    idx = torch.stack([torch.randperm(E, device=DEV, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, device=DEV, generator=g)
+    touched = int(torch.unique(idx).numel())
+    gbs = copy_gbs()
+    floor = {"gate_up": touched * 2 * I * H / (gbs * 1e3), "down": touched * H * I / (gbs * 1e3)}  # us
+    print(f"{name} T={T}: {touched} experts touched, copy {gbs:.0f} GB/s; weight-byte floors "
+          f"gate_up {floor['gate_up']:.1f} us, down {floor['down']:.1f} us", flush=True)
+    want = moe.fused_experts(x, gu, dn, idx, w, gate_up_proj_scale_inv=gus, down_proj_scale_inv=dns,
+                             variant="sm80").float()
+    base = {"gate_up": GATE_UP[0], "down": DOWN[0]}
+    for stage, space in (("gate_up", GATE_UP), ("down", DOWN)):
+        for c in space:
+            dec = {"max_tokens": T, **base, stage: c}
+            try:
+                got = fp8x.decode_forward(x, gu, dn, idx, w, gus, dns, dec).float()
+                err = ((got - want).norm() / want.norm()).item()
+                us = kernel_us(lambda dec=dec: fp8x.decode_forward(x, gu, dn, idx, w, gus, dns, dec), reps)
+            except Exception as e:  # noqa: BLE001 - out of shared memory, say
+                print(f"{stage} {json.dumps(c)}: {type(e).__name__} {str(e)[:100]}", flush=True)
+                continue
+            mine = [v for k, v in us.items() if stage.replace("_", "") in k.replace("_", "")]
+            t = mine[0] if mine else math.nan
+            print(f"{stage} {json.dumps(c)}: {t:.1f} us ({floor[stage] / t:.2f} of bytes)  "
+                  f"all {sum(us.values()):.1f} us  err {err:.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
