@@ -168,6 +168,12 @@ def test_stages_fit_the_shared_memory_of_each_device_index(fake_gpus):
      "['decode']['down']['BLOCK_K'] must be a power of two >= 16"),
     (lambda c: c.update(decode={**DECODE, "gate_up": {"BLOCK_N": 8}}), ValueError,
      "['decode']['gate_up']: missing key 'BLOCK_K'"),
+    (lambda c: c.update(decode={**DECODE, "down": {**DECODE["down"], "LOAD_STAGES": 9}}), ValueError,
+     "['decode']['down']['LOAD_STAGES'] must be in [1, 8]"),
+    (lambda c: c.update(decode={**DECODE, "gate_up": {**DECODE["gate_up"], "LOAD_STAGES": 0}}), ValueError,
+     "['decode']['gate_up']['LOAD_STAGES'] must be an int >= 1"),
+    (lambda c: c.update(decode={**DECODE, "gate_up": {**DECODE["gate_up"], "LOAD_STAGES": 2.0}}), ValueError,
+     "['decode']['gate_up']['LOAD_STAGES'] must be an int >= 1"),
 ])
 def test_a_bad_pinned_config_is_a_clear_error(edit, error, words):
     cfg = copy.deepcopy(cfgs.INTERPRETER_CONFIG)

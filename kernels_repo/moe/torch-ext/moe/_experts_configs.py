@@ -148,6 +148,8 @@ def _check_decode(where: str, decode: object) -> None:
                      _DECODE_KEYS, {"LOAD_STAGES": int})
         if not _pow2(c["BLOCK_N"]) or c["BLOCK_N"] < 4:
             raise ValueError(f"{where}[{stage!r}]['BLOCK_N'] must be a power of two >= 4, got {c['BLOCK_N']!r}")
+        if c.get("LOAD_STAGES", 1) > 8:  # (as the fp8 decode key: more stages only add shared memory)
+            raise ValueError(f"{where}[{stage!r}]['LOAD_STAGES'] must be in [1, 8], got {c['LOAD_STAGES']!r}")
 
 
 def _check_lists(cfg: object, path: Path) -> None:
