@@ -37,7 +37,7 @@ GATE_UP = [_tile(4, 512, 8), _tile(4, 128, 4), _tile(8, 128, 4), _tile(4, 128, 4
            _tile(4, 256, 4, LOAD_STAGES=3), _tile(16, 128, 8, LOAD_STAGES=3)]
 DOWN = [_tile(8, 64, 8, PREFETCH=True), _tile(4, 64, 4), _tile(4, 128, 4, LOAD_STAGES=3),
         _tile(4, 64, 4, LOAD_STAGES=4), _tile(8, 64, 4, LOAD_STAGES=4), _tile(8, 64, 8, LOAD_STAGES=4),
-        _tile(8, 128, 8, LOAD_STAGES=3), _tile(16, 64, 8, LOAD_STAGES=3), _tile(2, 128, 4, LOAD_STAGES=4)]
+        _tile(8, 128, 8, LOAD_STAGES=3), _tile(16, 64, 8, LOAD_STAGES=3), _tile(4, 128, 8, LOAD_STAGES=4)]
 
 
 def kernel_us(fn, reps: int) -> dict[str, float]:
