@@ -25,8 +25,8 @@ token-major decode kernels, kept as a "decode" key where they win); about 90 dis
 to compile, sized for one GPU call of under 8 minutes (FP8_BUDGET_S, default 400: past it each
 stage keeps its best candidate so far; FP8_BLOCK_MS=128: only those of the point's alignments;
 FP8_DECODE_ONLY=1: at T <= 8 only the decode kernels, against the shipped bucket, by CUDA-graph time;
-DECODE_ONLY=1 does the same for the 16-bit path; tools/merge_fp8_decode.py merges either into the
-shipped file).
+DECODE_ONLY=1 does the same for the 16-bit path (BUDGET_S: its budget, unset: none);
+tools/merge_fp8_decode.py merges either into the shipped file).
 Each fp8 line: stage, block_m, config, ms. At block_m 128 each stage's best Triton tile is also
 timed in the Gluon kernel of `_gluon_gemm` (sm90); where that wins the stage gets "GLUON": true.
 Each line printed is one measurement: stage, block_m, config, ms. 16-bit forward-only sweeps
@@ -631,6 +631,8 @@ def main() -> None:
     data = json.loads(path.read_text()) if path.exists() else copy.deepcopy(cfgs._load(cap))
     only = [s for s in os.environ.get("SHAPES", "").split(",") if s]
     tokens = sorted(int(t) for t in os.environ.get("TOKENS", "1,32,512,4096,16384").split(","))
+    if os.environ.get("BUDGET_S"):  # (past it each stage keeps its best candidate so far, as --fp8 does)
+        _DEADLINE[0] = time.time() + float(os.environ["BUDGET_S"])
     for name, s in SHAPES.items():
         if only and name not in only:
             continue
