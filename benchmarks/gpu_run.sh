@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One run on a GPU machine, from the repository root: versions, GPU tests, the demo, then the benchmarks.
-# Usage: bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [routing] [moe] [slice] [fp8] [tune] [cfgab] [dirab]
+# Usage: bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [routing] [moe] [slice] [fp8] [tune] [cfgab] [dirab] [decodeab]
 #   diagnostics (scripts in tools/): [tiles] [profile] [moehost] [diag] [compdiag] [fp8diag] [graphdiag] [sweep] [persist] [moeprof] [flatcheck] [ncu] [pairab]
 # Env: OUT (logs and JSON lines; default /tmp/kernelhub-out), GPU_TESTS (pytest paths for `tests`), GPU_K (its -k
 # expression), CFG_A, CFG_B, AB_ROUNDS=2 (cfgab), MOE_OLD (dirab), TESTS_TIMEOUT, MOE_TIMEOUT, SWEEP_TIMEOUT,
@@ -99,6 +99,24 @@ for step in $steps; do
           python3 tools/profile_moe.py > "$OUT/ncu.log" 2>&1
         grep -E "_grouped|Throughput|Duration|Hit Rate|Achieved Occupancy|ERR|==PROF==|==ERROR==" "$OUT/ncu.log" | head -${NCU_LINES:-90}
       fi ;;
+    decodeab) # DECODE_KIND=fp8 (default) or bf16: the decode-only sweep at T=1 (DECODE_SHAPES, default
+      # qwen3_30b_a3b; DECODE_BUDGET_S=90), merged into a copy of the shipped configs ($OUT/decode_cfg, plus
+      # DECODE_CFG: a file to copy there first, e.g. an earlier fp8 merge), then bench_fp8.py at T=1 (fp8 and
+      # bf16 side by side), shipped and merged interleaved (A B B A) in separate processes
+      kind=${DECODE_KIND:-fp8}; cfg=$OUT/decode_cfg; mkdir -p "$cfg"
+      cp kernels_repo/moe/torch-ext/moe/configs/*.json "$cfg/"; [ -n "${DECODE_CFG:-}" ] && cp "$DECODE_CFG" "$cfg/"
+      if [ "$kind" = fp8 ]; then sweep="FP8_DECODE_ONLY=1 FP8_BUDGET_S=${DECODE_BUDGET_S:-90}"; args="--fp8"; tuned=fp8_sm90.json
+      else sweep="DECODE_ONLY=1 BUDGET_S=${DECODE_BUDGET_S:-90}"; args="--forward-only"; tuned=sm90.json; fi
+      env $sweep SHAPES=${DECODE_SHAPES:-qwen3_30b_a3b} TOKENS=1 timeout $(( ${DECODE_BUDGET_S:-90} + 40 )) \
+        python3 kernels_repo/moe/benchmarks/tune_moe.py $args --out "$OUT/decode_tuned" > "$OUT/decode_tune.log" 2>&1
+      grep -E "end to end|check|wrote|Error" "$OUT/decode_tune.log"
+      python3 tools/merge_fp8_decode.py "$OUT/decode_tuned/$tuned" "$cfg" && diff "kernels_repo/moe/torch-ext/moe/configs/$tuned" "$cfg/$tuned"
+      for run in shipped merged merged2 shipped2; do
+        case $run in merged*) dir=$cfg;; *) dir=;; esac
+        env ${dir:+KERNELHUB_MOE_CONFIG_DIR=$dir} OUT="$OUT/$run" PEERS=0 SHAPES=${DECODE_SHAPES:-qwen3_30b_a3b} TOKENS=1 \
+          COMPILE=none timeout ${FP8_TIMEOUT:-60} python3 kernels_repo/moe/benchmarks/bench_fp8.py 2>&1 \
+          | tee -a "$OUT/decode_ab.log" | grep -E "^fp8 .*T=1 kernelhub" | sed "s/^/$run /"
+      done ;;
     pairab) # fused_experts as shipped, then with the 128-row buckets as block_m=64 + pair_m (same run)
       python3 tools/pair_m_configs.py /tmp/pair_m_configs
       bench_ab shipped= pair_m=/tmp/pair_m_configs ;;
