@@ -17,14 +17,14 @@ import json
 import math
 import os
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels_repo" / "moe" / "benchmarks"))
-from tune_moe import DEV, SHAPES, fp8_weights, moe  # noqa: E402  (kernels_repo/moe/benchmarks/)
+from bench_fp8 import ceilings  # noqa: E402  (kernels_repo/moe/benchmarks/)
+from profile_moe import kernel_times  # noqa: E402  (tools/)
+from tune_moe import DEV, SHAPES, fp8_weights, moe  # noqa: E402
 
 
 def _tile(bn: int, bk: int, nw: int, **way) -> dict:
@@ -40,39 +40,6 @@ DOWN = [_tile(8, 64, 8, PREFETCH=True), _tile(4, 64, 4), _tile(4, 128, 4, LOAD_S
         _tile(8, 128, 8, LOAD_STAGES=3), _tile(16, 64, 8, LOAD_STAGES=3), _tile(4, 128, 8, LOAD_STAGES=4)]
 
 
-def kernel_us(fn, reps: int) -> dict[str, float]:
-    """{kernel name: GPU us per call} with L2 flushed (a 256 MB write, not counted) before each call."""
-    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=DEV)
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            flush.zero_()
-            fn()
-        torch.cuda.synchronize()
-    tot: dict[str, float] = defaultdict(float)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA and "decode" in ev.name:
-            tot[ev.name.split("(")[0][:48]] += ev.device_time_total / reps
-    return dict(tot)
-
-
-def copy_gbs() -> float:
-    """Copy bandwidth (GB/s, read + write counted) of a 1 GiB device copy."""
-    a = torch.empty(2**30, dtype=torch.uint8, device=DEV)
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(10):
-        b.copy_(a)
-    e.record()
-    torch.cuda.synchronize()
-    return 2 * 2**30 * 10 / (s.elapsed_time(e) * 1e6)
-
-
 def main() -> None:
     name = os.environ.get("SHAPE", "qwen3_30b_a3b")
     T, reps = int(os.environ.get("T", "1")), int(os.environ.get("REPS", "20"))
@@ -86,7 +53,8 @@ def main() -> None:
     idx = torch.stack([torch.randperm(E, device=DEV, generator=g)[:K] for _ in range(T)])
     w = torch.rand(T, K, device=DEV, generator=g)
     touched = int(torch.unique(idx).numel())
-    gbs = copy_gbs()
+    _, gbs = ceilings(DEV)  # (bench_fp8.py's copy bandwidth, so its floors and these agree)
+    flush = torch.empty(256 * 2**20, dtype=torch.uint8, device=DEV)  # L2 cold before each call
     floor = {"gate_up": touched * 2 * I * H / (gbs * 1e3), "down": touched * H * I / (gbs * 1e3)}  # us
     print(f"{name} T={T}: {touched} experts touched, copy {gbs:.0f} GB/s; weight-byte floors "
           f"gate_up {floor['gate_up']:.1f} us, down {floor['down']:.1f} us", flush=True)
@@ -99,7 +67,9 @@ def main() -> None:
             try:
                 got = fp8x.decode_forward(x, gu, dn, idx, w, gus, dns, dec).float()
                 err = ((got - want).norm() / want.norm()).item()
-                us = kernel_us(lambda dec=dec: fp8x.decode_forward(x, gu, dn, idx, w, gus, dns, dec), reps)
+                table, _ = kernel_times(lambda dec=dec: fp8x.decode_forward(x, gu, dn, idx, w, gus, dns, dec), reps,
+                                        before=flush.zero_)
+                us = {k: t for k, (t, _) in table.items() if "decode" in k}
             except Exception as e:  # noqa: BLE001 - out of shared memory, say
                 print(f"{stage} {json.dumps(c)}: {type(e).__name__} {str(e)[:100]}", flush=True)
                 continue

@@ -25,13 +25,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels_repo" / "m
 from bench_moe import DEV, SHAPES, moe, routing  # noqa: E402  (kernels_repo/moe/benchmarks/)
 
 
-def _kernel_times(fn, reps: int) -> tuple[dict[str, tuple[float, int]], float]:
-    """{kernel name: (us per call, launches per call)} and the summed GPU us per call."""
+def kernel_times(fn, reps: int, before=None) -> tuple[dict[str, tuple[float, int]], float]:
+    """{kernel name: (us per call, launches per call)} and the summed GPU us per call. `before`:
+    run ahead of each profiled call (an L2 flush, say); its kernels are listed too."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
+            if before is not None:
+                before()
             fn()
         torch.cuda.synchronize()
     totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
@@ -81,7 +84,7 @@ def profile_point(name: str, T: int, modes: list[str], reps: int) -> None:
                 torch.autograd.grad(f(x, gu, dn, w), (x, gu, dn, w), dy)
 
         for mode in modes:
-            table, total = _kernel_times(fwd if mode == "fwd" else fwdbwd, reps)
+            table, total = kernel_times(fwd if mode == "fwd" else fwdbwd, reps)
             print(f"== profile {name} T={T} {mode} {label}: GPU kernels {total / 1e3:.3f} ms per call", flush=True)
             for kname, (us, n) in sorted(table.items(), key=lambda kv: -kv[1][0]):
                 print(f"  {us / 1e3:8.3f} ms {100 * us / total:5.1f}%  x{n:<3d} {kname}", flush=True)
