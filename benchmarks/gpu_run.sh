@@ -113,6 +113,7 @@ for step in $steps; do
       python3 tools/merge_fp8_decode.py "$OUT/decode_tuned/$tuned" "$cfg" && diff "kernels_repo/moe/torch-ext/moe/configs/$tuned" "$cfg/$tuned"
       for run in shipped merged merged2 shipped2; do
         case $run in merged*) dir=$cfg;; *) dir=;; esac
+        mkdir -p "$OUT/$run"
         env ${dir:+KERNELHUB_MOE_CONFIG_DIR=$dir} OUT="$OUT/$run" PEERS=0 SHAPES=${DECODE_SHAPES:-qwen3_30b_a3b} TOKENS=1 \
           COMPILE=none timeout ${FP8_TIMEOUT:-60} python3 kernels_repo/moe/benchmarks/bench_fp8.py 2>&1 \
           | tee -a "$OUT/decode_ab.log" | grep -E "^fp8 .*T=1 kernelhub" | sed "s/^/$run /"

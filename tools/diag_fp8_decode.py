@@ -4,7 +4,8 @@ The sweep (`tune_moe.py FP8_DECODE_ONLY=1`) times whole calls from CUDA graphs; 
 into its gate/up and down kernels (torch.profiler GPU durations, L2 flushed before each call, as a
 cold decode step sees it) and sets each beside what its weight bytes take at the card's copy
 bandwidth, measured in the same run. So one GPU call tells whether a kernel is far from its bytes
-and which tile or load mode closes the gap.
+and which tile or load mode closes the gap. Then whole calls (PAIRS) from one CUDA graph with
+the flush between calls, less the flush alone: the time a PDL down kernel overlaps shows only there.
 
 Usage (repo root, GPU): PYTHONPATH=src python tools/diag_fp8_decode.py  (`fp8diag`)
   env: SHAPE=qwen3_30b_a3b  T=1  REPS=20
@@ -31,14 +32,15 @@ def _tile(bn: int, bk: int, nw: int, **way) -> dict:
     return {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 2, **way}
 
 
-# hand-picked: the shipped Qwen3 pick (s42), then wider steps and each load mode
-GATE_UP = [_tile(4, 512, 8), _tile(4, 128, 4), _tile(8, 128, 4), _tile(4, 128, 4, LOAD_STAGES=3),
-           _tile(4, 128, 4, LOAD_STAGES=4), _tile(8, 128, 4, LOAD_STAGES=4), _tile(8, 128, 8, LOAD_STAGES=4),
-           _tile(4, 256, 4, LOAD_STAGES=3), _tile(16, 128, 8, LOAD_STAGES=3)]
-DOWN = [_tile(8, 64, 8, PREFETCH=True), _tile(4, 64, 4), _tile(4, 128, 4, LOAD_STAGES=3),
-        _tile(4, 64, 4, LOAD_STAGES=4), _tile(8, 64, 4, LOAD_STAGES=4), _tile(8, 64, 8, LOAD_STAGES=4),
-        _tile(8, 128, 8, LOAD_STAGES=3), _tile(16, 64, 8, LOAD_STAGES=3), _tile(4, 128, 8, LOAD_STAGES=4)]
-
+# hand-picked: the shipped Qwen3 pick (s42) first; then L2_PREFETCH (s45: LOAD_STAGES 3/4 lost to it)
+GATE_UP = [_tile(4, 512, 8), _tile(4, 512, 8, L2_PREFETCH=True), _tile(4, 128, 4, L2_PREFETCH=True),
+           _tile(8, 256, 8, L2_PREFETCH=True), _tile(4, 1024, 8, L2_PREFETCH=True), _tile(8, 128, 8, L2_PREFETCH=True)]
+DOWN = [_tile(8, 64, 8, PREFETCH=True), _tile(8, 64, 8, PREFETCH=True, L2_PREFETCH=True),
+        _tile(4, 64, 4, L2_PREFETCH=True), _tile(8, 64, 8, L2_PREFETCH=True), _tile(16, 64, 8, L2_PREFETCH=True),
+        _tile(4, 64, 8, PREFETCH=True, L2_PREFETCH=True)]
+# whole calls (gate/up, down): with PDL the down kernel overlaps gate/up, so only a call's time says it
+PAIRS = [(GATE_UP[0], DOWN[0]), (GATE_UP[0], {**DOWN[0], "PDL": True}), (GATE_UP[0], {**DOWN[1], "PDL": True}),
+         (GATE_UP[1], DOWN[1]), (GATE_UP[1], {**DOWN[1], "PDL": True}), (GATE_UP[0], DOWN[0])]
 
 def main() -> None:
     name = os.environ.get("SHAPE", "qwen3_30b_a3b")
@@ -77,6 +79,36 @@ def main() -> None:
             t = mine[0] if mine else math.nan
             print(f"{stage} {json.dumps(c)}: {t:.1f} us ({floor[stage] / t:.2f} of bytes)  "
                   f"all {sum(us.values()):.1f} us  err {err:.1e}", flush=True)
+    for gate_up, down in PAIRS:
+        dec = {"max_tokens": T, "gate_up": gate_up, "down": down}
+        try:
+            call = _graph_us(lambda dec=dec: (flush.zero_(), fp8x.decode_forward(x, gu, dn, idx, w, gus, dns, dec)))
+            alone = _graph_us(flush.zero_)
+        except Exception as e:  # noqa: BLE001
+            print(f"call {json.dumps(dec)}: {type(e).__name__} {str(e)[:100]}", flush=True)
+            continue
+        print(f"call gate_up {json.dumps(gate_up)} down {json.dumps(down)}: {call - alone:.1f} us "
+              f"(graph replay, L2 flushed before each; floor {floor['gate_up'] + floor['down']:.1f} us)", flush=True)
+
+
+def _graph_us(fn, n: int = 50) -> float:
+    """us per call of `fn` captured n times in one CUDA graph (the replays' GPU time, no host)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = math.inf
+    for _ in range(5):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / n)
+    return best
 
 
 if __name__ == "__main__":
