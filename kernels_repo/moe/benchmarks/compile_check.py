@@ -44,10 +44,11 @@ UNIT_STRIDES = {
     "_decode_down_kernel": {False: ("stride_ik", "stride_wk", "stride_wtk")},
 }
 # decode tiles compiled whether or not a shipped bucket has them (tune_moe.py's candidates; the down
-# kernel holds the K experts' tiles at once, so its BLOCK_N stays <= 8: at 16 ptxas spills)
+# kernel holds the K experts' tiles and an accumulator per expert, so BLOCK_N * BLOCK_K stays
+# <= 256 * num_warps: past it ptxas spills)
 DECODE_TILES = {stage: [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": 2} for n, k, w in tiles]
                 for stage, tiles in (("gate_up", ((4, 512, 4), (8, 256, 4), (16, 256, 4), (16, 512, 8))),
-                                     ("down", ((4, 256, 4), (4, 512, 4), (8, 256, 4), (8, 512, 8))))}
+                                     ("down", ((4, 256, 4), (4, 512, 8), (8, 128, 4), (8, 256, 8))))}
 # the K loop pipelined through shared memory (LOAD_STAGES): its loads must become cp.async
 DECODE_TILES["gate_up"].append({"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "LOAD_STAGES": 3})
 DECODE_TILES["down"].append({"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "LOAD_STAGES": 3})

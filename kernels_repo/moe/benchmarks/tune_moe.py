@@ -125,7 +125,8 @@ def decode_space(stage: str, full: bool) -> list[dict]:
     """Tiles of the token-major decode kernels (a bucket's "decode" key): BLOCK_N weight rows per
     program; with plain loads the bytes in flight grow with BLOCK_K, with LOAD_STAGES (3 or 4) the
     loop's loads are pipelined through shared memory, which narrower steps can afford. The down
-    kernel holds all K experts' tiles at once: BLOCK_N <= 8 (ptxas spills at 16)."""
+    kernel holds all K experts' tiles and an accumulator per expert: BLOCK_N <= 8 and at most
+    256 * num_warps weights per expert and step (past that ptxas spills)."""
     bns = ([4, 8, 16, 32] if full else [4, 8, 16]) if stage == "gate_up" else [4, 8]
     bks = [64, 128, 256, 512] if full else [128, 256, 512]
     ways = ({}, {"LOAD_STAGES": 3}, {"LOAD_STAGES": 4})
@@ -133,7 +134,8 @@ def decode_space(stage: str, full: bool) -> list[dict]:
     staged = (lambda bn, bk: 3 * bn * bk * 2) if stage == "gate_up" else (lambda bn, bk: 2 * 8 * bn * bk * 2)
     return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 2, **way}
             for bn, bk, nw, way in itertools.product(bns, bks, [4, 8], ways)
-            if way.get("LOAD_STAGES", 0) * staged(bn, bk) <= 160 * 1024]
+            if way.get("LOAD_STAGES", 0) * staged(bn, bk) <= 160 * 1024
+            and (stage == "gate_up" or bn * bk <= 256 * nw)]
 
 
 def tune_decode(bucket, x, gu, dn, idx, w, T, full):
@@ -412,10 +414,11 @@ def fp8_decode_space(stage: str) -> list[dict]:
     if stage == "down":
         pdl = {"PDL": True, "L2_PREFETCH": True}
         ways += ({"PDL": True}, pdl, {**pdl, "PREFETCH": True})
-    # (the down tile holds 8 experts' rows: prefetching more than 64 weights per thread spills)
+    # (the down tile holds 8 experts' rows and an accumulator per expert: more than 64 weights per
+    # thread spills)
     return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 2, **way}
             for bn, bk in pairs for nw in (4, 8) for way in ways
-            if not (stage == "down" and way.get("PREFETCH") and bn * bk * 8 > 64 * 32 * nw)]
+            if not (stage == "down" and bn * bk * 8 > 64 * 32 * nw)]
 
 
 def fp8_tune_decode(fp8x, variant, best, x, gu, gus, dn, dns, idx, w):

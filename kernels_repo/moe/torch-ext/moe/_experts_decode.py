@@ -88,14 +88,16 @@ def _decode_down_kernel(
     w_ptrs = (w_ptr + tl.where(valid, e, 0)[:, None, None] * stride_we
               + offs_n[None, :, None].to(tl.int64) * stride_wn + offs_k[None, None, :] * stride_wk)
     w_mask = valid[:, None, None] & n_mask[None, :, None]
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    # one accumulator per expert, summed once after the loop: a sum over the experts' axis in the
+    # loop would go through shared memory (with barriers) on every step
+    acc = tl.zeros((TOPK_P, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in tl.range(0, I, BLOCK_K, num_stages=LOAD_STAGES):
         k_mask = offs_k < I - k0
         mask = w_mask & k_mask[None, None, :]
         hv = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
         wv = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
-        acc += tl.sum(wv * (hv * wt[:, None, None]), axis=0)
+        acc += wv * (hv * wt[:, None, None])
         h_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
-    out = tl.sum(acc, axis=1)
+    out = tl.sum(tl.sum(acc, axis=2), axis=0)
     tl.store(out_ptr + t * stride_om + offs_n, _to(out, out_ptr.dtype.element_ty, UPCAST), mask=n_mask)

@@ -175,7 +175,8 @@ def _fp8_decode_down_kernel(
         _prefetch_rows(tl.reshape(rows, (TOPK_P * BLOCK_N,)), tl.reshape(ok, (TOPK_P * BLOCK_N,)), I, w_ptr)
     if PDL:  # h is the gate/up kernel's: wait for it (and its writes) before any load of it
         gdc_wait()
-    acc = tl.zeros((BLOCK_N, BLOCK_K // SCALE_K if BLOCK_K > SCALE_K else 1,
+    # one accumulator per expert, summed once after the loop (as `_experts_decode`)
+    acc = tl.zeros((TOPK_P, BLOCK_N, BLOCK_K // SCALE_K if BLOCK_K > SCALE_K else 1,
                     SCALE_K if BLOCK_K > SCALE_K else BLOCK_K), dtype=tl.float32)
     if PREFETCH:
         nxt = _down_tiles(h_ptrs, w_ptrs, s_ptrs, 0, I, row_ok, offs_k, chunk, SCALE_K)
@@ -185,6 +186,6 @@ def _fp8_decode_down_kernel(
             nxt = _down_tiles(h_ptrs, w_ptrs, s_ptrs, k0 + BLOCK_K, I, row_ok, offs_k, chunk, SCALE_K)
         else:
             hv, s, wv = _down_tiles(h_ptrs, w_ptrs, s_ptrs, k0, I, row_ok, offs_k, chunk, SCALE_K)
-        acc += tl.sum(_fp32_weight(wv, W_BITS) * (hv * (s * wt[:, None, None])[:, :, :, None]), axis=0)
-    out = tl.sum(tl.sum(acc, axis=2), axis=1)
+        acc += _fp32_weight(wv, W_BITS) * (hv * (s * wt[:, None, None])[:, :, :, None])
+    out = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=0)
     tl.store(out_ptr + t * stride_om + offs_n, _to(out, out_ptr.dtype.element_ty, UPCAST), mask=n_mask)
