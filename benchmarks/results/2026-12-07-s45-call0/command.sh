@@ -1,0 +1,1 @@
+FP8DIAG_TIMEOUT=120 DECODE_KIND=fp8 DECODE_BUDGET_S=80 FP8_TIMEOUT=50 TESTS_TIMEOUT=130 GPU_TESTS="kernels_repo/moe/tests/test_experts_fp8_configs.py kernels_repo/moe/tests/test_experts_gpu.py" GPU_K="decode or pinned_paths" bash benchmarks/gpu_run.sh fp8diag decodeab tests   # at 4bb7bcd (decodeab bench runs failed: run dirs missing, fixed in 4a56b99)

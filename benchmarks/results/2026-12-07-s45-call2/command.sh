@@ -1,0 +1,1 @@
+FP8DIAG_TIMEOUT=130 DECODE_KIND=fp8 DECODE_BUDGET_S=90 FP8_TIMEOUT=50 TESTS_TIMEOUT=120 GPU_TESTS="kernels_repo/moe/tests/test_experts_fp8_configs.py" GPU_K="pinned_paths or pdl" bash benchmarks/gpu_run.sh tests fp8diag decodeab   # at 4a56b99
