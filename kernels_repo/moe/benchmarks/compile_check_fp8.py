@@ -39,12 +39,10 @@ DECODE_TILES = {"gate_up": [{"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4, "num_
 # the K loop pipelined through shared memory (LOAD_STAGES): its loads must become cp.async
 for _stage, _tile in (("gate_up", {"BLOCK_N": 4, "BLOCK_K": 128}), ("down", {"BLOCK_N": 8, "BLOCK_K": 64})):
     DECODE_TILES[_stage].append({**_tile, "num_warps": 4, "num_stages": 2, "LOAD_STAGES": 3})
-# L2 prefetch of a program's weight slice (both stages); the down kernel as a programmatic dependent
-# launch of gate/up (PDL; TRIGGER is what the launcher then passes gate/up; sm90 only)
-DECODE_TILES["gate_up"].append({"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 8, "num_stages": 2, "L2_PREFETCH": True})
+# the down kernel as a programmatic dependent launch of gate/up (PDL; TRIGGER is what the launcher
+# then passes gate/up; sm90 only)
 DECODE_TILES["gate_up"].append({"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 8, "num_stages": 2, "TRIGGER": True})
-DECODE_TILES["down"].append({"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2, "PREFETCH": True,
-                             "L2_PREFETCH": True, "PDL": True})
+DECODE_TILES["down"].append({"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 8, "num_stages": 2, "PDL": True})
 SM89_SMEM = 101376  # shared memory per block (opt-in) of sm86/sm89
 _UNIT = ("stride_ak", "stride_bk", "stride_cn")  # unit strides the JIT specializes to constexpr 1
 
@@ -61,8 +59,7 @@ def compile_report(fn, sig: dict, const: dict, cap: int, num_warps: int, num_sta
     regs = re.search(r"regs=(\S+)", rep).group(1)
     return {"smem": k.metadata.shared, "regs": int(regs) if regs.isdigit() else -1,
             "spills": int(re.search(r"spill_bytes=(\d+)", rep).group(1)),
-            "cp_async": cc.cp_async_count(k.asm["ptx"]), "l2_prefetch": k.asm["ptx"].count("prefetch.global.L2"),
-            "gdc": k.asm["ptx"].count("griddepcontrol.")}
+            "cp_async": cc.cp_async_count(k.asm["ptx"]), "gdc": k.asm["ptx"].count("griddepcontrol.")}
 
 
 def gemm_signature(cap: int, variant: str, bucket: dict, stage: str, dtype: str = "bf16",
@@ -162,7 +159,7 @@ def check_decode(cap: int, stage: str, c: dict, dtype: str = "bf16", label: str 
             "out_ptr": f"*{dtype}"})
     const = dict(TOPK=8, W_BITS=w_bits, UPCAST=False, SCALE_N=128, SCALE_K=128, BLOCK_N=c["BLOCK_N"],
                  BLOCK_K=c["BLOCK_K"], PREFETCH=c.get("PREFETCH", False), LOAD_STAGES=c.get("LOAD_STAGES", 1),
-                 L2_PREFETCH=c.get("L2_PREFETCH", False), stride_ik=1)
+                 stride_ik=1)
     if stage == "down":
         const.update(TOPK_P=8, stride_wtk=1, PDL=c.get("PDL", False))
     else:
@@ -175,7 +172,7 @@ def check_decode(cap: int, stage: str, c: dict, dtype: str = "bf16", label: str 
         print(f"FAIL sm{cap} {text}: {type(e).__name__}: {str(e)[:400]}", flush=True)
         return None
     print(f"ok   sm{cap} {text} smem={rep['smem']} regs={rep['regs']} spill_bytes={rep['spills']} "
-          f"l2_prefetch={rep['l2_prefetch']} gdc={rep['gdc']} cp_async={rep['cp_async']}", flush=True)
+          f"gdc={rep['gdc']} cp_async={rep['cp_async']}", flush=True)
     return rep
 
 

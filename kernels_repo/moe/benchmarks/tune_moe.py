@@ -401,19 +401,17 @@ def fp8_decode_space(stage: str) -> list[dict]:
     twice as long with 128-column steps as with 64 (s39-1); the down kernel holds all K experts'
     tiles at once, hence its narrower rows. Each tile four ways, next to each other so that a budget
     cut leaves all timed: plain, PREFETCH (the next step's loads issued before this step's math),
-    LOAD_STAGES 3 and 4 (the loop's loads pipelined through shared memory), L2_PREFETCH (the
-    program's weight slice asked into L2 first) and, for down, PDL (launched as a programmatic
-    dependent of gate/up, its weights prefetched into L2 while gate/up runs; sm90)."""
+    LOAD_STAGES 3 and 4 (the loop's loads pipelined through shared memory) and, for down, PDL
+    (launched as a programmatic dependent of gate/up; sm90)."""
     if stage == "gate_up":
         # (s42: Qwen3-30B-A3B T=1 picked the widest step, (4, 512); hence (4, 1024) and (8, 512))
         pairs = [(4, 64), (4, 128), (8, 64), (8, 128), (16, 64), (32, 64), (4, 512), (8, 256), (16, 128), (4, 1024),
                  (8, 512)]
     else:
         pairs = [(4, 32), (4, 64), (8, 32), (8, 64), (16, 32), (16, 64), (4, 128), (8, 128), (16, 128)]
-    ways = ({}, {"PREFETCH": True}, {"LOAD_STAGES": 3}, {"LOAD_STAGES": 4}, {"L2_PREFETCH": True})
+    ways = ({}, {"PREFETCH": True}, {"LOAD_STAGES": 3}, {"LOAD_STAGES": 4})
     if stage == "down":
-        pdl = {"PDL": True, "L2_PREFETCH": True}
-        ways += ({"PDL": True}, pdl, {**pdl, "PREFETCH": True})
+        ways += ({"PDL": True}, {"PDL": True, "PREFETCH": True})
     # (the down tile holds 8 experts' rows and an accumulator per expert: more than 64 weights per
     # thread spills)
     return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 2, **way}

@@ -442,12 +442,10 @@ def test_fp8_kernels_compile_for_sm90_sm89_and_sm80_without_a_gpu(tmp_path):
     # decode kernels: LOAD_STAGES > 1 pipelines the K loop's loads (cp.async), plain loads do not
     assert_only_staged_decode_tiles_pipelined(
         [line for line in out.splitlines() if line.startswith("ok   sm90 fp8 decode")], '"LOAD_STAGES": 3')
-    # L2_PREFETCH tiles ask for their weights in L2 (sm90 and sm80); PDL / TRIGGER tiles have the grid
-    # dependency control (sm90 only: it needs that target), every other tile neither
+    # PDL / TRIGGER tiles have the grid dependency control (sm90 only: it needs that target), every
+    # other tile none
     decode = [line for line in out.splitlines() if line.startswith(("ok   sm90 fp8 decode", "ok   sm80 fp8 decode"))]
-    assert all((" l2_prefetch=0 " in line) != ('"L2_PREFETCH": true' in line) for line in decode), decode
     assert all((" gdc=0 " in line) != ('"PDL": true' in line or '"TRIGGER": true' in line) for line in decode), decode
-    assert sum('"L2_PREFETCH": true' in line for line in decode) == 3
     assert sum(" gdc=0 " not in line for line in decode) == 2
     assert all(" gdc=0 " in line for line in decode if line.startswith("ok   sm80")), decode
 

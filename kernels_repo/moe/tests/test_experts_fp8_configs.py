@@ -503,11 +503,10 @@ def _staged(decode: dict, stages: int = 3) -> dict:
     return _both_stages(decode, LOAD_STAGES=stages)
 
 
-def _l2_pdl(decode: dict) -> dict:
-    """`decode` with both stages' weight slices prefetched into L2 and the down kernel launched as a
-    programmatic dependent of gate/up (inline PTX: a GPU's; the interpreter runs neither)."""
-    both = _both_stages(decode, L2_PREFETCH=True)
-    return {**both, "down": {**both["down"], "PDL": True}}
+def _pdl(decode: dict) -> dict:
+    """`decode` with the down kernel launched as a programmatic dependent of gate/up (inline PTX: a
+    GPU's; the interpreter runs without it)."""
+    return {**decode, "down": {**decode["down"], "PDL": True}}
 
 
 def _kernels(run) -> list[str]:
@@ -523,13 +522,13 @@ def _kernels(run) -> list[str]:
 @pytest.mark.parametrize(("T", "H", "decode"), [(1, 200, DECODE), (3, 200, DECODE), (1, 300, DECODE_WIDE),
                                                 (3, 300, DECODE_WIDE), (3, 200, _prefetched(DECODE)),
                                                 (1, 300, _prefetched(DECODE_WIDE)), (3, 300, _staged(DECODE)),
-                                                (3, 300, _l2_pdl(DECODE_WIDE))])
+                                                (3, 300, _pdl(DECODE_WIDE))])
 def test_decode_key_runs_the_token_major_kernels_and_matches_the_float64_loop(variant, T, H, decode):
     """Two launches (no routing, no combine), W8A16 math on both variants; -1 ids dropped; H and I
     not multiples of 128: BLOCK_K 32 / 64 chunks inside one scale block, or 256 (two scale blocks
     per step: H=300's second step holds one partial block and one past H); K = 3 (padded to 4);
-    PREFETCH (loads one step ahead, the step past H or I masked); LOAD_STAGES; L2_PREFETCH and PDL
-    (accepted; the interpreter launches without them)."""
+    PREFETCH (loads one step ahead, the step past H or I masked); LOAD_STAGES; PDL (accepted; the
+    interpreter launches without it)."""
     x, guq, dq, idx, w, scales = make_fp8(T, H, 136, 6, 3, seed=31, drop=1)
     cfg = {**BASE, "decode": decode}
     out, names = _kernels(lambda: moe.fused_experts(x, guq, dq, idx, w, variant=variant, config=cfg, **scales))
@@ -544,18 +543,18 @@ def test_decode_key_runs_the_token_major_kernels_and_matches_the_float64_loop(va
     assert out5.shape == x5.shape
 
 
-def test_l2_prefetch_and_pdl_are_gpu_only_and_pdl_needs_the_gate_up_launch_before_it():
-    """The inline PTX keys reach the kernels as constexprs only on a GPU: the interpreter gets them
-    off (and the plain down launcher), so the same bits as without them."""
+def test_pdl_is_gpu_only():
+    """PDL (inline PTX) reaches the kernels as constexprs only on a GPU: the interpreter gets it off
+    (and the plain down launcher), so the same bits as without it."""
     x, guq, dq, idx, w, scales = make_fp8(2, 300, 136, 6, 3, seed=35, drop=1)
     gus, dns = scales["gate_up_proj_scale_inv"], scales["down_proj_scale_inv"]
     from kernelhub.device import CachedLaunch
 
     with CachedLaunch.recording() as calls:
-        got = fp8x.decode_forward(x, guq, dq, idx, w, gus, dns, _l2_pdl(DECODE_WIDE))
+        got = fp8x.decode_forward(x, guq, dq, idx, w, gus, dns, _pdl(DECODE_WIDE))
     assert [c.launcher for c in calls] == [fp8x._decode_gate_up_launch, fp8x._decode_down_launch]
     gate_up, down = (dict(zip(c.launcher.names[-len(c.constexprs):], c.constexprs, strict=True)) for c in calls)
-    assert (gate_up["L2_PREFETCH"], gate_up["TRIGGER"], down["L2_PREFETCH"], down["PDL"]) == (False,) * 4
+    assert (gate_up["TRIGGER"], down["PDL"]) == (False, False)
     assert torch.equal(got, fp8x.decode_forward(x, guq, dq, idx, w, gus, dns, DECODE_WIDE))
 
 
@@ -585,8 +584,6 @@ def test_decode_ids_out_of_range_are_dropped_when_unchecked():
      r"\['decode'\]\['down'\]\['LOAD_STAGES'\] must be an int"),
     ({"gate_up": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "LOAD_STAGES": 0}},
      r"\['decode'\]\['gate_up'\]\['LOAD_STAGES'\] must be in \[1, 8\]"),
-    ({"down": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "L2_PREFETCH": 1}},
-     r"\['decode'\]\['down'\]\['L2_PREFETCH'\] must be a bool"),
     ({"down": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "PDL": "yes"}},
      r"\['decode'\]\['down'\]\['PDL'\] must be a bool"),
     # PDL is the down kernel's (launched behind gate/up); gate/up has no such key
@@ -645,13 +642,12 @@ LARGE = {"block_m": 128, "gate_up": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps":
                                     "down": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2}}, 4)},
      False),
     (4, {**BASE, "decode": _staged(DECODE_WIDE)}, False),
-    # weight slices prefetched into L2; down as a programmatic dependent launch (sm90), alone and together
-    (1, {**BASE, "decode": _l2_pdl({"max_tokens": 1, "gate_up": {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 8,
+    # down as a programmatic dependent launch of gate/up (sm90), at the shipped Qwen3 T=1 tiles
+    (1, {**BASE, "decode": _pdl({"max_tokens": 1, "gate_up": {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 8,
                                                                  "num_stages": 2},
-                                    "down": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 8, "num_stages": 2,
-                                             "PREFETCH": True}})}, False),
-    (4, {**BASE, "decode": {**DECODE_WIDE, "down": {**DECODE_WIDE["down"], "PDL": True}}}, False),
-    (3, {**BASE, "decode": _both_stages(DECODE, L2_PREFETCH=True)}, False),
+                                    "down": {"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 8, "num_stages": 2}})},
+     False),
+    (4, {**BASE, "decode": _pdl(_prefetched(DECODE_WIDE))}, False),
 ])
 def test_gpu_sm90_pinned_paths_match_the_oracle(T, config, quantized):
     if not torch.cuda.is_available():
@@ -669,8 +665,8 @@ def test_gpu_sm90_pinned_paths_match_the_oracle(T, config, quantized):
 @pytest.mark.gpu
 def test_gpu_pdl_down_launch_is_a_dependent_one_and_captures_in_a_cuda_graph():
     """sm90: a "PDL" down stage goes through the launcher compiled with launch_pdl (gate/up gets
-    TRIGGER); L2 prefetch and PDL change no arithmetic, so eager and a CUDA graph's replay (on
-    new inputs copied in) equal the plain kernels bit for bit."""
+    TRIGGER); PDL changes no arithmetic, so eager and a CUDA graph's replay (on new inputs copied
+    in) equal the plain kernels bit for bit."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("needs a capability 9.0 GPU")
     from kernelhub.device import CachedLaunch
@@ -686,16 +682,16 @@ def test_gpu_pdl_down_launch_is_a_dependent_one_and_captures_in_a_cuda_graph():
 
     a = inputs(42)
     with CachedLaunch.recording() as calls:
-        got = fp8x.decode_forward(*a, _l2_pdl(plain))
+        got = fp8x.decode_forward(*a, _pdl(plain))
     assert [c.launcher for c in calls] == [fp8x._decode_gate_up_launch, fp8x._decode_down_pdl_launch]
     gate_up, down = (dict(zip(c.launcher.names[-len(c.constexprs):], c.constexprs, strict=True)) for c in calls)
-    assert gate_up["TRIGGER"] and gate_up["L2_PREFETCH"] and down["PDL"] and down["L2_PREFETCH"]
+    assert gate_up["TRIGGER"] and down["PDL"]
     assert all(hit[0].launch_pdl for hit in fp8x._decode_down_pdl_launch.by_spec.values())
     assert torch.equal(got, fp8x.decode_forward(*a, plain))
     graph = torch.cuda.CUDAGraph()
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):
-        captured = fp8x.decode_forward(*a, _l2_pdl(plain))
+        captured = fp8x.decode_forward(*a, _pdl(plain))
     b = inputs(43)
     for dst, src in zip(a, b, strict=True):
         dst.copy_(src)

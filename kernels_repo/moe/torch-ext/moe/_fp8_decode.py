@@ -17,12 +17,10 @@ carry them across the loop), two steps' bytes in flight per program without a wi
 registers. LOAD_STAGES > 1: the K loop's loads software-pipelined by Triton (cp.async into shared
 memory, LOAD_STAGES - 1 steps ahead), bytes in flight without the registers to hold them; Triton
 pipelines loads that feed no MMA only in a loop that asks for it (`tl.range(num_stages=)`).
-L2_PREFETCH: a program first asks for its whole weight slice in L2 (`prefetch.global.L2`, one per
-128-byte line, no registers held), so its K loop waits on L2 rather than on HBM. PDL (down, sm90):
-the down kernel is launched as a programmatic dependent of gate/up (which lets it launch from its
-start, TRIGGER): its programs read the token's expert ids and weights, prefetch their weight slice
-into L2 while gate/up still runs, and wait for h (`griddepcontrol.wait`) before their first load of
-it. Both are inline PTX: off in the interpreter (the launcher passes False there).
+PDL (down, sm90): the down kernel is launched as a programmatic dependent of gate/up (which lets
+it launch from its start, TRIGGER): its programs start while gate/up's last ones run, read the
+token's expert ids and weights, and wait for h (`griddepcontrol.wait`) before their first load of
+it. Inline PTX: off in the interpreter (the launcher passes False there).
 fp32 accumulation; h stored in x's dtype.
 """
 
@@ -41,24 +39,6 @@ def _fp32_weight(w, W_BITS: tl.constexpr):
     if W_BITS:  # uint8 e4m3 bits -> fp16 (value / 256) -> fp32, exact
         return _e4m3_bits(w).to(tl.float32) * 256.0
     return w.to(tl.float32)
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """prefetch.global.L2::evict_last of each address: fire and forget (the result is a dummy)."""
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_rows(rows, ok, K, safe):
-    """Every 128-byte line of K 1-byte columns from each row start in `rows` (1-D) where `ok`; lanes
-    of rows not ok, and past K, ask for `safe` (a valid address) instead."""
-    PF: tl.constexpr = 8  # lines per row and step
-    lines = tl.arange(0, PF) * 128
-    for k0 in range(0, K, PF * 128):
-        m = ok[:, None] & (lines < K - k0)[None, :]
-        _prefetch_l2(tl.where(m, rows[:, None] + k0 + lines[None, :], safe))
 
 
 @triton.jit
@@ -99,7 +79,7 @@ def _fp8_decode_gate_up_kernel(
     stride_xt, stride_it, stride_ik, stride_we, stride_wn, stride_wse, stride_wsn, stride_hm,
     TOPK: tl.constexpr, W_BITS: tl.constexpr, UPCAST: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, LOAD_STAGES: tl.constexpr,
-    L2_PREFETCH: tl.constexpr, TRIGGER: tl.constexpr,
+    TRIGGER: tl.constexpr,
 ):
     if TRIGGER:  # the down kernel (a programmatic dependent) may launch once every program got here
         gdc_launch_dependents()
@@ -115,10 +95,6 @@ def _fp8_decode_gate_up_kernel(
     u_ptrs = g_ptrs + I * stride_wn
     gs_ptrs = ws_ptr + e * stride_wse + (offs_n // SCALE_N)[:, None] * stride_wsn  # [BN, 1] + the K blocks
     us_ptrs = ws_ptr + e * stride_wse + ((offs_n + I) // SCALE_N)[:, None] * stride_wsn
-    if L2_PREFETCH:  # the gate and up rows of this program, whole
-        rows = w_ptr + e * stride_we + offs_n.to(tl.int64) * stride_wn
-        _prefetch_rows(rows, n_mask, H, w_ptr + e * stride_we)
-        _prefetch_rows(rows + I * stride_wn, n_mask, H, w_ptr + e * stride_we)
     # x in the weight tile's layout (constant along BLOCK_N), as `_experts_decode` does
     x_ptrs = x_ptr + t * stride_xt + (offs_n * 0)[:, None, None] + offs_k[None, :, :]
     acc_g = tl.zeros((BLOCK_N, BLOCK_K // SCALE_K if BLOCK_K > SCALE_K else 1,
@@ -149,7 +125,7 @@ def _fp8_decode_down_kernel(
     stride_om,
     TOPK: tl.constexpr, TOPK_P: tl.constexpr, W_BITS: tl.constexpr, UPCAST: tl.constexpr, SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-    LOAD_STAGES: tl.constexpr, L2_PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    LOAD_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -169,10 +145,6 @@ def _fp8_decode_down_kernel(
     # [TOPK_P, BLOCK_N, 1] + the K blocks
     s_ptrs = ws_ptr + e[:, None, None] * stride_wse + (offs_n // SCALE_N)[None, :, None] * stride_wsn
     row_ok = valid[:, None, None] & n_mask[None, :, None]
-    if L2_PREFETCH:  # the token's K experts' rows of this program (ids and weights are the caller's)
-        rows = w_ptr + e[:, None] * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
-        ok = valid[:, None] & n_mask[None, :]
-        _prefetch_rows(tl.reshape(rows, (TOPK_P * BLOCK_N,)), tl.reshape(ok, (TOPK_P * BLOCK_N,)), I, w_ptr)
     if PDL:  # h is the gate/up kernel's: wait for it (and its writes) before any load of it
         gdc_wait()
     # one accumulator per expert, summed once after the loop (as `_experts_decode`)
