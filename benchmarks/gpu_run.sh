@@ -104,7 +104,10 @@ for step in $steps; do
       # DECODE_CFG: a file to copy there first, e.g. an earlier fp8 merge), then bench_fp8.py at T=1 (fp8 and
       # bf16 side by side), shipped and merged interleaved (A B B A) in separate processes
       kind=${DECODE_KIND:-fp8}; cfg=$OUT/decode_cfg; mkdir -p "$cfg"
-      cp kernels_repo/moe/torch-ext/moe/configs/*.json "$cfg/"; [ -n "${DECODE_CFG:-}" ] && cp "$DECODE_CFG" "$cfg/"
+      # (DECODE_CFG read before the shipped files land: it may be $cfg's own merge of an earlier run)
+      extra=; if [ -n "${DECODE_CFG:-}" ]; then extra=$(mktemp); cp "$DECODE_CFG" "$extra"; fi
+      cp kernels_repo/moe/torch-ext/moe/configs/*.json "$cfg/"
+      [ -n "$extra" ] && cp "$extra" "$cfg/$(basename "$DECODE_CFG")"
       if [ "$kind" = fp8 ]; then sweep="FP8_DECODE_ONLY=1 FP8_BUDGET_S=${DECODE_BUDGET_S:-90}"; args="--fp8"; tuned=fp8_sm90.json
       else sweep="DECODE_ONLY=1 BUDGET_S=${DECODE_BUDGET_S:-90}"; args="--forward-only"; tuned=sm90.json; fi
       env $sweep SHAPES=${DECODE_SHAPES:-qwen3_30b_a3b} TOKENS=1 timeout $(( ${DECODE_BUDGET_S:-90} + 40 )) \
