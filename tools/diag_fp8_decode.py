@@ -81,11 +81,11 @@ def main() -> None:
             t = mine[0] if mine else math.nan
             print(f"{stage} {json.dumps(c)}: {t:.1f} us ({floor[stage] / t:.2f} of bytes)  "
                   f"all {sum(us.values()):.1f} us  err {err:.1e}", flush=True)
+    alone = _graph_us(flush.zero_)
     for gate_up, down in PAIRS:
         dec = {"max_tokens": T, "gate_up": gate_up, "down": down}
         try:
             call = _graph_us(lambda dec=dec: (flush.zero_(), fp8x.decode_forward(x, gu, dn, idx, w, gus, dns, dec)))
-            alone = _graph_us(flush.zero_)
         except Exception as e:  # noqa: BLE001
             print(f"call {json.dumps(dec)}: {type(e).__name__} {str(e)[:100]}", flush=True)
             continue

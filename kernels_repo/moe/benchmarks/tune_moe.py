@@ -125,9 +125,9 @@ def decode_space(stage: str, full: bool) -> list[dict]:
     """Tiles of the token-major decode kernels (a bucket's "decode" key): BLOCK_N weight rows per
     program; with plain loads the bytes in flight grow with BLOCK_K, with LOAD_STAGES (3 or 4) the
     loop's loads are pipelined through shared memory, which narrower steps can afford (gate/up also
-    with its weight tiles as TMA boxes, "TMA"). The down
-    kernel holds all K experts' tiles and an accumulator per expert: BLOCK_N <= 8 and at most
-    256 * num_warps weights per expert and step (past that ptxas spills)."""
+    with its weight tiles as TMA boxes, "TMA"). The down kernel holds all K experts' tiles and an
+    accumulator per expert: BLOCK_N <= 8 and at most 256 * num_warps weights per expert and step
+    (past that ptxas spills)."""
     bns = ([4, 8, 16, 32] if full else [4, 8, 16]) if stage == "gate_up" else [4, 8]
     bks = [64, 128, 256, 512] if full else [128, 256, 512]
     ways = ({}, {"LOAD_STAGES": 3}, {"LOAD_STAGES": 4})
@@ -404,7 +404,7 @@ def fp8_decode_space(stage: str) -> list[dict]:
     weight rows per program; BLOCK_K from 32 to 1024 columns (past 128: whole scale blocks). Plain
     loads leave one K step's tile in flight per program, yet at DeepSeek-V3 T=1 the down kernel took
     twice as long with 128-column steps as with 64 (s39-1); the down kernel holds all K experts'
-    tiles at once, hence its narrower rows. Each tile four ways, next to each other so that a budget
+    tiles at once, hence its narrower rows. Each tile every way, next to each other so that a budget
     cut leaves all timed: plain, PREFETCH (the next step's loads issued before this step's math),
     LOAD_STAGES 3 and 4 (the loop's loads pipelined through shared memory), for gate/up TMA with
     LOAD_STAGES 3 and 4 (weight boxes by TMA, pipelined), for down PDL (launched as a programmatic

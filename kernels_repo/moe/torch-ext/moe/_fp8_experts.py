@@ -199,8 +199,9 @@ def decode_forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_s
     E, two_i, _ = gate_up_proj.shape
     inter = two_i // 2
     K = topk_idx.shape[1]
+    cap = device_capability(x.device) if x.is_cuda else None
     if w_bits is None:
-        w_bits = x.is_cuda and device_capability(x.device) < 89
+        w_bits = cap is not None and cap < 89
     gu = gate_up_proj.view(torch.uint8) if w_bits else gate_up_proj
     dn = down_proj.view(torch.uint8) if w_bits else down_proj
     h = torch.empty(T * K, inter, device=x.device, dtype=x.dtype)
@@ -208,12 +209,10 @@ def decode_forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_s
     # PDL (inline PTX: a GPU's) from sm90, and only behind the gate/up launch: the down kernel reads
     # the ids before its wait, so they must not be the output of a kernel still running, which they
     # could be if it followed anything else
-    pdl = (x.is_cuda and not INTERPRET and bool(inter) and decode["down"].get("PDL", False)
-           and device_capability(x.device) >= 90)
+    pdl = cap is not None and cap >= 90 and not INTERPRET and bool(inter) and decode["down"].get("PDL", False)
     c = decode["gate_up"]
     # "TMA": gate/up weight boxes by a descriptor where TMA runs (sm90, the interpreter) on fp8 pointers
-    w_tma = (c.get("TMA", False) and not w_bits and (INTERPRET or (x.is_cuda and device_capability(x.device) >= 90))
-             and sm90.tma_ok(gate_up_proj))
+    w_tma = c.get("TMA", False) and not w_bits and _use_tma({}, gate_up_proj)
     w_desc = sm90.weight_descriptor(gate_up_proj, c["BLOCK_N"], c["BLOCK_K"]) if w_tma else None
     if inter:
         _decode_gate_up_launch.split(
