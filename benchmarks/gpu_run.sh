@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run on a GPU machine, from the repository root: versions, GPU tests, the demo, then the benchmarks.
 # Usage: bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [routing] [moe] [slice] [fp8] [tune] [cfgab] [dirab] [decodeab]
-#   diagnostics (scripts in tools/): [tiles] [profile] [moehost] [diag] [compdiag] [fp8diag] [graphdiag] [sweep] [persist] [moeprof] [flatcheck] [ncu] [pairab]
+#   diagnostics (scripts in tools/): [tiles] [profile] [moehost] [diag] [compdiag] [fp8diag] [comphost] [graphdiag] [sweep] [persist] [moeprof] [flatcheck] [ncu] [pairab]
 # Env: OUT (logs and JSON lines; default /tmp/kernelhub-out), GPU_TESTS (pytest paths for `tests`), GPU_K (its -k
 # expression), CFG_A, CFG_B, AB_ROUNDS=2 (cfgab), MOE_OLD (dirab), TESTS_TIMEOUT, MOE_TIMEOUT, SWEEP_TIMEOUT,
 # PERSIST_TIMEOUT, TUNE_TIMEOUT, TUNE_ARGS, and the benchmarks' own (SHAPES, TOKENS, IMPLS, MODES, COMPILE...).
@@ -64,6 +64,7 @@ for step in $steps; do
       if [ -n "${MOEHOST_OLD:-}" ]; then timeout 90 python3 tools/profile_moe_host.py ${MOEHOST_T:-1} "$MOEHOST_OLD" 2>&1 | tee "$OUT/profile_moe_host_old.log" | head -${MOEHOST_LINES:-45}; fi
       timeout 90 python3 tools/profile_moe_host.py ${MOEHOST_T:-1} 2>&1 | tee "$OUT/profile_moe_host.log" | head -${MOEHOST_LINES:-45} ;;
     diag) timeout 200 python3 tools/diag_host.py ${DIAG:-} > "$OUT/diag.log" 2>&1; grep -E "^##|Error" "$OUT/diag.log" ;;
+    comphost) timeout 200 python3 tools/diag_compiled_host.py > "$OUT/diag_compiled_host.log" 2>&1; grep -E "^T=|^python|Error" "$OUT/diag_compiled_host.log" ;;
     compdiag) timeout ${COMPDIAG_TIMEOUT:-300} python3 tools/diag_compiled.py > "$OUT/diag_compiled.log" 2>&1; grep -E "^T=|^bound|Error" "$OUT/diag_compiled.log" ;;
     fp8diag) timeout ${FP8DIAG_TIMEOUT:-150} python3 tools/diag_fp8_decode.py 2>&1 | tee "$OUT/diag_fp8_decode.log" | tail -25 ;;
     graphdiag) timeout 200 python3 tools/diag_swiglu_graph.py 2>&1 | tee "$OUT/diag_swiglu_graph.log" | tail -8 ;;

@@ -1,0 +1,1 @@
+TESTS_TIMEOUT=150 GPU_TESTS="kernels_repo/moe/tests/test_experts_fp8_configs.py kernels_repo/moe/tests/test_experts_gpu.py" GPU_K="pinned_paths or pdl or decode" FP8DIAG_TIMEOUT=120 DECODE_KIND=fp8 DECODE_BUDGET_S=90 FP8_TIMEOUT=50 bash benchmarks/gpu_run.sh tests fp8diag decodeab   # at 820f7b3, H100 80GB

@@ -1,0 +1,1 @@
+TOKENS=1 SHAPES=qwen3_30b_a3b,deepseek_v3,mixtral_8x7b MODES=fwd MOE_TIMEOUT=170 bash benchmarks/gpu_run.sh moe compdiag   # at 820f7b3, H100 80GB (deepseek_v3's compiled configurations ran past MOE_TIMEOUT)
