@@ -52,9 +52,6 @@ DECODE_TILES = {stage: [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages
 # the K loop pipelined through shared memory (LOAD_STAGES): its loads must become cp.async
 DECODE_TILES["gate_up"].append({"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "LOAD_STAGES": 3})
 DECODE_TILES["down"].append({"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "LOAD_STAGES": 3})
-# gate/up weight tiles as TMA boxes, pipelined (sm90: bulk tensor copies; sm80 compiles the pointer loads)
-DECODE_TILES["gate_up"].append({"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 4, "num_stages": 2, "TMA": True,
-                                "LOAD_STAGES": 4})
 
 
 def cp_async_count(ptx: str) -> int:
@@ -95,8 +92,7 @@ def compile_one(fn, signature, constexprs, cap, num_warps, num_stages, label):
             name = re.sub(r"[^A-Za-z0-9_.=-]+", "_", f"sm{cap}_{label}")[:200]
             Path(os.environ["PTX_DIR"], name + ".ptx").write_text(k.asm["ptx"])
         ptx = k.asm["ptx"]
-        print(f"ok   sm{cap} {label} smem={smem} {ptxas_report(ptx, cap)} tma={ptx.count('cp.async.bulk.tensor')} "
-              f"cp_async={cp_async_count(ptx)}", flush=True)
+        print(f"ok   sm{cap} {label} smem={smem} {ptxas_report(ptx, cap)} cp_async={cp_async_count(ptx)}", flush=True)
         return smem
     except Exception as e:  # noqa: BLE001
         print(f"FAIL sm{cap} {label}: {type(e).__name__}: {str(e)[:400]}", flush=True)
@@ -192,12 +188,6 @@ def decode(cap, stage: str, c: dict, dtype: str = "bf16") -> int | None:
                  LOAD_STAGES=c.get("LOAD_STAGES", 1))
     if stage == "down":
         const["TOPK_P"] = 8
-    else:  # "TMA": weight boxes by a descriptor (sm90; elsewhere the launcher takes the pointer loads)
-        const["W_TMA"] = c.get("TMA", False) and cap >= 90
-        if const["W_TMA"]:
-            sig["w_desc"] = f"tensordesc<{dtype}[1, {c['BLOCK_N']}, {c['BLOCK_K']}]>"
-        else:
-            const["w_desc"] = None
     full = {n: sig.get(n, "constexpr" if n in const else I32) for n in fn.arg_names}
     return compile_one(fn, full, const, cap, c["num_warps"], c["num_stages"], f"decode {stage} {c} {dtype}")
 

@@ -124,21 +124,18 @@ def wgrad_space(full: bool, tma: bool):
 def decode_space(stage: str, full: bool) -> list[dict]:
     """Tiles of the token-major decode kernels (a bucket's "decode" key): BLOCK_N weight rows per
     program; with plain loads the bytes in flight grow with BLOCK_K, with LOAD_STAGES (3 or 4) the
-    loop's loads are pipelined through shared memory, which narrower steps can afford (gate/up also
-    with its weight tiles as TMA boxes, "TMA"). The down kernel holds all K experts' tiles and an
-    accumulator per expert: BLOCK_N <= 8 and at most 256 * num_warps weights per expert and step
-    (past that ptxas spills)."""
+    loop's loads are pipelined through shared memory, which narrower steps can afford. The down
+    kernel holds all K experts' tiles and an accumulator per expert: BLOCK_N <= 8 and at most
+    256 * num_warps weights per expert and step (past that ptxas spills)."""
     bns = ([4, 8, 16, 32] if full else [4, 8, 16]) if stage == "gate_up" else [4, 8]
     bks = [64, 128, 256, 512] if full else [128, 256, 512]
     ways = ({}, {"LOAD_STAGES": 3}, {"LOAD_STAGES": 4})
-    if stage == "gate_up":  # weight boxes by TMA (sm90), pipelined
-        ways += ({"TMA": True, "LOAD_STAGES": 3}, {"TMA": True, "LOAD_STAGES": 4})
     # a staged step: 16-bit x, gate and up tiles, or the K=8 experts' weight and h tiles
     staged = (lambda bn, bk: 3 * bn * bk * 2) if stage == "gate_up" else (lambda bn, bk: 2 * 8 * bn * bk * 2)
     return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 2, **way}
             for bn, bk, nw, way in itertools.product(bns, bks, [4, 8], ways)
             if way.get("LOAD_STAGES", 0) * staged(bn, bk) <= 160 * 1024
-            and (stage == "gate_up" or bn * bk <= 256 * nw) and not (way.get("TMA") and bk > 256)]
+            and (stage == "gate_up" or bn * bk <= 256 * nw)]
 
 
 def tune_decode(bucket, x, gu, dn, idx, w, T, full):
@@ -148,10 +145,8 @@ def tune_decode(bucket, x, gu, dn, idx, w, T, full):
     E, two_i, H = gu.shape
     h = torch.empty(T * idx.shape[1], two_i // 2, device=DEV, dtype=x.dtype)
     out = torch.empty(T, H, device=DEV, dtype=x.dtype)
-    tma_ok = pipeline.use_tma("sm90", {}, gu, gu)  # (as `pipeline.decode` decides it for the sm90 variant)
-    _, c_gu = best_of(f"decode_gate_up T={T}",
-                      lambda c: launch.decode_gate_up(x, gu, idx, h, c, tma_ok and c.get("TMA", False)),
-                      decode_space("gate_up", full), graphed)
+    _, c_gu = best_of(f"decode_gate_up T={T}", lambda c: launch.decode_gate_up(x, gu, idx, h, c),
+                       decode_space("gate_up", full), graphed)
     _, c_dn = best_of(f"decode_down T={T}", lambda c: launch.decode_down(h, dn, idx, w, out, c),
                        decode_space("down", full), graphed)
     if c_gu is None or c_dn is None:

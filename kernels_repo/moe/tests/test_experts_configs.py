@@ -69,28 +69,6 @@ def test_decode_load_stages_matches_the_float64_loop(variant):
     assert torch.equal(out, moe.fused_experts(x, gu, dn, idx, w, variant=variant, config=with_decode()))
 
 
-@pytest.mark.parametrize(("variant", "H", "boxes"), [("sm90", 72, True), ("sm80", 72, False), ("sm90", 68, False)])
-def test_decode_gate_up_weights_by_tma_boxes_equal_pointer_loads(variant, H, boxes):
-    """Gate/up "TMA": the weight tiles as [1, BLOCK_N, BLOCK_K] boxes (the interpreter runs TMA as
-    the GPU does) on the sm90 variant where TMA can read the weights: I = 40 is no multiple of
-    BLOCK_N 16, so the last gate box reaches into up rows (unused), and H = 72 ends in a partial
-    step (zeros past H). Same bits as the pointer loads; the sm80 variant, and rows of 68 bf16
-    (136 bytes, not 16-byte aligned), take the pointer loads."""
-    from kernelhub.device import CachedLaunch
-
-    E, I, K = 6, 40, 3
-    x, gu, dn, idx, w = make_inputs(2, H, I, E, K, dtype=torch.bfloat16, seed=6)
-    idx[1, 0] = -1
-    plain = {**DECODE, "gate_up": {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2, "LOAD_STAGES": 3}}
-    tma = {**plain, "gate_up": {**plain["gate_up"], "TMA": True}}
-    with CachedLaunch.recording() as calls:
-        out = moe.fused_experts(x, gu, dn, idx, w, variant=variant, config=with_decode(tma))
-    desc = calls[0].extras[0]
-    assert (desc is not None) == boxes and (not boxes or (desc.base is gu and desc.block_shape == [1, 16, 32]))
-    assert torch.equal(out, moe.fused_experts(x, gu, dn, idx, w, variant=variant, config=with_decode(plain)))
-    assert_close_rel(out, loop_reference(x, gu, dn, idx, w), 1e-2, "decode output, gate/up by TMA")
-
-
 def test_decode_key_applies_up_to_max_tokens_and_only_to_inference():
     from kernelhub.device import CachedLaunch
 
@@ -196,12 +174,6 @@ def test_stages_fit_the_shared_memory_of_each_device_index(fake_gpus):
      "['decode']['gate_up']['LOAD_STAGES'] must be an int >= 1"),
     (lambda c: c.update(decode={**DECODE, "gate_up": {**DECODE["gate_up"], "LOAD_STAGES": 2.0}}), ValueError,
      "['decode']['gate_up']['LOAD_STAGES'] must be an int >= 1"),
-    (lambda c: c.update(decode={**DECODE, "gate_up": {**DECODE["gate_up"], "TMA": 1}}), TypeError,
-     "['decode']['gate_up']['TMA'] must be true or false"),
-    (lambda c: c.update(decode={**DECODE, "gate_up": {**DECODE["gate_up"], "BLOCK_K": 512, "TMA": True}}), ValueError,
-     "['decode']['gate_up']: 'TMA' boxes have at most 256 elements a side"),
-    (lambda c: c.update(decode={**DECODE, "down": {**DECODE["down"], "TMA": True}}), ValueError,
-     "['decode']['down']: unknown keys ['TMA']"),
 ])
 def test_a_bad_pinned_config_is_a_clear_error(edit, error, words):
     cfg = copy.deepcopy(cfgs.INTERPRETER_CONFIG)

@@ -145,14 +145,11 @@ def _check_decode(where: str, decode: object) -> None:
         c = decode[stage]
         # BLOCK_N may be as small as 4 here (rows of one expert's weight, not an MMA tile)
         check_stage(f"{where}[{stage!r}]", {**c, "BLOCK_N": 16} if isinstance(c, dict) and "BLOCK_N" in c else c,
-                     _DECODE_KEYS, {"LOAD_STAGES": int, **({"TMA": bool} if stage == "gate_up" else {})})
+                     _DECODE_KEYS, {"LOAD_STAGES": int})
         if not _pow2(c["BLOCK_N"]) or c["BLOCK_N"] < 4:
             raise ValueError(f"{where}[{stage!r}]['BLOCK_N'] must be a power of two >= 4, got {c['BLOCK_N']!r}")
         if c.get("LOAD_STAGES", 1) > 8:  # (as the fp8 decode key: more stages only add shared memory)
             raise ValueError(f"{where}[{stage!r}]['LOAD_STAGES'] must be in [1, 8], got {c['LOAD_STAGES']!r}")
-        if c.get("TMA", False) and (c["BLOCK_K"] > 256 or c["BLOCK_N"] > 256):  # (a TMA box side)
-            raise ValueError(f"{where}[{stage!r}]: 'TMA' boxes have at most 256 elements a side, got BLOCK_N "
-                             f"{c['BLOCK_N']!r} and BLOCK_K {c['BLOCK_K']!r}")
 
 
 def _check_lists(cfg: object, path: Path) -> None:

@@ -11,10 +11,6 @@ program, so there is no row alignment and no combine:
 fp32 accumulation; h rounded to x's dtype (as the grouped path stores it); the output rounded once.
 LOAD_STAGES > 1: the K loop's loads software-pipelined by Triton (cp.async into shared memory,
 LOAD_STAGES - 1 steps ahead); Triton pipelines loads that feed no MMA only where the loop asks.
-W_TMA (gate/up; sm90 variant, the stage's "TMA"): the weight tiles as [1, BLOCK_N, BLOCK_K] boxes of
-a descriptor over [E, 2I, H], pipelined by LOAD_STAGES as whole boxes (no registers to hold them in
-flight); rows past I of a gate box are up rows (unused: h's store is masked), boxes past 2I or H
-read zeros.
 Ids outside [0, E) contribute nothing (their h rows are never written nor read). A weight read
 once per (token, k): for T = 1 that is each touched expert once; where tokens share experts
 (larger T, few experts) the grouped path reads less, hence the bucket's `max_tokens`.
@@ -30,18 +26,17 @@ from ._experts_kernels import _to
 
 @triton.jit
 def _decode_gate_up_kernel(
-    x_ptr, w_ptr, idx_ptr, h_ptr, w_desc, H, I, E,
+    x_ptr, w_ptr, idx_ptr, h_ptr, H, I, E,
     stride_xt, stride_xh, stride_it, stride_ik, stride_we, stride_wn, stride_wk, stride_hm,
     TOPK: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    LOAD_STAGES: tl.constexpr, W_TMA: tl.constexpr,
+    LOAD_STAGES: tl.constexpr,
 ):
     pair = tl.program_id(0).to(tl.int64)  # t * TOPK + k
     t = pair // TOPK
     e = tl.load(idx_ptr + t * stride_it + (pair % TOPK) * stride_ik).to(tl.int64)
     if (e < 0) | (e >= E):
         return
-    n0 = tl.program_id(1) * BLOCK_N
-    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
     g_ptrs = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :] * stride_wk
@@ -56,14 +51,8 @@ def _decode_gate_up_kernel(
         k_mask = offs_k < H - k0
         mask = n_mask[:, None] & k_mask[None, :]
         xv = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
-        if W_TMA:
-            wg = tl.reshape(w_desc.load([e.to(tl.int32), n0, k0]), (BLOCK_N, BLOCK_K))
-            wu = tl.reshape(w_desc.load([e.to(tl.int32), I + n0, k0]), (BLOCK_N, BLOCK_K))
-        else:
-            wg = tl.load(g_ptrs, mask=mask, other=0.0)
-            wu = tl.load(u_ptrs, mask=mask, other=0.0)
-        acc_g += wg.to(tl.float32) * xv
-        acc_u += wu.to(tl.float32) * xv
+        acc_g += tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32) * xv
+        acc_u += tl.load(u_ptrs, mask=mask, other=0.0).to(tl.float32) * xv
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
         x_ptrs += BLOCK_K * stride_xh

@@ -57,7 +57,7 @@ WgradConstexprs = constexpr_spec(_grouped_wgrad_kernel, """GATHER_A GATHER_B TOP
 CombineConstexprs = constexpr_spec(_combine_kernel, "TOPK HAS_W RNE BLOCK_H")
 GatherConstexprs = constexpr_spec(_gather_rows_kernel, "TOPK ALIGN BLOCK_R BLOCK_H")
 PairTilesConstexprs = constexpr_spec(_pair_tiles_kernel, "BLOCK_M BLOCK_E")
-DecodeGateUpConstexprs = constexpr_spec(_decode_gate_up_kernel, "TOPK UPCAST BLOCK_N BLOCK_K LOAD_STAGES W_TMA")
+DecodeGateUpConstexprs = constexpr_spec(_decode_gate_up_kernel, "TOPK UPCAST BLOCK_N BLOCK_K LOAD_STAGES")
 DecodeDownConstexprs = constexpr_spec(_decode_down_kernel, "TOPK TOPK_P UPCAST BLOCK_N BLOCK_K LOAD_STAGES")
 
 # (launcher, register cap) -> launcher compiled with ptx .maxnreg: a stage's "maxnreg" key. Why:
@@ -260,18 +260,16 @@ def combine(y, token_topk_to_pos, weights, out) -> None:
     )
 
 
-def decode_gate_up(x, gate_up_proj, topk_idx, h, c: dict, tma: bool = False) -> None:
-    """h[t*K + k] = silu(Wg[e] @ x[t]) * (Wu[e] @ x[t]), e = topk_idx[t, k] (rows of dropped ids
-    unwritten); `tma`: the weight tiles by TMA boxes (the caller checked that TMA can read them)."""
+def decode_gate_up(x, gate_up_proj, topk_idx, h, c: dict) -> None:
+    """h[t*K + k] = silu(Wg[e] @ x[t]) * (Wu[e] @ x[t]), e = topk_idx[t, k] (rows of dropped ids unwritten)."""
     E, two_i, H = gate_up_proj.shape
     si, sg = topk_idx.stride(), gate_up_proj.stride()
-    desc = sm90.weight_descriptor(gate_up_proj, c["BLOCK_N"], c["BLOCK_K"]) if tma else None
     decode_gate_up_launch.split(
         (h.shape[0], cdiv(two_i // 2, c["BLOCK_N"])), _index(x), (x, gate_up_proj, topk_idx, h),
         (H, two_i // 2, E, x.stride(0), x.stride(1), si[0], si[1], sg[0], sg[1], sg[2], h.stride(0)),
         DecodeGateUpConstexprs(TOPK=topk_idx.shape[1], UPCAST=_INTERPRET, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
-                               LOAD_STAGES=c.get("LOAD_STAGES", 1), W_TMA=tma),
-        num_warps=c["num_warps"], num_stages=c["num_stages"], extras=(desc,),
+                               LOAD_STAGES=c.get("LOAD_STAGES", 1)),
+        num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
 
 

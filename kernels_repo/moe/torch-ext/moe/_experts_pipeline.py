@@ -100,14 +100,12 @@ def forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, sa
     return out, routing, h, aux
 
 
-def decode(x, gate_up_proj, down_proj, topk_idx, topk_weights, cfg: dict, variant: str = "sm80") -> torch.Tensor:
+def decode(x, gate_up_proj, down_proj, topk_idx, topk_weights, cfg: dict) -> torch.Tensor:
     """The token-major inference path of a bucket's "decode" key (`_experts_decode`): two launches,
-    no row alignment; every GPU operation a CachedLaunch.split launch, so it is replayed too. Gate/up
-    "TMA": weight boxes by TMA where the sm90 variant can read them so."""
+    no row alignment; every GPU operation a CachedLaunch.split launch, so it is replayed too."""
     T, H = x.shape
     h = torch.empty(T * topk_idx.shape[1], gate_up_proj.shape[1] // 2, device=x.device, dtype=x.dtype)
-    tma = bool(cfg["gate_up"].get("TMA", False) and use_tma(variant, {}, gate_up_proj, gate_up_proj))
-    launch.decode_gate_up(x, gate_up_proj, topk_idx, h, cfg["gate_up"], tma)
+    launch.decode_gate_up(x, gate_up_proj, topk_idx, h, cfg["gate_up"])
     out = torch.empty(T, H, device=x.device, dtype=x.dtype)
     launch.decode_down(h, down_proj, topk_idx, topk_weights, out, cfg["down"])
     return out
@@ -118,7 +116,7 @@ def infer(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg) -> t
     the grouped GEMMs."""
     dec = cfg.get("decode")
     if dec is not None and x.shape[0] <= dec["max_tokens"]:
-        return decode(x, gate_up_proj, down_proj, topk_idx, topk_weights, dec, variant)
+        return decode(x, gate_up_proj, down_proj, topk_idx, topk_weights, dec)
     out, *_ = forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, variant, cfg, save=False)
     return out
 
