@@ -43,9 +43,6 @@ for _stage, _tile in (("gate_up", {"BLOCK_N": 4, "BLOCK_K": 128}), ("down", {"BL
 # then passes gate/up; sm90 only)
 DECODE_TILES["gate_up"].append({"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 8, "num_stages": 2, "TRIGGER": True})
 DECODE_TILES["down"].append({"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 8, "num_stages": 2, "PDL": True})
-# gate/up weight tiles by TMA boxes (sm90), pipelined by LOAD_STAGES: their copies must be bulk tensor copies
-DECODE_TILES["gate_up"].append({"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 8, "num_stages": 2, "TMA": True,
-                                "LOAD_STAGES": 4})
 SM89_SMEM = 101376  # shared memory per block (opt-in) of sm86/sm89
 _UNIT = ("stride_ak", "stride_bk", "stride_cn")  # unit strides the JIT specializes to constexpr 1
 
@@ -62,8 +59,7 @@ def compile_report(fn, sig: dict, const: dict, cap: int, num_warps: int, num_sta
     regs = re.search(r"regs=(\S+)", rep).group(1)
     return {"smem": k.metadata.shared, "regs": int(regs) if regs.isdigit() else -1,
             "spills": int(re.search(r"spill_bytes=(\d+)", rep).group(1)),
-            "cp_async": cc.cp_async_count(k.asm["ptx"]), "gdc": k.asm["ptx"].count("griddepcontrol."),
-            "tma": k.asm["ptx"].count("cp.async.bulk.tensor")}
+            "cp_async": cc.cp_async_count(k.asm["ptx"]), "gdc": k.asm["ptx"].count("griddepcontrol.")}
 
 
 def gemm_signature(cap: int, variant: str, bucket: dict, stage: str, dtype: str = "bf16",
@@ -167,12 +163,7 @@ def check_decode(cap: int, stage: str, c: dict, dtype: str = "bf16", label: str 
     if stage == "down":
         const.update(TOPK_P=8, stride_wtk=1, PDL=c.get("PDL", False))
     else:
-        w_tma = c.get("TMA", False) and cap >= 90
-        const.update(TRIGGER=c.get("TRIGGER", False), W_TMA=w_tma)
-        if w_tma:
-            sig["w_desc"] = f"tensordesc<fp8e4nv[1, {c['BLOCK_N']}, {c['BLOCK_K']}]>"
-        else:
-            const["w_desc"] = None
+        const.update(TRIGGER=c.get("TRIGGER", False))
     full = {n: sig.get(n, "constexpr" if n in const else cc.I32) for n in fn.arg_names}
     text = f"fp8 decode {stage} x={dtype} {json.dumps(c, sort_keys=True)}{' W_BITS' if w_bits else ''} {label}".rstrip()
     try:
@@ -181,7 +172,7 @@ def check_decode(cap: int, stage: str, c: dict, dtype: str = "bf16", label: str 
         print(f"FAIL sm{cap} {text}: {type(e).__name__}: {str(e)[:400]}", flush=True)
         return None
     print(f"ok   sm{cap} {text} smem={rep['smem']} regs={rep['regs']} spill_bytes={rep['spills']} "
-          f"gdc={rep['gdc']} tma={rep['tma']} cp_async={rep['cp_async']}", flush=True)
+          f"gdc={rep['gdc']} cp_async={rep['cp_async']}", flush=True)
     return rep
 
 
@@ -249,7 +240,7 @@ def main() -> None:
     for cap in [c for c in (90, 80) if c in caps]:
         for stage, tiles in DECODE_TILES.items():
             for c in tiles:
-                if cap >= 90 or not (c.get("PDL") or c.get("TRIGGER") or c.get("TMA")):  # sm90+ only
+                if cap >= 90 or not (c.get("PDL") or c.get("TRIGGER")):  # griddepcontrol: sm90+
                     fails += check_decode(cap, stage, c) is None
         for b in shipped("sm80"):
             for stage, mode in (("gate_up", "gather"), ("down", "gather"), ("down", "rows")):

@@ -401,9 +401,8 @@ def fp8_decode_space(stage: str) -> list[dict]:
     twice as long with 128-column steps as with 64 (s39-1); the down kernel holds all K experts'
     tiles at once, hence its narrower rows. Each tile every way, next to each other so that a budget
     cut leaves all timed: plain, PREFETCH (the next step's loads issued before this step's math),
-    LOAD_STAGES 3 and 4 (the loop's loads pipelined through shared memory), for gate/up TMA with
-    LOAD_STAGES 3 and 4 (weight boxes by TMA, pipelined), for down PDL (launched as a programmatic
-    dependent of gate/up; sm90)."""
+    LOAD_STAGES 3 and 4 (the loop's loads pipelined through shared memory) and, for down, PDL
+    (launched as a programmatic dependent of gate/up; sm90)."""
     if stage == "gate_up":
         # (s42: Qwen3-30B-A3B T=1 picked the widest step, (4, 512); hence (4, 1024) and (8, 512))
         pairs = [(4, 64), (4, 128), (8, 64), (8, 128), (16, 64), (32, 64), (4, 512), (8, 256), (16, 128), (4, 1024),
@@ -413,13 +412,11 @@ def fp8_decode_space(stage: str) -> list[dict]:
     ways = ({}, {"PREFETCH": True}, {"LOAD_STAGES": 3}, {"LOAD_STAGES": 4})
     if stage == "down":
         ways += ({"PDL": True}, {"PDL": True, "PREFETCH": True})
-    else:  # (TMA boxes have at most 256 columns)
-        ways += ({"TMA": True, "LOAD_STAGES": 3}, {"TMA": True, "LOAD_STAGES": 4})
     # (the down tile holds 8 experts' rows and an accumulator per expert: more than 64 weights per
     # thread spills)
     return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 2, **way}
             for bn, bk in pairs for nw in (4, 8) for way in ways
-            if not (stage == "down" and bn * bk * 8 > 64 * 32 * nw) and not (way.get("TMA") and bk > 256)]
+            if not (stage == "down" and bn * bk * 8 > 64 * 32 * nw)]
 
 
 def fp8_tune_decode(fp8x, variant, best, x, gu, gus, dn, dns, idx, w):

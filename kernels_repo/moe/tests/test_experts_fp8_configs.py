@@ -558,31 +558,6 @@ def test_pdl_is_gpu_only():
     assert torch.equal(got, fp8x.decode_forward(x, guq, dq, idx, w, gus, dns, DECODE_WIDE))
 
 
-@pytest.mark.parametrize(("H", "gate_up", "boxes"), [
-    (320, {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1, "LOAD_STAGES": 3}, True),
-    (320, {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1, "PREFETCH": True}, True),
-    (300, {"BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}, False),  # rows not 16-byte aligned
-])
-def test_decode_gate_up_weights_by_tma_boxes_equal_pointer_loads(H, gate_up, boxes):
-    """"TMA" on the gate/up stage: the weight tiles as [1, BLOCK_N, BLOCK_K] boxes of a descriptor
-    over [E, 2I, H] (the interpreter runs TMA as the GPU does): I = 136 is no multiple of BLOCK_N 16,
-    so the last gate box reaches into up rows (unused), and H = 320 leaves a partial last step (zeros
-    past H). Same bits as the pointer loads; weights TMA cannot read (H = 300: rows of 300 bytes)
-    take the pointer loads."""
-    from kernelhub.device import CachedLaunch
-
-    x, guq, dq, idx, w, scales = make_fp8(3, H, 136, 6, 3, seed=36, drop=1)
-    gus, dns = scales["gate_up_proj_scale_inv"], scales["down_proj_scale_inv"]
-    plain = {"max_tokens": 4, "gate_up": gate_up, "down": DECODE["down"]}
-    with CachedLaunch.recording() as calls:
-        got = fp8x.decode_forward(x, guq, dq, idx, w, gus, dns, {**plain, "gate_up": {**gate_up, "TMA": True}})
-    desc = calls[0].extras[0]
-    assert (desc is not None) == boxes and (not boxes or (desc.base is guq and desc.block_shape == [
-        1, gate_up["BLOCK_N"], gate_up["BLOCK_K"]]))
-    assert torch.equal(got, fp8x.decode_forward(x, guq, dq, idx, w, gus, dns, plain))
-    assert rel(got, oracle(x, guq, dq, idx, w, scales)) < 1e-2
-
-
 def test_decode_ids_out_of_range_are_dropped_when_unchecked():
     x, guq, dq, idx, w, scales = make_fp8(2, 144, 80, 4, 2, seed=33)
     bad = idx.clone()
@@ -611,12 +586,6 @@ def test_decode_ids_out_of_range_are_dropped_when_unchecked():
      r"\['decode'\]\['gate_up'\]\['LOAD_STAGES'\] must be in \[1, 8\]"),
     ({"down": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "PDL": "yes"}},
      r"\['decode'\]\['down'\]\['PDL'\] must be a bool"),
-    ({"gate_up": {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "num_stages": 1, "TMA": True}},
-     r"\['decode'\]\['gate_up'\]\['BLOCK_K'\] must be at most 256 with 'TMA'"),
-    ({"gate_up": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "TMA": 1}},
-     r"\['decode'\]\['gate_up'\]\['TMA'\] must be a bool"),
-    ({"down": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "TMA": True}},
-     r"\['decode'\]\['down'\] must be a dict of BLOCK_N"),
     # PDL is the down kernel's (launched behind gate/up); gate/up has no such key
     ({"gate_up": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "PDL": True}},
      r"\['decode'\]\['gate_up'\] must be a dict of BLOCK_N"),
@@ -679,12 +648,6 @@ LARGE = {"block_m": 128, "gate_up": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps":
                                     "down": {"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 8, "num_stages": 2}})},
      False),
     (4, {**BASE, "decode": _pdl(_prefetched(DECODE_WIDE))}, False),
-    # gate/up weight tiles by TMA boxes, pipelined and not
-    (1, {**BASE, "decode": {"max_tokens": 1, "gate_up": {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 8, "num_stages": 2,
-                                                         "TMA": True, "LOAD_STAGES": 4},
-                            "down": {"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 8, "num_stages": 2, "PDL": True}}},
-     False),
-    (3, {**BASE, "decode": {**DECODE, "gate_up": {**DECODE["gate_up"], "TMA": True}}}, False),
 ])
 def test_gpu_sm90_pinned_paths_match_the_oracle(T, config, quantized):
     if not torch.cuda.is_available():

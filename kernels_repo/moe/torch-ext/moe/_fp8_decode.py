@@ -17,10 +17,6 @@ carry them across the loop), two steps' bytes in flight per program without a wi
 registers. LOAD_STAGES > 1: the K loop's loads software-pipelined by Triton (cp.async into shared
 memory, LOAD_STAGES - 1 steps ahead), bytes in flight without the registers to hold them; Triton
 pipelines loads that feed no MMA only in a loop that asks for it (`tl.range(num_stages=)`).
-W_TMA (gate/up, sm90: the stage's "TMA"): the weight tiles come by TMA boxes of a descriptor over
-[E, 2I, H] into shared memory, so with LOAD_STAGES > 1 the bytes in flight are Triton's pipeline
-stages of whole boxes, one copy instruction each, rather than per-thread loads; rows past I of a
-gate box are up rows (unused: h's store is masked) and boxes past 2I or H read zeros.
 PDL (down, sm90): the down kernel is launched as a programmatic dependent of gate/up (which lets
 it launch from its start, TRIGGER): its programs start while gate/up's last ones run, read the
 token's expert ids and weights, and wait for h (`griddepcontrol.wait`) before their first load of
@@ -55,21 +51,15 @@ def _k_chunks(BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, w_desc, e, n0, I, k0, H, n_mask, offs_k, chunk,
-                   SCALE_K: tl.constexpr, W_TMA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, k0, H, n_mask, offs_k, chunk, SCALE_K: tl.constexpr):
     """K step k0's x (fp32), gate/up scales and raw gate/up weight tiles; all masked past H (a step
-    at or past H loads nothing); W_TMA: the weight tiles as boxes [e, n0 (gate) or I + n0 (up), k0]."""
+    at or past H loads nothing)."""
     mask = n_mask[:, None, None] & (offs_k < H - k0)[None, :, :]
     s_mask = n_mask[:, None] & (chunk < H - k0)[None, :]
     kb = ((k0 + chunk) // SCALE_K)[None, :]
     xv = tl.load(x_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
     sg = tl.load(gs_ptrs + kb, mask=s_mask, other=0.0)[:, :, None]
     su = tl.load(us_ptrs + kb, mask=s_mask, other=0.0)[:, :, None]
-    if W_TMA:  # [1, BLOCK_N, BLOCK_K] boxes as the [BLOCK_N, NB, KC] tile
-        KC: tl.constexpr = BLOCK_K if BLOCK_K < SCALE_K else SCALE_K
-        wg = tl.reshape(w_desc.load([e, n0, k0]), (BLOCK_N, BLOCK_K // KC, KC))
-        wu = tl.reshape(w_desc.load([e, I + n0, k0]), (BLOCK_N, BLOCK_K // KC, KC))
-        return xv, sg, su, wg, wu
     return xv, sg, su, tl.load(g_ptrs + k0, mask=mask, other=0.0), tl.load(u_ptrs + k0, mask=mask, other=0.0)
 
 
@@ -85,11 +75,11 @@ def _down_tiles(h_ptrs, w_ptrs, s_ptrs, k0, I, row_ok, offs_k, chunk, SCALE_K: t
 
 @triton.jit
 def _fp8_decode_gate_up_kernel(
-    x_ptr, w_ptr, ws_ptr, idx_ptr, h_ptr, w_desc, H, I, E,
+    x_ptr, w_ptr, ws_ptr, idx_ptr, h_ptr, H, I, E,
     stride_xt, stride_it, stride_ik, stride_we, stride_wn, stride_wse, stride_wsn, stride_hm,
     TOPK: tl.constexpr, W_BITS: tl.constexpr, UPCAST: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, LOAD_STAGES: tl.constexpr,
-    TRIGGER: tl.constexpr, W_TMA: tl.constexpr,
+    TRIGGER: tl.constexpr,
 ):
     if TRIGGER:  # the down kernel (a programmatic dependent) may launch once every program got here
         gdc_launch_dependents()
@@ -98,9 +88,7 @@ def _fp8_decode_gate_up_kernel(
     e = tl.load(idx_ptr + t * stride_it + (pair % TOPK) * stride_ik).to(tl.int64)
     if (e < 0) | (e >= E):
         return
-    n0 = tl.program_id(1) * BLOCK_N
-    e32 = e.to(tl.int32)  # (a box coordinate)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
     offs_k, chunk = _k_chunks(BLOCK_K, SCALE_K)  # [NB, KC], [NB]
     g_ptrs = w_ptr + e * stride_we + offs_n[:, None, None].to(tl.int64) * stride_wn + offs_k[None, :, :]
@@ -113,16 +101,15 @@ def _fp8_decode_gate_up_kernel(
                       SCALE_K if BLOCK_K > SCALE_K else BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros_like(acc_g)
     if PREFETCH:
-        nxt = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, w_desc, e32, n0, I, 0, H, n_mask, offs_k, chunk,
-                             SCALE_K, W_TMA, BLOCK_N, BLOCK_K)
+        nxt = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, 0, H, n_mask, offs_k, chunk, SCALE_K)
     for k0 in tl.range(0, H, BLOCK_K, num_stages=LOAD_STAGES):
         if PREFETCH:  # the next step's loads issued before this step's math: two steps' bytes in flight
             xv, sg, su, wg, wu = nxt
-            nxt = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, w_desc, e32, n0, I, k0 + BLOCK_K, H,
-                                 n_mask, offs_k, chunk, SCALE_K, W_TMA, BLOCK_N, BLOCK_K)
+            nxt = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, k0 + BLOCK_K, H, n_mask, offs_k, chunk,
+                                 SCALE_K)
         else:
-            xv, sg, su, wg, wu = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, w_desc, e32, n0, I, k0, H,
-                                                n_mask, offs_k, chunk, SCALE_K, W_TMA, BLOCK_N, BLOCK_K)
+            xv, sg, su, wg, wu = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, k0, H, n_mask, offs_k,
+                                                chunk, SCALE_K)
         acc_g += _fp32_weight(wg, W_BITS) * (xv * sg)
         acc_u += _fp32_weight(wu, W_BITS) * (xv * su)
     g = tl.sum(tl.sum(acc_g, axis=2), axis=1)

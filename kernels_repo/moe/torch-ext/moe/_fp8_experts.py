@@ -50,7 +50,7 @@ _decode_down_launch = CachedLaunch(_fp8_decode_down_kernel)
 _decode_down_pdl_launch = CachedLaunch(_fp8_decode_down_kernel, launch_pdl=True)
 DecodeGateUpConstexprs = constexpr_spec(_fp8_decode_gate_up_kernel,
                                         "TOPK W_BITS UPCAST SCALE_N SCALE_K BLOCK_N BLOCK_K PREFETCH LOAD_STAGES "
-                                        "TRIGGER W_TMA")
+                                        "TRIGGER")
 DecodeDownConstexprs = constexpr_spec(_fp8_decode_down_kernel,
                                       "TOPK TOPK_P W_BITS UPCAST SCALE_N SCALE_K BLOCK_N BLOCK_K PREFETCH "
                                       "LOAD_STAGES PDL")
@@ -211,9 +211,6 @@ def decode_forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_s
     # could be if it followed anything else
     pdl = cap is not None and cap >= 90 and not INTERPRET and bool(inter) and decode["down"].get("PDL", False)
     c = decode["gate_up"]
-    # "TMA": gate/up weight boxes by a descriptor where TMA runs (sm90, the interpreter) on fp8 pointers
-    w_tma = c.get("TMA", False) and not w_bits and _use_tma({}, gate_up_proj)
-    w_desc = sm90.weight_descriptor(gate_up_proj, c["BLOCK_N"], c["BLOCK_K"]) if w_tma else None
     if inter:
         _decode_gate_up_launch.split(
             (T * K, launch.cdiv(inter, c["BLOCK_N"])), _index(x), (x, gu, gate_up_scale, topk_idx, h),
@@ -221,8 +218,8 @@ def decode_forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_s
              gate_up_proj.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1), h.stride(0)),
             DecodeGateUpConstexprs(TOPK=K, W_BITS=w_bits, UPCAST=INTERPRET, SCALE_N=BLOCK[0], SCALE_K=BLOCK[1],
                                    BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], PREFETCH=c.get("PREFETCH", False),
-                                   LOAD_STAGES=c.get("LOAD_STAGES", 1), TRIGGER=pdl, W_TMA=w_tma),
-            num_warps=c["num_warps"], num_stages=c["num_stages"], extras=(w_desc,))
+                                   LOAD_STAGES=c.get("LOAD_STAGES", 1), TRIGGER=pdl),
+            num_warps=c["num_warps"], num_stages=c["num_stages"])
     c = decode["down"]
     if H:
         (_decode_down_pdl_launch if pdl else _decode_down_launch).split(
