@@ -6,7 +6,8 @@ directly, torch.compile default), the host us per call of the whole call and of 
 the op body (`_experts_eager.run`, its replay key, the replay, each launch), timed by wrappers;
 the back-to-back time per call (no L2 flush: what a decode loop sees); and the same Python work
 (`torch.empty`, tensor accessors) timed inside a torch op body called through the dispatcher,
-directly and from a compiled graph, against the same work called from Python.
+directly and from a compiled graph, against the same work called from Python. A module whose
+forward is one trivial custom op on the same tensors gives torch.compile's own per-call cost.
 
 Usage (repo root): PYTHONPATH=src python tools/diag_compiled_host.py   env: T=1 N=300
 """
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from diag_compiled import Experts, inputs  # noqa: E402  (the same module and inputs)
+from diag_compiled import Experts, _Floor, inputs  # noqa: E402  (the same modules and inputs)
 
 from kernelhub import Mode, kernelize  # noqa: E402
 from kernelhub.triton_launch import CachedLaunch  # noqa: E402
@@ -147,6 +148,16 @@ def main() -> None:
         "compiled": lambda: compiled(x, idx, w),
         "reduce-overhead": ro,
     }
+    floor = _Floor()  # one trivial custom op on the same tensors: torch.compile's own per-call cost
+    floor_compiled = torch.compile(floor, fullgraph=True)
+    floor_reduce = torch.compile(floor, fullgraph=True, mode="reduce-overhead")
+
+    def floor_ro():
+        torch.compiler.cudagraph_mark_step_begin()
+        return floor_reduce(x, idx, w)
+
+    paths.update({"trivial eager": lambda: floor(x, idx, w), "trivial compiled": lambda: floor_compiled(x, idx, w),
+                  "trivial reduce-o.": floor_ro})
     with torch.no_grad():
         for name, fn in paths.items():
             host, wall = per_call(fn)
