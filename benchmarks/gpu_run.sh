@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run on a GPU machine, from the repository root: versions, GPU tests, the demo, then the benchmarks.
 # Usage: bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [routing] [moe] [slice] [fp8] [tune] [cfgab] [dirab] [decodeab]
-#   diagnostics (scripts in tools/): [tiles] [profile] [moehost] [diag] [compdiag] [fp8diag] [comphost] [graphdiag] [sweep] [persist] [moeprof] [flatcheck] [ncu] [pairab]
+#   diagnostics (scripts in tools/): [tiles] [profile] [moehost] [diag] [compdiag] [fp8diag] [comphost] [graphdiag] [ncudecode] [sweep] [persist] [moeprof] [flatcheck] [ncu] [pairab]
 # Env: OUT (logs and JSON lines; default /tmp/kernelhub-out), GPU_TESTS (pytest paths for `tests`), GPU_K (its -k
 # expression), CFG_A, CFG_B, AB_ROUNDS=2 (cfgab), MOE_OLD (dirab), TESTS_TIMEOUT, MOE_TIMEOUT, SWEEP_TIMEOUT,
 # PERSIST_TIMEOUT, TUNE_TIMEOUT, TUNE_ARGS, and the benchmarks' own (SHAPES, TOKENS, IMPLS, MODES, COMPILE...).
@@ -99,6 +99,14 @@ for step in $steps; do
           -c ${NCU_C:-6} --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
           python3 tools/profile_moe.py > "$OUT/ncu.log" 2>&1
         grep -E "_grouped|Throughput|Duration|Hit Rate|Achieved Occupancy|ERR|==PROF==|==ERROR==" "$OUT/ncu.log" | head -${NCU_LINES:-90}
+      fi ;;
+    ncudecode) # hardware counters of one fp8 and one 16-bit decode call at T=1 (tools/ncu_decode.py; SHAPE)
+      NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      if [ -z "$NCU" ]; then echo "no ncu on this machine"; else
+        timeout ${NCU_TIMEOUT:-300} "$NCU" -k "regex:decode" -c 4 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+          --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis --section Occupancy \
+          --section LaunchStats python3 tools/ncu_decode.py > "$OUT/ncu_decode.log" 2>&1
+        grep -E "decode|Duration|Throughput|Issue Slots Busy|Issued Ipc|Warp Cycles Per Issued|Stall|Achieved Occupancy|Registers Per|relative|==ERR" "$OUT/ncu_decode.log" | head -${NCU_LINES:-120}
       fi ;;
     decodeab) # DECODE_KIND=fp8 (default) or bf16: the decode-only sweep at T=1 (DECODE_SHAPES, default
       # qwen3_30b_a3b; DECODE_BUDGET_S=90), merged into a copy of the shipped configs ($OUT/decode_cfg, plus
