@@ -211,6 +211,26 @@ def _layer_forwards(module):
     return [*forwards, ("experts_forward", lambda h, i, w: moe.experts_forward(module, h, i, w))]
 
 
+def test_layers_take_batched_and_flat_arguments_alike():
+    """[B, S, H] hidden states with [B, S, K] or [B*S, K] routing give the [T, H] call's rows in
+    [B, S, H]; a 2-D call (what transformers' MoE blocks pass, used without views) returns [T, H]."""
+    module = build_experts("qwen3_moe")
+    E = module.gate_up_proj.shape[0]
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(2, 3, 32, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(6)]).view(2, 3, 2)
+    w = torch.rand(2, 3, 2, generator=g)
+    want = module.forward(hidden.view(6, 32), idx.view(6, 2), w.view(6, 2))
+    for name, forward in _layer_forwards(module):
+        flat = forward(hidden.view(6, 32), idx.view(6, 2), w.view(6, 2))
+        assert flat.shape == (6, 32), name
+        torch.testing.assert_close(flat, want, rtol=1e-4, atol=1e-5, msg=name)
+        for i, wt in ((idx, w), (idx.view(6, 2), w.view(6, 2)), (idx, w.view(6, 2))):
+            out = forward(hidden, i, wt)
+            assert out.shape == (2, 3, 32), name
+            torch.testing.assert_close(out.view(6, 32), want, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_layers_refuse_routing_with_another_row_count_naming_the_argument():
     module = build_experts("qwen3_moe")
     hidden = torch.randn(2, 3, 32)
