@@ -38,10 +38,11 @@ GATE_UP = [_tile(4, 512, 8), _tile(4, 128, 4), _tile(8, 256, 8), _tile(4, 1024, 
            _tile(4, 512, 8, VEC=8), _tile(4, 128, 4, VEC=4), _tile(8, 256, 8, VEC=8), _tile(4, 1024, 8, VEC=16),
            _tile(4, 512, 8, VEC=8, LOAD_STAGES=3)]
 DOWN = [_tile(4, 128, 8), _tile(8, 64, 8, PREFETCH=True), _tile(8, 128, 8), _tile(4, 256, 8), _tile(8, 256, 8),
-        _tile(4, 512, 8), _tile(8, 128, 8, PREFETCH=True), _tile(4, 128, 4, PREFETCH=True)]
+        _tile(4, 512, 8), _tile(8, 128, 8, PREFETCH=True), _tile(4, 128, 4, PREFETCH=True), _tile(4, 128, 8, VEC=16),
+        _tile(8, 128, 8, VEC=16), _tile(8, 256, 8, VEC=16), _tile(4, 512, 8, VEC=16)]
 # whole calls (gate/up, down): with PDL the down kernel overlaps gate/up, so only a call's time says it
-PAIRS = [(GATE_UP[0], {**DOWN[0], "PDL": True}), (GATE_UP[0], DOWN[0]), (GATE_UP[0], {**DOWN[4], "PDL": True}),
-         (GATE_UP[0], DOWN[4]), (GATE_UP[0], {**DOWN[0], "PDL": True})]
+PAIRS = [(GATE_UP[0], {**DOWN[0], "PDL": True}), (GATE_UP[5], {**DOWN[8], "PDL": True}), (GATE_UP[0], DOWN[0]),
+         (GATE_UP[5], DOWN[8]), (GATE_UP[0], {**DOWN[0], "PDL": True})]
 
 def main() -> None:
     name = os.environ.get("SHAPE", "qwen3_30b_a3b")

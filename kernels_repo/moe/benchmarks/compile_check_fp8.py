@@ -43,8 +43,9 @@ for _stage, _tile in (("gate_up", {"BLOCK_N": 4, "BLOCK_K": 128}), ("down", {"BL
 # then passes gate/up; sm90 only)
 DECODE_TILES["gate_up"].append({"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 8, "num_stages": 2, "TRIGGER": True})
 DECODE_TILES["down"].append({"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 8, "num_stages": 2, "PDL": True})
-# gate/up as runs of VEC columns summed in registers before the scale (one run per thread's vector)
+# runs of VEC columns summed in registers before the scale (one run per thread's vector)
 DECODE_TILES["gate_up"].append({"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 8, "num_stages": 2, "VEC": 8})
+DECODE_TILES["down"].append({"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 8, "num_stages": 2, "VEC": 16})
 SM89_SMEM = 101376  # shared memory per block (opt-in) of sm86/sm89
 _UNIT = ("stride_ak", "stride_bk", "stride_cn")  # unit strides the JIT specializes to constexpr 1
 
@@ -163,7 +164,7 @@ def check_decode(cap: int, stage: str, c: dict, dtype: str = "bf16", label: str 
                  BLOCK_K=c["BLOCK_K"], PREFETCH=c.get("PREFETCH", False), LOAD_STAGES=c.get("LOAD_STAGES", 1),
                  stride_ik=1)
     if stage == "down":
-        const.update(TOPK_P=8, stride_wtk=1, PDL=c.get("PDL", False))
+        const.update(TOPK_P=8, stride_wtk=1, PDL=c.get("PDL", False), VEC=c.get("VEC", 0))
     else:
         const.update(TRIGGER=c.get("TRIGGER", False), VEC=c.get("VEC", 0))
     full = {n: sig.get(n, "constexpr" if n in const else cc.I32) for n in fn.arg_names}

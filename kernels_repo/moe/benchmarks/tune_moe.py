@@ -401,9 +401,9 @@ def fp8_decode_space(stage: str) -> list[dict]:
     twice as long with 128-column steps as with 64 (s39-1); the down kernel holds all K experts'
     tiles at once, hence its narrower rows. Each tile every way, next to each other so that a budget
     cut leaves all timed: plain, PREFETCH (the next step's loads issued before this step's math),
-    LOAD_STAGES 3 and 4 (the loop's loads pipelined through shared memory), for gate/up VEC (runs of
-    a thread's own columns summed before the scale: fewer registers), plain and with LOAD_STAGES 3,
-    and, for down, PDL (launched as a programmatic dependent of gate/up; sm90)."""
+    LOAD_STAGES 3 and 4 (the loop's loads pipelined through shared memory), VEC (runs of a thread's
+    own columns summed before the scale: fewer registers), plain and with LOAD_STAGES 3, and, for
+    down, PDL (launched as a programmatic dependent of gate/up; sm90), also with PREFETCH and VEC."""
     if stage == "gate_up":
         # (s42: Qwen3-30B-A3B T=1 picked the widest step, (4, 512); hence (4, 1024) and (8, 512))
         pairs = [(4, 64), (4, 128), (8, 64), (8, 128), (16, 64), (32, 64), (4, 512), (8, 256), (16, 128), (4, 1024),
@@ -411,18 +411,19 @@ def fp8_decode_space(stage: str) -> list[dict]:
     else:
         pairs = [(4, 32), (4, 64), (8, 32), (8, 64), (16, 32), (16, 64), (4, 128), (8, 128), (16, 128)]
     ways = ({}, {"PREFETCH": True}, {"LOAD_STAGES": 3}, {"LOAD_STAGES": 4})
+    # runs of VEC columns summed in registers: VEC each thread's own vector (4, 8 or 16 columns)
+    ways += ({"VEC": 0}, {"VEC": 0, "LOAD_STAGES": 3})
     if stage == "down":
-        ways += ({"PDL": True}, {"PDL": True, "PREFETCH": True})
-    else:  # runs of VEC columns summed in registers: VEC each thread's own vector (4, 8 or 16 columns)
-        ways += ({"VEC": 0}, {"VEC": 0, "LOAD_STAGES": 3})
+        ways += ({"PDL": True}, {"PDL": True, "PREFETCH": True}, {"PDL": True, "VEC": 0})
     # (the down tile holds 8 experts' rows and an accumulator per expert: more than 64 weights per
     # thread spills)
     tiles = [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 2, **way}
              for bn, bk in pairs for nw in (4, 8) for way in ways
              if not (stage == "down" and bn * bk * 8 > 64 * 32 * nw)]
+    rows = 8 if stage == "down" else 1  # (the down tile holds the K = 8 experts' rows)
     for t in tiles:  # ("VEC": 0 above: a thread's share of the tile, 4 to 16 columns; else no VEC tile)
         if t.get("VEC") == 0:
-            t["VEC"] = min(16, t["BLOCK_N"] * t["BLOCK_K"] // (32 * t["num_warps"]), t["BLOCK_K"], 128)
+            t["VEC"] = min(16, rows * t["BLOCK_N"] * t["BLOCK_K"] // (32 * t["num_warps"]), t["BLOCK_K"], 128)
     return [t for t in tiles if t.get("VEC", 4) >= 4]
 
 

@@ -32,13 +32,14 @@ the W8A16 math, 16-bit activations, e.g. at decode where weight bytes bound the 
 "gate_up", "down"}, each stage {"BLOCK_N" (weight rows per program, power of two >= 4),
 "BLOCK_K" (16 to 1024, a power of two: a divisor of the scale block or whole scale blocks),
 "num_warps", "num_stages", optional "PREFETCH" (bool, default false: each K step's loads issued
-one step ahead, so a program keeps two steps' bytes in flight) and "LOAD_STAGES" (int 1 to 8,
-default 1: the K loop's loads pipelined through shared memory that many steps deep), on "gate_up"
-only "VEC" (int 2 to 32, a power of two at most min(BLOCK_K, 128), not with PREFETCH: the tile as
-runs of VEC columns whose products are summed before the block scale is applied, fewer registers and
-instructions when a run is one thread's own vector, i.e. VEC <= BLOCK_N * BLOCK_K / (32 * num_warps))
-and on "down" only "PDL" (bool: on sm90 the down kernel is a programmatic dependent launch of
-gate/up, started while gate/up finishes; elsewhere ignored)}).
+one step ahead, so a program keeps two steps' bytes in flight), "LOAD_STAGES" (int 1 to 8,
+default 1: the K loop's loads pipelined through shared memory that many steps deep), "VEC" (int 2
+to 32, a power of two at most min(BLOCK_K, 128), not with PREFETCH: the tile as runs of VEC
+columns whose products are summed before the block scale is applied, fewer registers and
+instructions where a run is one thread's own vector: VEC <= BLOCK_N * BLOCK_K / (32 * num_warps),
+times 8 on down, whose tile holds the K experts' rows) and on "down" only "PDL" (bool: on sm90 the
+down kernel is a programmatic dependent launch of gate/up, started while gate/up finishes;
+elsewhere ignored)}).
 With fp8 activations the gate/up tile is 128 columns wide (one quantization group of h per tile,
 quantized in its epilogue).
 """
@@ -146,7 +147,7 @@ def _check_decode(where: str, decode: object) -> None:
     for stage in ("gate_up", "down"):
         c, at = decode[stage], f"{where}[{stage!r}]"
         needed = {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
-        optional = ("PREFETCH", "LOAD_STAGES") + (("PDL",) if stage == "down" else ("VEC",))
+        optional = ("PREFETCH", "LOAD_STAGES", "VEC") + (("PDL",) if stage == "down" else ())
         if not isinstance(c, dict) or not needed <= set(c) <= needed | set(optional):
             raise ValueError(f"{at} must be a dict of BLOCK_N, BLOCK_K, num_warps, num_stages (and optionally "
                              f"{', '.join(optional)}), got {c!r}")

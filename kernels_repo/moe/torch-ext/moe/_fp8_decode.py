@@ -17,10 +17,11 @@ carry them across the loop), two steps' bytes in flight per program without a wi
 registers. LOAD_STAGES > 1: the K loop's loads software-pipelined by Triton (cp.async into shared
 memory, LOAD_STAGES - 1 steps ahead), bytes in flight without the registers to hold them; Triton
 pipelines loads that feed no MMA only in a loop that asks for it (`tl.range(num_stages=)`).
-VEC (gate/up): the tile as [BLOCK_N, NB, KC // VEC, VEC], each run of VEC columns one thread's own
+VEC: the gate/up tile as [BLOCK_N, NB, KC // VEC, VEC], each run of VEC columns one thread's own
 vector; the products are summed over the run in registers and scaled once per run, so the
 accumulators are [BLOCK_N, NB, KC // VEC] rather than the whole tile (sm90 ptxas, (4, 512, 8
-warps): 38 registers a thread instead of 52; one FMUL per run instead of per weight).
+warps): 38 registers a thread instead of 52; one FMUL per run instead of per weight). The down
+kernel's VEC does the same with the K experts' rows as one axis of its tile.
 PDL (down, sm90): the down kernel is launched as a programmatic dependent of gate/up (which lets
 it launch from its start, TRIGGER): its programs start while gate/up's last ones run, read the
 token's expert ids and weights, and wait for h (`griddepcontrol.wait`) before their first load of
@@ -173,11 +174,41 @@ def _fp8_decode_down_kernel(
     stride_om,
     TOPK: tl.constexpr, TOPK_P: tl.constexpr, W_BITS: tl.constexpr, UPCAST: tl.constexpr, SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-    LOAD_STAGES: tl.constexpr, PDL: tl.constexpr,
+    LOAD_STAGES: tl.constexpr, PDL: tl.constexpr, VEC: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
+    if VEC > 0:
+        # the K experts' rows as one axis (r = slot * BLOCK_N + n) of [R, NB, KC // VEC, VEC] tiles:
+        # products summed per VEC run in registers, scaled once per run (as the gate/up VEC tiles)
+        r = tl.arange(0, TOPK_P * BLOCK_N)
+        slot_r = r // BLOCK_N
+        n_r = tl.program_id(1) * BLOCK_N + r % BLOCK_N
+        e_r = tl.load(idx_ptr + t * stride_it + slot_r * stride_ik, mask=slot_r < TOPK, other=-1).to(tl.int64)
+        ok_r = (slot_r < TOPK) & (e_r >= 0) & (e_r < E) & (n_r < H)
+        e_r = tl.where(ok_r, e_r, 0)
+        wt_r = tl.load(wts_ptr + t * stride_wt + slot_r * stride_wtk, mask=ok_r, other=0.0).to(tl.float32)
+        offs_v, chunk = _k_vectors(BLOCK_K, SCALE_K, VEC)
+        hv_ptrs = h_ptr + (t * TOPK + slot_r)[:, None, None, None] * stride_hm + offs_v[None, :, :, :]
+        wv_ptrs = (w_ptr + e_r[:, None, None, None] * stride_we + n_r[:, None, None, None].to(tl.int64) * stride_wn
+                   + offs_v[None, :, :, :])
+        sv_ptrs = ws_ptr + e_r[:, None] * stride_wse + (n_r // SCALE_N)[:, None] * stride_wsn  # [R, 1] + K blocks
+        if PDL:
+            gdc_wait()
+        KC: tl.constexpr = BLOCK_K if BLOCK_K < SCALE_K else SCALE_K
+        acc_v = tl.zeros((TOPK_P * BLOCK_N, BLOCK_K // KC, KC // VEC), dtype=tl.float32)
+        for k0 in tl.range(0, I, BLOCK_K, num_stages=LOAD_STAGES):
+            mask = ok_r[:, None, None, None] & (offs_v < I - k0)[None, :, :, :]
+            s_mask = ok_r[:, None] & (chunk < I - k0)[None, :]
+            hv = tl.load(hv_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
+            sv = tl.load(sv_ptrs + ((k0 + chunk) // SCALE_K)[None, :], mask=s_mask, other=0.0)
+            wv = _fp32_weight(tl.load(wv_ptrs + k0, mask=mask, other=0.0), W_BITS)
+            acc_v += tl.sum(wv * hv, axis=3) * (sv * wt_r[:, None])[:, :, None]
+        per_row = tl.sum(tl.sum(acc_v, axis=2), axis=1)  # [R]
+        out = tl.sum(tl.reshape(per_row, (TOPK_P, BLOCK_N)), axis=0)
+        tl.store(out_ptr + t * stride_om + offs_n, _to(out, out_ptr.dtype.element_ty, UPCAST), mask=n_mask)
+        return
     offs_k, chunk = _k_chunks(BLOCK_K, SCALE_K)  # [NB, KC], [NB]
     # the token's K experts side by side ([TOPK_P, BLOCK_N, NB, KC] tiles: all their bytes in
     # flight together), as `_experts_decode._decode_down_kernel`
