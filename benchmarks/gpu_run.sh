@@ -100,10 +100,10 @@ for step in $steps; do
           python3 tools/profile_moe.py > "$OUT/ncu.log" 2>&1
         grep -E "_grouped|Throughput|Duration|Hit Rate|Achieved Occupancy|ERR|==PROF==|==ERROR==" "$OUT/ncu.log" | head -${NCU_LINES:-90}
       fi ;;
-    ncudecode) # hardware counters of one fp8 and one 16-bit decode call at T=1 (tools/ncu_decode.py; SHAPE)
+    ncudecode) # hardware counters of fp8 (shipped, VEC) and 16-bit decode calls at T=1 (tools/ncu_decode.py; SHAPE)
       NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       if [ -z "$NCU" ]; then echo "no ncu on this machine"; else
-        timeout ${NCU_TIMEOUT:-300} "$NCU" -k "regex:decode" -c 4 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+        timeout ${NCU_TIMEOUT:-300} "$NCU" -k "regex:decode" -c 6 --section SpeedOfLight --section ComputeWorkloadAnalysis \
           --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis --section Occupancy \
           --section LaunchStats python3 tools/ncu_decode.py > "$OUT/ncu_decode.log" 2>&1
         grep -E "decode|Duration|Throughput|Issue Slots Busy|Issued Ipc|Warp Cycles Per Issued|Stall|Achieved Occupancy|Registers Per|relative|==ERR" "$OUT/ncu_decode.log" | head -${NCU_LINES:-120}

@@ -58,7 +58,7 @@ def _k_chunks(BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr):
 @triton.jit
 def _k_vectors(BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr, VEC: tl.constexpr):
     """A K step as [NB, KC // VEC, VEC] offsets (runs of VEC columns, each a thread's own vector), and
-    the per-chunk starts [NB], for the gate/up VEC tiles."""
+    the per-chunk starts [NB], for the VEC tiles of both kernels."""
     KC: tl.constexpr = BLOCK_K if BLOCK_K < SCALE_K else SCALE_K
     chunk = tl.arange(0, BLOCK_K // KC) * KC
     runs = tl.arange(0, KC // VEC) * VEC
