@@ -635,7 +635,7 @@ def test_decode_weight_bits_path_equals_fp8_pointer_loads():
     """sm80 reads the fp8 weights as uint8 bits (Triton has no fp8 pointers there): exact, so the
     same output as fp8 loads, bit for bit."""
     x, guq, dq, idx, w, scales = make_fp8(2, 200, 136, 5, 3, seed=34, drop=1)
-    for decode in (DECODE, DECODE_WIDE, _prefetched(DECODE_WIDE), _staged(DECODE_WIDE)):
+    for decode in (DECODE, DECODE_WIDE, _prefetched(DECODE_WIDE), _staged(DECODE_WIDE), _vec(DECODE_WIDE, 16)):
         args = (x, guq, dq, idx, w, scales["gate_up_proj_scale_inv"], scales["down_proj_scale_inv"], decode)
         bits = fp8x.decode_forward(*args, w_bits=True)
         assert torch.equal(bits, fp8x.decode_forward(*args, w_bits=False))
