@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ._experts_decode import _token_expert_rows
 from ._experts_kernels import _to
 from ._fp8_kernels import _e4m3_bits
 
@@ -136,32 +137,28 @@ def _fp8_decode_gate_up_kernel(
                                        SCALE_K, W_BITS)
             acc_g += dg
             acc_u += du
-        g = tl.sum(tl.sum(acc_g, axis=2), axis=1)
-        u = tl.sum(tl.sum(acc_u, axis=2), axis=1)
-        h = g * tl.sigmoid(g) * u
-        tl.store(h_ptr + pair * stride_hm + offs_n, _to(h, h_ptr.dtype.element_ty, UPCAST), mask=n_mask)
-        return
-    offs_k, chunk = _k_chunks(BLOCK_K, SCALE_K)  # [NB, KC], [NB]
-    g_ptrs = w_ptr + e * stride_we + offs_n[:, None, None].to(tl.int64) * stride_wn + offs_k[None, :, :]
-    u_ptrs = g_ptrs + I * stride_wn
-    # x in the weight tile's layout (constant along BLOCK_N), as `_experts_decode` does
-    x_ptrs = x_ptr + t * stride_xt + (offs_n * 0)[:, None, None] + offs_k[None, :, :]
-    acc_g = tl.zeros((BLOCK_N, BLOCK_K // SCALE_K if BLOCK_K > SCALE_K else 1,
-                      SCALE_K if BLOCK_K > SCALE_K else BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros_like(acc_g)
-    if PREFETCH:
-        nxt = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, 0, H, n_mask, offs_k, chunk, SCALE_K)
-    for k0 in tl.range(0, H, BLOCK_K, num_stages=LOAD_STAGES):
-        if PREFETCH:  # the next step's loads issued before this step's math: two steps' bytes in flight
-            xv, sg, su, wg, wu = nxt
-            nxt = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, k0 + BLOCK_K, H, n_mask, offs_k, chunk,
-                                 SCALE_K)
-        else:
-            xv, sg, su, wg, wu = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, k0, H, n_mask, offs_k,
-                                                chunk, SCALE_K)
-        acc_g += _fp32_weight(wg, W_BITS) * (xv * sg)
-        acc_u += _fp32_weight(wu, W_BITS) * (xv * su)
-    g = tl.sum(tl.sum(acc_g, axis=2), axis=1)
+    else:
+        offs_k, chunk = _k_chunks(BLOCK_K, SCALE_K)  # [NB, KC], [NB]
+        g_ptrs = w_ptr + e * stride_we + offs_n[:, None, None].to(tl.int64) * stride_wn + offs_k[None, :, :]
+        u_ptrs = g_ptrs + I * stride_wn
+        # x in the weight tile's layout (constant along BLOCK_N), as `_experts_decode` does
+        x_ptrs = x_ptr + t * stride_xt + (offs_n * 0)[:, None, None] + offs_k[None, :, :]
+        acc_g = tl.zeros((BLOCK_N, BLOCK_K // SCALE_K if BLOCK_K > SCALE_K else 1,
+                          SCALE_K if BLOCK_K > SCALE_K else BLOCK_K), dtype=tl.float32)
+        acc_u = tl.zeros_like(acc_g)
+        if PREFETCH:
+            nxt = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, 0, H, n_mask, offs_k, chunk, SCALE_K)
+        for k0 in tl.range(0, H, BLOCK_K, num_stages=LOAD_STAGES):
+            if PREFETCH:  # the next step's loads issued before this step's math: two steps' bytes in flight
+                xv, sg, su, wg, wu = nxt
+                nxt = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, k0 + BLOCK_K, H, n_mask, offs_k, chunk,
+                                     SCALE_K)
+            else:
+                xv, sg, su, wg, wu = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, k0, H, n_mask, offs_k,
+                                                    chunk, SCALE_K)
+            acc_g += _fp32_weight(wg, W_BITS) * (xv * sg)
+            acc_u += _fp32_weight(wu, W_BITS) * (xv * su)
+    g = tl.sum(tl.sum(acc_g, axis=2), axis=1)  # (both tiles' accumulators are 3-D)
     u = tl.sum(tl.sum(acc_u, axis=2), axis=1)
     h = g * tl.sigmoid(g) * u
     tl.store(h_ptr + pair * stride_hm + offs_n, _to(h, h_ptr.dtype.element_ty, UPCAST), mask=n_mask)
@@ -180,15 +177,10 @@ def _fp8_decode_down_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
     if VEC > 0:
-        # the K experts' rows as one axis (r = slot * BLOCK_N + n) of [R, NB, KC // VEC, VEC] tiles:
-        # products summed per VEC run in registers, scaled once per run (as the gate/up VEC tiles)
-        r = tl.arange(0, TOPK_P * BLOCK_N)
-        slot_r = r // BLOCK_N
-        n_r = tl.program_id(1) * BLOCK_N + r % BLOCK_N
-        e_r = tl.load(idx_ptr + t * stride_it + slot_r * stride_ik, mask=slot_r < TOPK, other=-1).to(tl.int64)
-        ok_r = (slot_r < TOPK) & (e_r >= 0) & (e_r < E) & (n_r < H)
-        e_r = tl.where(ok_r, e_r, 0)
-        wt_r = tl.load(wts_ptr + t * stride_wt + slot_r * stride_wtk, mask=ok_r, other=0.0).to(tl.float32)
+        # the K experts' rows as one axis of [R, NB, KC // VEC, VEC] tiles: products summed per VEC
+        # run in registers, scaled once per run (as the gate/up VEC tiles)
+        slot_r, n_r, e_r, ok_r, wt_r = _token_expert_rows(idx_ptr, wts_ptr, t, stride_it, stride_ik, stride_wt,
+                                                          stride_wtk, E, H, TOPK, TOPK_P, BLOCK_N)
         offs_v, chunk = _k_vectors(BLOCK_K, SCALE_K, VEC)
         hv_ptrs = h_ptr + (t * TOPK + slot_r)[:, None, None, None] * stride_hm + offs_v[None, :, :, :]
         wv_ptrs = (w_ptr + e_r[:, None, None, None] * stride_we + n_r[:, None, None, None].to(tl.int64) * stride_wn
@@ -207,36 +199,35 @@ def _fp8_decode_down_kernel(
             acc_v += tl.sum(wv * hv, axis=3) * (sv * wt_r[:, None])[:, :, None]
         per_row = tl.sum(tl.sum(acc_v, axis=2), axis=1)  # [R]
         out = tl.sum(tl.reshape(per_row, (TOPK_P, BLOCK_N)), axis=0)
-        tl.store(out_ptr + t * stride_om + offs_n, _to(out, out_ptr.dtype.element_ty, UPCAST), mask=n_mask)
-        return
-    offs_k, chunk = _k_chunks(BLOCK_K, SCALE_K)  # [NB, KC], [NB]
-    # the token's K experts side by side ([TOPK_P, BLOCK_N, NB, KC] tiles: all their bytes in
-    # flight together), as `_experts_decode._decode_down_kernel`
-    slot = tl.arange(0, TOPK_P)
-    e = tl.load(idx_ptr + t * stride_it + slot * stride_ik, mask=slot < TOPK, other=-1).to(tl.int64)
-    valid = (slot < TOPK) & (e >= 0) & (e < E)
-    e = tl.where(valid, e, 0)
-    wt = tl.load(wts_ptr + t * stride_wt + slot * stride_wtk, mask=valid, other=0.0).to(tl.float32)
-    h_ptrs = (h_ptr + (t * TOPK + slot)[:, None, None, None] * stride_hm + (offs_n * 0)[None, :, None, None]
-              + offs_k[None, None, :, :])
-    w_ptrs = (w_ptr + e[:, None, None, None] * stride_we + offs_n[None, :, None, None].to(tl.int64) * stride_wn
-              + offs_k[None, None, :, :])
-    # [TOPK_P, BLOCK_N, 1] + the K blocks
-    s_ptrs = ws_ptr + e[:, None, None] * stride_wse + (offs_n // SCALE_N)[None, :, None] * stride_wsn
-    row_ok = valid[:, None, None] & n_mask[None, :, None]
-    if PDL:  # h is the gate/up kernel's: wait for it (and its writes) before any load of it
-        gdc_wait()
-    # one accumulator per expert, summed once after the loop (as `_experts_decode`)
-    acc = tl.zeros((TOPK_P, BLOCK_N, BLOCK_K // SCALE_K if BLOCK_K > SCALE_K else 1,
-                    SCALE_K if BLOCK_K > SCALE_K else BLOCK_K), dtype=tl.float32)
-    if PREFETCH:
-        nxt = _down_tiles(h_ptrs, w_ptrs, s_ptrs, 0, I, row_ok, offs_k, chunk, SCALE_K)
-    for k0 in tl.range(0, I, BLOCK_K, num_stages=LOAD_STAGES):
+    else:
+        offs_k, chunk = _k_chunks(BLOCK_K, SCALE_K)  # [NB, KC], [NB]
+        # the token's K experts side by side ([TOPK_P, BLOCK_N, NB, KC] tiles: all their bytes in
+        # flight together), as `_experts_decode._decode_down_kernel`
+        slot = tl.arange(0, TOPK_P)
+        e = tl.load(idx_ptr + t * stride_it + slot * stride_ik, mask=slot < TOPK, other=-1).to(tl.int64)
+        valid = (slot < TOPK) & (e >= 0) & (e < E)
+        e = tl.where(valid, e, 0)
+        wt = tl.load(wts_ptr + t * stride_wt + slot * stride_wtk, mask=valid, other=0.0).to(tl.float32)
+        h_ptrs = (h_ptr + (t * TOPK + slot)[:, None, None, None] * stride_hm + (offs_n * 0)[None, :, None, None]
+                  + offs_k[None, None, :, :])
+        w_ptrs = (w_ptr + e[:, None, None, None] * stride_we + offs_n[None, :, None, None].to(tl.int64) * stride_wn
+                  + offs_k[None, None, :, :])
+        # [TOPK_P, BLOCK_N, 1] + the K blocks
+        s_ptrs = ws_ptr + e[:, None, None] * stride_wse + (offs_n // SCALE_N)[None, :, None] * stride_wsn
+        row_ok = valid[:, None, None] & n_mask[None, :, None]
+        if PDL:  # h is the gate/up kernel's: wait for it (and its writes) before any load of it
+            gdc_wait()
+        # one accumulator per expert, summed once after the loop (as `_experts_decode`)
+        acc = tl.zeros((TOPK_P, BLOCK_N, BLOCK_K // SCALE_K if BLOCK_K > SCALE_K else 1,
+                        SCALE_K if BLOCK_K > SCALE_K else BLOCK_K), dtype=tl.float32)
         if PREFETCH:
-            hv, s, wv = nxt
-            nxt = _down_tiles(h_ptrs, w_ptrs, s_ptrs, k0 + BLOCK_K, I, row_ok, offs_k, chunk, SCALE_K)
-        else:
-            hv, s, wv = _down_tiles(h_ptrs, w_ptrs, s_ptrs, k0, I, row_ok, offs_k, chunk, SCALE_K)
-        acc += _fp32_weight(wv, W_BITS) * (hv * (s * wt[:, None, None])[:, :, :, None])
-    out = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=0)
+            nxt = _down_tiles(h_ptrs, w_ptrs, s_ptrs, 0, I, row_ok, offs_k, chunk, SCALE_K)
+        for k0 in tl.range(0, I, BLOCK_K, num_stages=LOAD_STAGES):
+            if PREFETCH:
+                hv, s, wv = nxt
+                nxt = _down_tiles(h_ptrs, w_ptrs, s_ptrs, k0 + BLOCK_K, I, row_ok, offs_k, chunk, SCALE_K)
+            else:
+                hv, s, wv = _down_tiles(h_ptrs, w_ptrs, s_ptrs, k0, I, row_ok, offs_k, chunk, SCALE_K)
+            acc += _fp32_weight(wv, W_BITS) * (hv * (s * wt[:, None, None])[:, :, :, None])
+        out = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=0)
     tl.store(out_ptr + t * stride_om + offs_n, _to(out, out_ptr.dtype.element_ty, UPCAST), mask=n_mask)
