@@ -414,21 +414,24 @@ def fp8_decode_space(stage: str) -> list[dict]:
                  (8, 512)]
     else:
         pairs = [(4, 32), (4, 64), (8, 32), (8, 64), (16, 32), (16, 64), (4, 128), (8, 128), (16, 128)]
-    ways = ({}, {"PREFETCH": True}, {"LOAD_STAGES": 3}, {"LOAD_STAGES": 4})
-    # runs of VEC columns summed in registers: VEC each thread's own vector (4, 8 or 16 columns)
-    ways += ({"VEC": 0}, {"VEC": 0, "LOAD_STAGES": 3})
+    # VEC: runs of a thread's own columns (its share of the tile, 4 to 16 fp8 bytes) summed in registers
+    ways = ({}, {"PREFETCH": True}, {"LOAD_STAGES": 3}, {"LOAD_STAGES": 4}, {"VEC": True},
+            {"VEC": True, "LOAD_STAGES": 3})
     if stage == "down":
-        ways += ({"PDL": True}, {"PDL": True, "PREFETCH": True}, {"PDL": True, "VEC": 0})
-    # (the down tile holds 8 experts' rows and an accumulator per expert: more than 64 weights per
-    # thread spills)
-    tiles = [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 2, **way}
-             for bn, bk in pairs for nw in (4, 8) for way in ways
-             if not (stage == "down" and bn * bk * 8 > 64 * 32 * nw)]
+        ways += ({"PDL": True}, {"PDL": True, "PREFETCH": True}, {"PDL": True, "VEC": True})
     rows = 8 if stage == "down" else 1  # (the down tile holds the K = 8 experts' rows)
-    for t in tiles:  # ("VEC": 0 above: a thread's share of the tile, 4 to 16 columns; else no VEC tile)
-        if t.get("VEC") == 0:
-            t["VEC"] = min(16, rows * t["BLOCK_N"] * t["BLOCK_K"] // (32 * t["num_warps"]), t["BLOCK_K"], 128)
-    return [t for t in tiles if t.get("VEC", 4) >= 4]
+    tiles = []
+    for (bn, bk), nw, way in itertools.product(pairs, (4, 8), ways):
+        # (the down tile holds 8 experts' rows and an accumulator per expert: more than 64 weights per
+        # thread spills)
+        if stage == "down" and bn * bk * 8 > 64 * 32 * nw:
+            continue
+        if "VEC" in way:
+            way = {**way, "VEC": min(16, rows * bn * bk // (32 * nw), bk)}
+            if way["VEC"] < 4:
+                continue
+        tiles.append({"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 2, **way})
+    return tiles
 
 
 def fp8_tune_decode(fp8x, variant, best, x, gu, gus, dn, dns, idx, w):
