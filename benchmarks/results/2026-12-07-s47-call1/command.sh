@@ -1,0 +1,2 @@
+# at f846c05 (+ benchmarks/candidates/fp8_sm80.json, kept here as candidates/fp8_sm80.json), H100 80GB
+O=$OUT; TESTS_TIMEOUT=90 GPU_TESTS="kernels_repo/moe/tests/test_experts_fp8_configs.py kernels_repo/moe/tests/test_experts_gpu.py" GPU_K="pinned_paths or pdl or decode" bash benchmarks/gpu_run.sh tests; DECODE_CFG=$PWD/benchmarks/candidates/fp8_sm80.json OUT=$O/fp8 DECODE_BUDGET_S=100 FP8_TIMEOUT=40 bash benchmarks/gpu_run.sh decodeab
