@@ -552,6 +552,22 @@ def test_decode_key_runs_the_token_major_kernels_and_matches_the_float64_loop(va
     assert out5.shape == x5.shape
 
 
+@pytest.mark.parametrize(("T", "seed"), [(1, 41), (2, 42)])
+def test_shipped_sm80_config_decodes_one_token_by_the_token_major_kernels(T, seed):
+    """configs/fp8_sm80.json (no shape entries): the bucket T=1 picks at every benchmark shape holds a
+    "decode" key for one token, without PDL (sm90 only); its tiles (pinned: the interpreter ignores
+    the files) run the two decode kernels at T=1 and the grouped W8A16 path at T=2, both matching
+    the float64 loop (H = 300, I = 136: partial scale blocks)."""
+    for E, H, inter, K in ((128, 2048, 768, 8), (256, 7168, 2048, 8), (8, 4096, 14336, 2)):
+        decode = fp8c.pick_fp8_config("sm80", E, H, inter, K)["decode"]
+        assert decode["max_tokens"] == 1 and not decode["down"].get("PDL", False)
+    cfg = fp8c.pick_fp8_config("sm80", 128, 2048, 768, 8)
+    x, guq, dq, idx, w, scales = make_fp8(T, 300, 136, 6, 3, seed=seed, drop=1)
+    out, names = _kernels(lambda: moe.fused_experts(x, guq, dq, idx, w, variant="sm80", config=cfg, **scales))
+    assert (names == ["_fp8_decode_gate_up_kernel", "_fp8_decode_down_kernel"]) == (T == 1), names
+    assert rel(out, oracle(x, guq, dq, idx, w, scales)) < 1e-2
+
+
 def test_pdl_is_gpu_only():
     """PDL (inline PTX) reaches the kernels as constexprs only on a GPU: the interpreter gets it off
     (and the plain down launcher), so the same bits as without it."""
