@@ -52,9 +52,6 @@ DECODE_TILES = {stage: [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages
 # the K loop pipelined through shared memory (LOAD_STAGES): its loads must become cp.async
 DECODE_TILES["gate_up"].append({"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "LOAD_STAGES": 3})
 DECODE_TILES["down"].append({"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2, "LOAD_STAGES": 3})
-# runs of VEC columns summed in registers (VEC a thread's share): wide tiles without their registers
-DECODE_TILES["gate_up"].append({"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 8, "num_stages": 2, "VEC": 8})
-DECODE_TILES["down"].append({"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 8, "num_stages": 2, "VEC": 8})
 
 
 def cp_async_count(ptx: str) -> int:
@@ -188,7 +185,7 @@ def decode(cap, stage: str, c: dict, dtype: str = "bf16") -> int | None:
         sig = {"h_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "idx_ptr": "*i64", "wts_ptr": "*fp32",
                "out_ptr": f"*{dtype}"}
     const = dict(TOPK=8, UPCAST=False, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
-                 LOAD_STAGES=c.get("LOAD_STAGES", 1), VEC=c.get("VEC", 0))
+                 LOAD_STAGES=c.get("LOAD_STAGES", 1))
     if stage == "down":
         const["TOPK_P"] = 8
     full = {n: sig.get(n, "constexpr" if n in const else I32) for n in fn.arg_names}

@@ -124,22 +124,18 @@ def wgrad_space(full: bool, tma: bool):
 def decode_space(stage: str, full: bool) -> list[dict]:
     """Tiles of the token-major decode kernels (a bucket's "decode" key): BLOCK_N weight rows per
     program; with plain loads the bytes in flight grow with BLOCK_K, with LOAD_STAGES (3 or 4) the
-    loop's loads are pipelined through shared memory, which narrower steps can afford; with VEC 8
-    (one 16-byte vector per run, where each thread holds at least one) the products are summed per
-    run in registers, so the accumulators shrink to one value per run. The down kernel holds all K
-    experts' tiles and an accumulator per expert: BLOCK_N <= 8 and at most 256 * num_warps weights
-    per expert and step (past that ptxas spills)."""
+    loop's loads are pipelined through shared memory, which narrower steps can afford. The down
+    kernel holds all K experts' tiles and an accumulator per expert: BLOCK_N <= 8 and at most
+    256 * num_warps weights per expert and step (past that ptxas spills)."""
     bns = ([4, 8, 16, 32] if full else [4, 8, 16]) if stage == "gate_up" else [4, 8]
     bks = [64, 128, 256, 512] if full else [128, 256, 512]
-    ways = ({}, {"LOAD_STAGES": 3}, {"LOAD_STAGES": 4}, {"VEC": 8}, {"VEC": 8, "LOAD_STAGES": 3})
+    ways = ({}, {"LOAD_STAGES": 3}, {"LOAD_STAGES": 4})
     # a staged step: 16-bit x, gate and up tiles, or the K=8 experts' weight and h tiles
     staged = (lambda bn, bk: 3 * bn * bk * 2) if stage == "gate_up" else (lambda bn, bk: 2 * 8 * bn * bk * 2)
-    rows = 1 if stage == "gate_up" else 8  # (a thread's share: rows * BLOCK_N * BLOCK_K / (32 * num_warps))
     return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 2, **way}
             for bn, bk, nw, way in itertools.product(bns, bks, [4, 8], ways)
             if way.get("LOAD_STAGES", 0) * staged(bn, bk) <= 160 * 1024
-            and (stage == "gate_up" or bn * bk <= 256 * nw)
-            and way.get("VEC", 0) <= rows * bn * bk // (32 * nw)]
+            and (stage == "gate_up" or bn * bk <= 256 * nw)]
 
 
 def tune_decode(bucket, x, gu, dn, idx, w, T, full):

@@ -69,28 +69,6 @@ def test_decode_load_stages_matches_the_float64_loop(variant):
     assert torch.equal(out, moe.fused_experts(x, gu, dn, idx, w, variant=variant, config=with_decode()))
 
 
-@pytest.mark.parametrize("variant", TRITON_VARIANTS)
-@pytest.mark.parametrize("vec", [4, 8])
-def test_decode_vec_matches_the_float64_loop(variant, vec):
-    """VEC (runs of VEC columns summed in registers, the K experts' rows as one axis in down): the
-    same sums to rounding, H = 72 and I = 40 ending inside a run, with and without LOAD_STAGES;
-    the constexpr reaches both launches."""
-    from kernelhub.device import CachedLaunch
-
-    E, H, I, K = 6, 72, 40, 3
-    x, gu, dn, idx, w = make_inputs(2, H, I, E, K, dtype=torch.bfloat16, seed=7)
-    idx[1, 0] = -1
-    plain = moe.fused_experts(x, gu, dn, idx, w, variant=variant, config=with_decode())
-    for extra in ({}, {"LOAD_STAGES": 3}):
-        vecd = {**DECODE, **{s: {**DECODE[s], "VEC": vec, **extra} for s in ("gate_up", "down")}}
-        with CachedLaunch.recording() as calls:
-            out = moe.fused_experts(x, gu, dn, idx, w, variant=variant, config=with_decode(vecd))
-        for c in calls:
-            assert dict(zip(c.launcher.names[-len(c.constexprs):], c.constexprs, strict=True))["VEC"] == vec
-        assert_close_rel(out, loop_reference(x, gu, dn, idx, w), 1e-2, "VEC decode output")
-        assert_close_rel(out, plain, 1e-2, "VEC decode against the plain tiles")
-
-
 def test_decode_key_applies_up_to_max_tokens_and_only_to_inference():
     from kernelhub.device import CachedLaunch
 
@@ -196,12 +174,6 @@ def test_stages_fit_the_shared_memory_of_each_device_index(fake_gpus):
      "['decode']['gate_up']['LOAD_STAGES'] must be an int >= 1"),
     (lambda c: c.update(decode={**DECODE, "gate_up": {**DECODE["gate_up"], "LOAD_STAGES": 2.0}}), ValueError,
      "['decode']['gate_up']['LOAD_STAGES'] must be an int >= 1"),
-    (lambda c: c.update(decode={**DECODE, "gate_up": {**DECODE["gate_up"], "VEC": 6}}), ValueError,
-     "['decode']['gate_up']['VEC'] must be a power of two in [2, 32] and at most BLOCK_K = 32"),
-    (lambda c: c.update(decode={**DECODE, "down": {**DECODE["down"], "VEC": 32}}), ValueError,
-     "['decode']['down']['VEC'] must be a power of two in [2, 32] and at most BLOCK_K = 16, got 32"),
-    (lambda c: c.update(decode={**DECODE, "down": {**DECODE["down"], "VEC": True}}), ValueError,
-     "['decode']['down']['VEC'] must be an int"),
 ])
 def test_a_bad_pinned_config_is_a_clear_error(edit, error, words):
     cfg = copy.deepcopy(cfgs.INTERPRETER_CONFIG)

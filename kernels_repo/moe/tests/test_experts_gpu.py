@@ -163,23 +163,18 @@ GPU_DECODE = {"max_tokens": 4, "gate_up": {"BLOCK_N": 16, "BLOCK_K": 256, "num_w
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("load_stages", [1, 3, "vec"])
+@pytest.mark.parametrize("load_stages", [1, 3])
 @pytest.mark.parametrize("T", [1, 4])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_gpu_decode_path_matches_the_reference_replays_and_captures(shape, T, load_stages, tmp_path, monkeypatch):
     """Buckets with a "decode" key (KERNELHUB_MOE_CONFIG_DIR): the token-major path at real shapes
     in bf16 against the reference, its replay (two launches) with the ordinary path's bits, and a
-    CUDA graph of it; LOAD_STAGES 3: the K loops' loads pipelined through shared memory; "vec":
-    VEC 8 on both stages (runs of a thread's 16-byte vector summed in registers)."""
+    CUDA graph of it; LOAD_STAGES 3: the K loops' loads pipelined through shared memory."""
     s = SHAPES[shape]
     cap = 90 if moe.select_variant(torch.device("cuda")) == "sm90" else 80
     data = json.loads((Path(cfgs.__file__).parent / "configs" / f"sm{cap}.json").read_text())
     for bucket in data["buckets"] + [b for shape_buckets in data["shapes"].values() for b in shape_buckets]:
         bucket["decode"] = copy.deepcopy(GPU_DECODE)
-        if load_stages == "vec":
-            for stage in ("gate_up", "down"):
-                bucket["decode"][stage]["VEC"] = 8
-            continue
         for stage in ("gate_up", "down"):
             bucket["decode"][stage]["LOAD_STAGES"] = load_stages
         if load_stages > 1:  # 3 staged [8, 8, 128] weight and h tiles: 96 KB, within an A100's shared memory

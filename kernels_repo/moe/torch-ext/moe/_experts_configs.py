@@ -145,14 +145,11 @@ def _check_decode(where: str, decode: object) -> None:
         c = decode[stage]
         # BLOCK_N may be as small as 4 here (rows of one expert's weight, not an MMA tile)
         check_stage(f"{where}[{stage!r}]", {**c, "BLOCK_N": 16} if isinstance(c, dict) and "BLOCK_N" in c else c,
-                     _DECODE_KEYS, {"LOAD_STAGES": int, "VEC": int})
+                     _DECODE_KEYS, {"LOAD_STAGES": int})
         if not _pow2(c["BLOCK_N"]) or c["BLOCK_N"] < 4:
             raise ValueError(f"{where}[{stage!r}]['BLOCK_N'] must be a power of two >= 4, got {c['BLOCK_N']!r}")
         if c.get("LOAD_STAGES", 1) > 8:  # (as the fp8 decode key: more stages only add shared memory)
             raise ValueError(f"{where}[{stage!r}]['LOAD_STAGES'] must be in [1, 8], got {c['LOAD_STAGES']!r}")
-        if "VEC" in c and (c["VEC"] not in (2, 4, 8, 16, 32) or c["VEC"] > c["BLOCK_K"]):
-            raise ValueError(f"{where}[{stage!r}]['VEC'] must be a power of two in [2, 32] and at most "
-                             f"BLOCK_K = {c['BLOCK_K']}, got {c['VEC']!r}")
 
 
 def _check_lists(cfg: object, path: Path) -> None:

@@ -57,8 +57,8 @@ WgradConstexprs = constexpr_spec(_grouped_wgrad_kernel, """GATHER_A GATHER_B TOP
 CombineConstexprs = constexpr_spec(_combine_kernel, "TOPK HAS_W RNE BLOCK_H")
 GatherConstexprs = constexpr_spec(_gather_rows_kernel, "TOPK ALIGN BLOCK_R BLOCK_H")
 PairTilesConstexprs = constexpr_spec(_pair_tiles_kernel, "BLOCK_M BLOCK_E")
-DecodeGateUpConstexprs = constexpr_spec(_decode_gate_up_kernel, "TOPK UPCAST BLOCK_N BLOCK_K LOAD_STAGES VEC")
-DecodeDownConstexprs = constexpr_spec(_decode_down_kernel, "TOPK TOPK_P UPCAST BLOCK_N BLOCK_K LOAD_STAGES VEC")
+DecodeGateUpConstexprs = constexpr_spec(_decode_gate_up_kernel, "TOPK UPCAST BLOCK_N BLOCK_K LOAD_STAGES")
+DecodeDownConstexprs = constexpr_spec(_decode_down_kernel, "TOPK TOPK_P UPCAST BLOCK_N BLOCK_K LOAD_STAGES")
 
 # (launcher, register cap) -> launcher compiled with ptx .maxnreg: a stage's "maxnreg" key. Why:
 # ptxas gives the 8-warp dgrad tile ~180 registers, one CTA per SM, so its SwiGLU-backward epilogue
@@ -268,7 +268,7 @@ def decode_gate_up(x, gate_up_proj, topk_idx, h, c: dict) -> None:
         (h.shape[0], cdiv(two_i // 2, c["BLOCK_N"])), _index(x), (x, gate_up_proj, topk_idx, h),
         (H, two_i // 2, E, x.stride(0), x.stride(1), si[0], si[1], sg[0], sg[1], sg[2], h.stride(0)),
         DecodeGateUpConstexprs(TOPK=topk_idx.shape[1], UPCAST=_INTERPRET, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
-                               LOAD_STAGES=c.get("LOAD_STAGES", 1), VEC=c.get("VEC", 0)),
+                               LOAD_STAGES=c.get("LOAD_STAGES", 1)),
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
 
@@ -282,7 +282,6 @@ def decode_down(h, down_proj, topk_idx, topk_weights, out, c: dict) -> None:
         (H, inter, E, h.stride(0), si[0], si[1], sd[0], sd[1], sd[2], topk_weights.stride(0),
          topk_weights.stride(1), out.stride(0)),
         DecodeDownConstexprs(TOPK=topk_idx.shape[1], TOPK_P=next_pow2(topk_idx.shape[1]), UPCAST=_INTERPRET,
-                             BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], LOAD_STAGES=c.get("LOAD_STAGES", 1),
-                             VEC=c.get("VEC", 0)),
+                             BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], LOAD_STAGES=c.get("LOAD_STAGES", 1)),
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )

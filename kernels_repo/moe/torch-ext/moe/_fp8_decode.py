@@ -35,9 +35,23 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ._experts_decode import _token_expert_rows
 from ._experts_kernels import _to
 from ._fp8_kernels import _e4m3_bits
+
+
+@triton.jit
+def _token_expert_rows(idx_ptr, wts_ptr, t, stride_it, stride_ik, stride_wt, stride_wtk, E, H,
+                       TOPK: tl.constexpr, TOPK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A down program's K experts' weight rows as one axis, r = slot * BLOCK_N + n (the VEC
+    tiles): each row's slot, output column, expert (0 where dropped), whether it counts
+    (a real slot, an id in [0, E), a column below H) and its routing weight."""
+    r = tl.arange(0, TOPK_P * BLOCK_N)
+    slot_r = r // BLOCK_N
+    n_r = tl.program_id(1) * BLOCK_N + r % BLOCK_N
+    e_r = tl.load(idx_ptr + t * stride_it + slot_r * stride_ik, mask=slot_r < TOPK, other=-1).to(tl.int64)
+    ok_r = (slot_r < TOPK) & (e_r >= 0) & (e_r < E) & (n_r < H)
+    wt_r = tl.load(wts_ptr + t * stride_wt + slot_r * stride_wtk, mask=ok_r, other=0.0).to(tl.float32)
+    return slot_r, n_r, tl.where(ok_r, e_r, 0), ok_r, wt_r
 
 
 @triton.jit
