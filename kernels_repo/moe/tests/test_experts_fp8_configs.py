@@ -554,13 +554,13 @@ def test_decode_key_runs_the_token_major_kernels_and_matches_the_float64_loop(va
 
 @pytest.mark.parametrize(("T", "seed"), [(1, 41), (2, 42)])
 def test_shipped_sm80_config_decodes_one_token_by_the_token_major_kernels(T, seed):
-    """configs/fp8_sm80.json (no shape entries): the bucket T=1 picks at every benchmark shape holds a
-    "decode" key for one token, without PDL (sm90 only); its tiles (pinned: the interpreter ignores
-    the files) run the two decode kernels at T=1 and the grouped W8A16 path at T=2, both matching
-    the float64 loop (H = 300, I = 136: partial scale blocks)."""
-    for E, H, inter, K in ((128, 2048, 768, 8), (256, 7168, 2048, 8), (8, 4096, 14336, 2)):
-        decode = fp8c.pick_fp8_config("sm80", E, H, inter, K)["decode"]
-        assert decode["max_tokens"] == 1 and not decode["down"].get("PDL", False)
+    """configs/fp8_sm80.json: the bucket Qwen3-30B-A3B's T=1 picks holds a "decode" key for one
+    token, without PDL (sm90 only), and the default buckets (other shapes: untimed) none; its tiles
+    (pinned: the interpreter ignores the files) run the two decode kernels at T=1 and the grouped
+    W8A16 path at T=2, both matching the float64 loop (H = 300, I = 136: partial scale blocks)."""
+    decode = fp8c.pick_fp8_config("sm80", 128, 2048, 768, 8)["decode"]
+    assert decode["max_tokens"] == 1 and not decode["down"].get("PDL", False)
+    assert "decode" not in fp8c.pick_fp8_config("sm80", 256, 7168, 2048, 8)
     cfg = fp8c.pick_fp8_config("sm80", 128, 2048, 768, 8)
     x, guq, dq, idx, w, scales = make_fp8(T, 300, 136, 6, 3, seed=seed, drop=1)
     out, names = _kernels(lambda: moe.fused_experts(x, guq, dq, idx, w, variant="sm80", config=cfg, **scales))
