@@ -558,10 +558,9 @@ def test_shipped_sm80_config_decodes_one_token_by_the_token_major_kernels(T, see
     token, without PDL (sm90 only), and the default buckets (other shapes: untimed) none; its tiles
     (pinned: the interpreter ignores the files) run the two decode kernels at T=1 and the grouped
     W8A16 path at T=2, both matching the float64 loop (H = 300, I = 136: partial scale blocks)."""
-    decode = fp8c.pick_fp8_config("sm80", 128, 2048, 768, 8)["decode"]
-    assert decode["max_tokens"] == 1 and not decode["down"].get("PDL", False)
-    assert "decode" not in fp8c.pick_fp8_config("sm80", 256, 7168, 2048, 8)
     cfg = fp8c.pick_fp8_config("sm80", 128, 2048, 768, 8)
+    assert cfg["decode"]["max_tokens"] == 1 and not cfg["decode"]["down"].get("PDL", False)
+    assert "decode" not in fp8c.pick_fp8_config("sm80", 256, 7168, 2048, 8)
     x, guq, dq, idx, w, scales = make_fp8(T, 300, 136, 6, 3, seed=seed, drop=1)
     out, names = _kernels(lambda: moe.fused_experts(x, guq, dq, idx, w, variant="sm80", config=cfg, **scales))
     assert (names == ["_fp8_decode_gate_up_kernel", "_fp8_decode_down_kernel"]) == (T == 1), names
