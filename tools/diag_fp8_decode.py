@@ -8,7 +8,7 @@ and which tile or load mode closes the gap. Then whole calls (PAIRS) from one CU
 the flush between calls, less the flush alone: the time a PDL down kernel overlaps shows only there.
 
 Usage (repo root, GPU): PYTHONPATH=src python tools/diag_fp8_decode.py  (`fp8diag`)
-  env: SHAPE=qwen3_30b_a3b  T=1  REPS=20
+  env: SHAPE=qwen3_30b_a3b  T=1  REPS=20  PAIRS_ONLY=1 (whole calls only)
 """
 
 from __future__ import annotations
@@ -37,12 +37,25 @@ def _tile(bn: int, bk: int, nw: int, **way) -> dict:
 GATE_UP = [_tile(4, 512, 8), _tile(4, 128, 4), _tile(8, 256, 8), _tile(4, 1024, 8), _tile(4, 512, 8, PREFETCH=True),
            _tile(4, 512, 8, VEC=8), _tile(4, 128, 4, VEC=4), _tile(8, 256, 8, VEC=8), _tile(4, 1024, 8, VEC=16),
            _tile(4, 512, 8, VEC=8, LOAD_STAGES=3)]
+# tensor-core tiles (s48, MMA): weight rows times x padded to 16 columns, loads pipelined by LOAD_STAGES
+MMA = [_tile(16, 128, 4, MMA=True), _tile(16, 128, 4, MMA=True, LOAD_STAGES=3),
+       _tile(16, 128, 4, MMA=True, LOAD_STAGES=4),
+       _tile(32, 128, 4, MMA=True, LOAD_STAGES=3), _tile(32, 128, 4, MMA=True, LOAD_STAGES=4),
+       _tile(16, 64, 4, MMA=True, LOAD_STAGES=4), _tile(32, 64, 4, MMA=True, LOAD_STAGES=4),
+       _tile(64, 128, 4, MMA=True, LOAD_STAGES=3), _tile(32, 128, 8, MMA=True, LOAD_STAGES=4),
+       _tile(64, 128, 8, MMA=True, LOAD_STAGES=3)]
+GATE_UP = [GATE_UP[0], *MMA, *GATE_UP[1:]]
 DOWN = [_tile(4, 128, 8), _tile(8, 64, 8, PREFETCH=True), _tile(8, 128, 8), _tile(4, 256, 8), _tile(8, 256, 8),
         _tile(4, 512, 8), _tile(8, 128, 8, PREFETCH=True), _tile(4, 128, 4, PREFETCH=True), _tile(4, 128, 8, VEC=16),
         _tile(8, 128, 8, VEC=16), _tile(8, 256, 8, VEC=16), _tile(4, 512, 8, VEC=16)]
-# whole calls (gate/up, down): with PDL the down kernel overlaps gate/up, so only a call's time says it
-PAIRS = [(GATE_UP[0], {**DOWN[0], "PDL": True}), (GATE_UP[5], {**DOWN[8], "PDL": True}), (GATE_UP[0], DOWN[0]),
-         (GATE_UP[5], DOWN[8]), (GATE_UP[0], {**DOWN[0], "PDL": True})]
+# whole calls (gate/up, down): with PDL the down kernel overlaps gate/up, so only a call's time says it.
+# PDL + PREFETCH: the down program's first step of weights is loaded before it waits for gate/up (s48),
+# so wide first steps (up to 512 of Qwen3's 768 columns) stream while gate/up finishes
+EARLY = [_tile(4, 128, 8, PDL=True, PREFETCH=True), _tile(4, 256, 8, PDL=True, PREFETCH=True),
+         _tile(4, 512, 8, PDL=True, PREFETCH=True), _tile(8, 256, 8, PDL=True, PREFETCH=True),
+         _tile(4, 256, 4, PDL=True, PREFETCH=True), _tile(8, 128, 8, PDL=True, PREFETCH=True)]
+PAIRS = [(GATE_UP[0], {**DOWN[0], "PDL": True}), *((g, {**DOWN[0], "PDL": True}) for g in MMA),
+         *((GATE_UP[0], d) for d in EARLY[:1]), (GATE_UP[0], {**DOWN[0], "PDL": True})]
 
 def main() -> None:
     name = os.environ.get("SHAPE", "qwen3_30b_a3b")
@@ -65,7 +78,7 @@ def main() -> None:
     want = moe.fused_experts(x, gu, dn, idx, w, gate_up_proj_scale_inv=gus, down_proj_scale_inv=dns,
                              variant="sm80").float()
     base = {"gate_up": GATE_UP[0], "down": DOWN[0]}
-    for stage, space in (("gate_up", GATE_UP), ("down", DOWN)):
+    for stage, space in () if os.environ.get("PAIRS_ONLY") else (("gate_up", GATE_UP), ("down", DOWN)):
         for c in space:
             dec = {"max_tokens": T, **base, stage: c}
             try:

@@ -13,10 +13,11 @@ exactly (`_e4m3_bits`, W_BITS). A K step is BLOCK_K columns: a divisor of the 12
 block, or whole scale blocks (their loads are not software-pipelined, so a wide step is what keeps
 bytes in flight); the tile is [.., NB, KC] with one scale per weight row and KC-column chunk:
 acc += w * (x * s). PREFETCH: the loads of step k+1 are issued before step k's math (registers
-carry them across the loop), two steps' bytes in flight per program without a wider step's
-registers. LOAD_STAGES > 1: the K loop's loads software-pipelined by Triton (cp.async into shared
-memory, LOAD_STAGES - 1 steps ahead), bytes in flight without the registers to hold them; Triton
-pipelines loads that feed no MMA only in a loop that asks for it (`tl.range(num_stages=)`).
+carry them across the loop; down: the weights and scales, h being small and in L2), two steps'
+bytes in flight per program without a wider step's registers. LOAD_STAGES > 1: the K loop's
+loads software-pipelined by Triton (cp.async into shared memory, LOAD_STAGES - 1 steps ahead),
+bytes in flight without the registers to hold them; Triton pipelines loads that feed no MMA only
+in a loop that asks for it (`tl.range(num_stages=)`).
 VEC: the gate/up tile as [BLOCK_N, NB, KC // VEC, VEC], each run of VEC columns one thread's own
 vector; the products are summed over the run in registers and scaled once per run, so the
 accumulators are [BLOCK_N, NB, KC // VEC] rather than the whole tile (sm90 ptxas, (4, 512, 8
@@ -25,7 +26,9 @@ kernel's VEC does the same with the K experts' rows as one axis of its tile.
 PDL (down, sm90): the down kernel is launched as a programmatic dependent of gate/up (which lets
 it launch from its start, TRIGGER): its programs start while gate/up's last ones run, read the
 token's expert ids and weights, and wait for h (`griddepcontrol.wait`) before their first load of
-it. Inline PTX: off in the interpreter (the launcher passes False there).
+it; with PREFETCH (which carries the weights and scales, not h) the first step's weight tile is
+loaded before that wait, so a wide first step streams most of a program's weights while gate/up
+finishes. Inline PTX: off in the interpreter (the launcher passes False there).
 fp32 accumulation; h stored in x's dtype.
 """
 
@@ -110,13 +113,43 @@ def _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, k0, H, n_mask, offs
 
 
 @triton.jit
-def _down_tiles(h_ptrs, w_ptrs, s_ptrs, k0, I, row_ok, offs_k, chunk, SCALE_K: tl.constexpr):
-    """K step k0's h (fp32), scales and raw weight tiles of the token's K experts; masked past I."""
+def _down_weights(w_ptrs, s_ptrs, k0, I, row_ok, offs_k, chunk, SCALE_K: tl.constexpr):
+    """K step k0's scales and raw weight tiles of the token's K experts; masked past I. (Not h:
+    these are the loads a PDL down program may issue before gate/up is done.)"""
     mask = row_ok[:, :, :, None] & (offs_k < I - k0)[None, None, :, :]
     s_mask = row_ok & (chunk < I - k0)[None, None, :]
-    hv = tl.load(h_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
     s = tl.load(s_ptrs + ((k0 + chunk) // SCALE_K)[None, None, :], mask=s_mask, other=0.0)
-    return hv, s, tl.load(w_ptrs + k0, mask=mask, other=0.0)
+    return s, tl.load(w_ptrs + k0, mask=mask, other=0.0)
+
+
+@triton.jit
+def _dot_weight(w, dtype: tl.constexpr, W_BITS: tl.constexpr):
+    """A raw weight tile as the MMA operand dtype (x's): exact, e4m3 values are 16-bit numbers."""
+    if W_BITS:
+        return (_e4m3_bits(w) * 256.0).to(dtype)
+    return w.to(dtype)
+
+
+@triton.jit
+def _mma_x(x_ptrs, k0, H, offs_k, cols, UPCAST: tl.constexpr):
+    """K step k0 of x as the MMA's [BLOCK_K, 16] operand: x in the first column (16 is the least the
+    tensor cores take), zeros elsewhere; masked past H. UPCAST (the interpreter, whose 16-bit dot
+    is wrong): fp32."""
+    xv = tl.load(x_ptrs + k0, mask=offs_k < H - k0, other=0.0)
+    if UPCAST:
+        xv = xv.to(tl.float32)
+    return tl.where(cols[None, :] == 0, xv[:, None], tl.zeros_like(xv)[:, None])
+
+
+@triton.jit
+def _mma_rows(xb, w_ptrs, s_ptrs, k0, H, n_mask, offs_k, SCALE_K: tl.constexpr, W_BITS: tl.constexpr):
+    """K step k0 of the MMA tiles: (W[rows, k0:k0+BLOCK_K] @ xb) * s, [BLOCK_N, 16] fp32."""
+    w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & (offs_k < H - k0)[None, :], other=0.0)
+    w = _dot_weight(w, xb.dtype, W_BITS)
+    sc = tl.load(s_ptrs + k0 // SCALE_K, mask=n_mask, other=0.0)
+    if xb.dtype == tl.float32:  # (fp32 activations: full-precision products, not tf32)
+        return tl.dot(w, xb, input_precision="ieee") * sc[:, None]
+    return tl.dot(w, xb) * sc[:, None]
 
 
 @triton.jit
@@ -125,7 +158,7 @@ def _fp8_decode_gate_up_kernel(
     stride_xt, stride_it, stride_ik, stride_we, stride_wn, stride_wse, stride_wsn, stride_hm,
     TOPK: tl.constexpr, W_BITS: tl.constexpr, UPCAST: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, LOAD_STAGES: tl.constexpr,
-    TRIGGER: tl.constexpr, VEC: tl.constexpr,
+    TRIGGER: tl.constexpr, VEC: tl.constexpr, MMA: tl.constexpr,
 ):
     if TRIGGER:  # the down kernel (a programmatic dependent) may launch once every program got here
         gdc_launch_dependents()
@@ -138,7 +171,22 @@ def _fp8_decode_gate_up_kernel(
     n_mask = offs_n < I
     gs_ptrs = ws_ptr + e * stride_wse + (offs_n // SCALE_N)[:, None] * stride_wsn
     us_ptrs = ws_ptr + e * stride_wse + ((offs_n + I) // SCALE_N)[:, None] * stride_wsn
-    if VEC > 0:  # [BN, NB, KC // VEC, VEC] tiles: products summed per VEC run in registers, then scaled
+    if MMA:  # tensor cores: [BLOCK_N, BLOCK_K] weight tiles (BLOCK_K within a scale block) times x
+        offs_k = tl.arange(0, BLOCK_K)
+        cols = tl.arange(0, 16)
+        g_ptrs = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+        x_ptrs = x_ptr + t * stride_xt + offs_k
+        gs_rows = ws_ptr + e * stride_wse + (offs_n // SCALE_N) * stride_wsn  # [BLOCK_N] + the K block
+        us_rows = ws_ptr + e * stride_wse + ((offs_n + I) // SCALE_N) * stride_wsn
+        acc_g = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
+        acc_u = tl.zeros_like(acc_g)
+        for k0 in tl.range(0, H, BLOCK_K, num_stages=LOAD_STAGES):
+            xb = _mma_x(x_ptrs, k0, H, offs_k, cols, UPCAST)
+            acc_g += _mma_rows(xb, g_ptrs, gs_rows, k0, H, n_mask, offs_k, SCALE_K, W_BITS)
+            acc_u += _mma_rows(xb, g_ptrs + I * stride_wn, us_rows, k0, H, n_mask, offs_k, SCALE_K, W_BITS)
+        acc_g = acc_g[:, :, None]  # (3-D, as the other tiles' accumulators: summed below)
+        acc_u = acc_u[:, :, None]
+    elif VEC > 0:  # [BN, NB, KC // VEC, VEC] tiles: products summed per VEC run in registers, then scaled
         offs_v, chunk = _k_vectors(BLOCK_K, SCALE_K, VEC)
         g_ptrs = w_ptr + e * stride_we + offs_n[:, None, None, None].to(tl.int64) * stride_wn + offs_v[None, :, :, :]
         u_ptrs = g_ptrs + I * stride_wn
@@ -229,19 +277,21 @@ def _fp8_decode_down_kernel(
         # [TOPK_P, BLOCK_N, 1] + the K blocks
         s_ptrs = ws_ptr + e[:, None, None] * stride_wse + (offs_n // SCALE_N)[None, :, None] * stride_wsn
         row_ok = valid[:, None, None] & n_mask[None, :, None]
+        if PREFETCH:  # the first step's weights: under PDL in flight while gate/up still runs
+            nxt = _down_weights(w_ptrs, s_ptrs, 0, I, row_ok, offs_k, chunk, SCALE_K)
         if PDL:  # h is the gate/up kernel's: wait for it (and its writes) before any load of it
             gdc_wait()
         # one accumulator per expert, summed once after the loop (as `_experts_decode`)
         acc = tl.zeros((TOPK_P, BLOCK_N, BLOCK_K // SCALE_K if BLOCK_K > SCALE_K else 1,
                         SCALE_K if BLOCK_K > SCALE_K else BLOCK_K), dtype=tl.float32)
-        if PREFETCH:
-            nxt = _down_tiles(h_ptrs, w_ptrs, s_ptrs, 0, I, row_ok, offs_k, chunk, SCALE_K)
         for k0 in tl.range(0, I, BLOCK_K, num_stages=LOAD_STAGES):
             if PREFETCH:
-                hv, s, wv = nxt
-                nxt = _down_tiles(h_ptrs, w_ptrs, s_ptrs, k0 + BLOCK_K, I, row_ok, offs_k, chunk, SCALE_K)
+                s, wv = nxt
+                nxt = _down_weights(w_ptrs, s_ptrs, k0 + BLOCK_K, I, row_ok, offs_k, chunk, SCALE_K)
             else:
-                hv, s, wv = _down_tiles(h_ptrs, w_ptrs, s_ptrs, k0, I, row_ok, offs_k, chunk, SCALE_K)
+                s, wv = _down_weights(w_ptrs, s_ptrs, k0, I, row_ok, offs_k, chunk, SCALE_K)
+            h_mask = row_ok[:, :, :, None] & (offs_k < I - k0)[None, None, :, :]
+            hv = tl.load(h_ptrs + k0, mask=h_mask, other=0.0).to(tl.float32)
             acc += _fp32_weight(wv, W_BITS) * (hv * (s * wt[:, None, None])[:, :, :, None])
         out = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=0)
     tl.store(out_ptr + t * stride_om + offs_n, _to(out, out_ptr.dtype.element_ty, UPCAST), mask=n_mask)
