@@ -5,8 +5,8 @@ export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 KERNELHUB_TEST_GPU=1 TRITON_INTERP
 for w in .whl/*.whl; do python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$w" 2>/dev/null; done
 export PYTHONPATH=$PYTHONPATH:/tmp/site
 nvidia-smi --query-gpu=name --format=csv,noheader
-timeout 100 python3 -m pytest -q -x kernels_repo/moe/tests/test_experts_fp8_configs.py -k "pinned_paths or pdl_down" 2>&1 | tail -3
-MMA_ONLY=1 timeout 200 python3 tools/diag_fp8_decode.py 2>&1 | grep -v -i warn | tee $OUT/diag_fp8_decode.log
+timeout 80 python3 -m pytest -q -x kernels_repo/moe/tests/test_experts_fp8_configs.py -k "pinned_paths or pdl_down" 2>&1 | tail -3
+MMA_ONLY=1 timeout 170 python3 tools/diag_fp8_decode.py 2>&1 | grep -v -i warn | tee $OUT/diag_fp8_decode.log
 cand=$OUT/cand; mkdir -p $cand; cp kernels_repo/moe/torch-ext/moe/configs/*.json $cand/
 python3 - "$OUT/diag_fp8_decode.log" "$cand/fp8_sm90.json" <<'PY'
 import json, re, sys
@@ -22,6 +22,6 @@ PY
 for run in shipped cand cand2 shipped2; do
   case $run in cand*) dir=$cand;; *) dir=;; esac
   mkdir -p $OUT/$run
-  env ${dir:+KERNELHUB_MOE_CONFIG_DIR=$dir} OUT=$OUT/$run PEERS=0 SHAPES=qwen3_30b_a3b,deepseek_v3 TOKENS=1 COMPILE=none timeout 80 python3 kernels_repo/moe/benchmarks/bench_fp8.py > $OUT/$run/bench.log 2>&1
+  env ${dir:+KERNELHUB_MOE_CONFIG_DIR=$dir} OUT=$OUT/$run PEERS=0 SHAPES=qwen3_30b_a3b TOKENS=1 COMPILE=none timeout 60 python3 kernels_repo/moe/benchmarks/bench_fp8.py > $OUT/$run/bench.log 2>&1
   echo "== $run"; grep -E "kernelhub" $OUT/$run/bench.log | head -8
 done
