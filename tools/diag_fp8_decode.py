@@ -8,8 +8,7 @@ and which tile or load mode closes the gap. Then whole calls (PAIRS) from one CU
 the flush between calls, less the flush alone: the time a PDL down kernel overlaps shows only there.
 
 Usage (repo root, GPU): PYTHONPATH=src python tools/diag_fp8_decode.py  (`fp8diag`)
-  env: SHAPE=qwen3_30b_a3b  T=1  REPS=20  PAIRS_ONLY=1 (whole calls only)  MMA_ONLY=1 (kernels alone:
-  the shipped and MMA tiles only)
+  env: SHAPE=qwen3_30b_a3b  T=1  REPS=20  PAIRS_ONLY=1 (whole calls only)
 """
 
 from __future__ import annotations
@@ -45,7 +44,7 @@ MMA = [_tile(16, 128, 4, MMA=True), _tile(16, 128, 4, MMA=True, LOAD_STAGES=3),
        _tile(16, 64, 4, MMA=True, LOAD_STAGES=4), _tile(32, 64, 4, MMA=True, LOAD_STAGES=4),
        _tile(64, 128, 4, MMA=True, LOAD_STAGES=3), _tile(32, 128, 8, MMA=True, LOAD_STAGES=4),
        _tile(64, 128, 8, MMA=True, LOAD_STAGES=3)]
-GATE_UP = [GATE_UP[0], *MMA, *([] if os.environ.get("MMA_ONLY") else GATE_UP[1:])]
+GATE_UP = [GATE_UP[0], *MMA, *GATE_UP[1:]]
 DOWN = [_tile(4, 128, 8), _tile(8, 64, 8, PREFETCH=True), _tile(8, 128, 8), _tile(4, 256, 8), _tile(8, 256, 8),
         _tile(4, 512, 8), _tile(8, 128, 8, PREFETCH=True), _tile(4, 128, 4, PREFETCH=True), _tile(4, 128, 8, VEC=16),
         _tile(8, 128, 8, VEC=16), _tile(8, 256, 8, VEC=16), _tile(4, 512, 8, VEC=16)]
@@ -53,7 +52,7 @@ DOWN = [_tile(4, 128, 8), _tile(8, 64, 8, PREFETCH=True), _tile(8, 128, 8), _til
 MMA_DOWN = [_tile(16, 128, 4, MMA=True, LOAD_STAGES=4), _tile(16, 128, 4, MMA=True, LOAD_STAGES=8),
             _tile(32, 128, 4, MMA=True, LOAD_STAGES=4), _tile(16, 64, 4, MMA=True, LOAD_STAGES=8),
             _tile(32, 128, 8, MMA=True, LOAD_STAGES=6)]
-DOWN = [DOWN[0], *MMA_DOWN, *([] if os.environ.get("MMA_ONLY") else DOWN[1:])]
+DOWN = [DOWN[0], *MMA_DOWN, *DOWN[1:]]
 # whole calls (gate/up, down): with PDL the down kernel overlaps gate/up, so only a call's time says it.
 # PDL + PREFETCH: the down program's first step of weights is loaded before it waits for gate/up (s48),
 # so wide first steps (up to 512 of Qwen3's 768 columns) stream while gate/up finishes
