@@ -48,11 +48,6 @@ GATE_UP = [GATE_UP[0], *MMA, *GATE_UP[1:]]
 DOWN = [_tile(4, 128, 8), _tile(8, 64, 8, PREFETCH=True), _tile(8, 128, 8), _tile(4, 256, 8), _tile(8, 256, 8),
         _tile(4, 512, 8), _tile(8, 128, 8, PREFETCH=True), _tile(4, 128, 4, PREFETCH=True), _tile(4, 128, 8, VEC=16),
         _tile(8, 128, 8, VEC=16), _tile(8, 256, 8, VEC=16), _tile(4, 512, 8, VEC=16)]
-# down on the tensor cores: one (expert, K step) per iteration of a flat loop, pipelined across experts
-MMA_DOWN = [_tile(16, 128, 4, MMA=True, LOAD_STAGES=4), _tile(16, 128, 4, MMA=True, LOAD_STAGES=8),
-            _tile(32, 128, 4, MMA=True, LOAD_STAGES=4), _tile(16, 64, 4, MMA=True, LOAD_STAGES=8),
-            _tile(32, 128, 8, MMA=True, LOAD_STAGES=6)]
-DOWN = [DOWN[0], *MMA_DOWN, *DOWN[1:]]
 # whole calls (gate/up, down): with PDL the down kernel overlaps gate/up, so only a call's time says it.
 # PDL + PREFETCH: the down program's first step of weights is loaded before it waits for gate/up (s48),
 # so wide first steps (up to 512 of Qwen3's 768 columns) stream while gate/up finishes
@@ -60,8 +55,6 @@ EARLY = [_tile(4, 128, 8, PDL=True, PREFETCH=True), _tile(4, 256, 8, PDL=True, P
          _tile(4, 512, 8, PDL=True, PREFETCH=True), _tile(8, 256, 8, PDL=True, PREFETCH=True),
          _tile(4, 256, 4, PDL=True, PREFETCH=True), _tile(8, 128, 8, PDL=True, PREFETCH=True)]
 PAIRS = [(GATE_UP[0], {**DOWN[0], "PDL": True}), *((g, {**DOWN[0], "PDL": True}) for g in MMA),
-         *((GATE_UP[0], {**d, "PDL": True}) for d in MMA_DOWN),
-         *((g, {**d, "PDL": True}) for g in (MMA[2], MMA[4]) for d in MMA_DOWN[:2]),
          *((GATE_UP[0], d) for d in EARLY[:1]), (GATE_UP[0], {**DOWN[0], "PDL": True})]
 
 def main() -> None:

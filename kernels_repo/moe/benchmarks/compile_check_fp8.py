@@ -164,7 +164,7 @@ def check_decode(cap: int, stage: str, c: dict, dtype: str = "bf16", label: str 
                  BLOCK_K=c["BLOCK_K"], PREFETCH=c.get("PREFETCH", False), LOAD_STAGES=c.get("LOAD_STAGES", 1),
                  stride_ik=1)
     if stage == "down":
-        const.update(TOPK_P=8, stride_wtk=1, PDL=c.get("PDL", False), VEC=c.get("VEC", 0), MMA=c.get("MMA", False))
+        const.update(TOPK_P=8, stride_wtk=1, PDL=c.get("PDL", False), VEC=c.get("VEC", 0))
     else:
         const.update(TRIGGER=c.get("TRIGGER", False), VEC=c.get("VEC", 0), MMA=c.get("MMA", False))
     full = {n: sig.get(n, "constexpr" if n in const else cc.I32) for n in fn.arg_names}

@@ -147,7 +147,7 @@ def _check_decode(where: str, decode: object) -> None:
     for stage in ("gate_up", "down"):
         c, at = decode[stage], f"{where}[{stage!r}]"
         needed = {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
-        optional = ("PREFETCH", "LOAD_STAGES", "VEC", "MMA") + (("PDL",) if stage == "down" else ())
+        optional = ("PREFETCH", "LOAD_STAGES", "VEC") + (("PDL",) if stage == "down" else ("MMA",))
         if not isinstance(c, dict) or not needed <= set(c) <= needed | set(optional):
             raise ValueError(f"{at} must be a dict of BLOCK_N, BLOCK_K, num_warps, num_stages (and optionally "
                              f"{', '.join(optional)}), got {c!r}")

@@ -233,40 +233,12 @@ def _fp8_decode_down_kernel(
     stride_om,
     TOPK: tl.constexpr, TOPK_P: tl.constexpr, W_BITS: tl.constexpr, UPCAST: tl.constexpr, SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-    LOAD_STAGES: tl.constexpr, PDL: tl.constexpr, VEC: tl.constexpr, MMA: tl.constexpr,
+    LOAD_STAGES: tl.constexpr, PDL: tl.constexpr, VEC: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
-    if MMA:
-        # tensor cores, one (expert, K step) per iteration of one flat loop (pipelined by LOAD_STAGES
-        # across experts): [BLOCK_N, BLOCK_K] weight tiles times h padded to 16 columns
-        slot = tl.arange(0, TOPK_P)
-        e = tl.load(idx_ptr + t * stride_it + slot * stride_ik, mask=slot < TOPK, other=-1).to(tl.int64)
-        valid = (slot < TOPK) & (e >= 0) & (e < E)
-        e = tl.where(valid, e, 0)
-        wt = tl.load(wts_ptr + t * stride_wt + slot * stride_wtk, mask=valid, other=0.0).to(tl.float32)
-        offs_k = tl.arange(0, BLOCK_K)
-        cols = tl.arange(0, 16)
-        w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # + the expert's offset
-        s_rows = ws_ptr + (offs_n // SCALE_N) * stride_wsn
-        n_steps = tl.cdiv(I, BLOCK_K)
-        if PDL:
-            gdc_wait()
-        acc_m = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-        for it in tl.range(0, TOPK * n_steps, num_stages=LOAD_STAGES):
-            k = it // n_steps
-            k0 = (it - k * n_steps) * BLOCK_K
-            here = slot == k
-            e_k = tl.sum(tl.where(here, e, 0))
-            ok_k = tl.sum(tl.where(here, valid.to(tl.int32), 0)) > 0
-            w_k = tl.sum(tl.where(here, wt, 0.0))
-            h_ptrs = h_ptr + (t * TOPK + k) * stride_hm + offs_k
-            hb = _mma_x(h_ptrs, k0, tl.where(ok_k, I, 0), offs_k, cols, UPCAST)
-            acc_m += _mma_rows(hb, w_rows + e_k * stride_we, s_rows + e_k * stride_wse, k0, tl.where(ok_k, I, 0),
-                               n_mask, offs_k, SCALE_K, W_BITS) * w_k
-        out = tl.sum(acc_m, axis=1)
-    elif VEC > 0:
+    if VEC > 0:
         # the K experts' rows as one axis of [R, NB, KC // VEC, VEC] tiles: products summed per VEC
         # run in registers, scaled once per run (as the gate/up VEC tiles)
         slot_r, n_r, e_r, ok_r, wt_r = _token_expert_rows(idx_ptr, wts_ptr, t, stride_it, stride_ik, stride_wt,

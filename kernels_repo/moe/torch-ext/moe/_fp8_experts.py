@@ -53,7 +53,7 @@ DecodeGateUpConstexprs = constexpr_spec(_fp8_decode_gate_up_kernel,
                                         "TRIGGER VEC MMA")
 DecodeDownConstexprs = constexpr_spec(_fp8_decode_down_kernel,
                                       "TOPK TOPK_P W_BITS UPCAST SCALE_N SCALE_K BLOCK_N BLOCK_K PREFETCH "
-                                      "LOAD_STAGES PDL VEC MMA")
+                                      "LOAD_STAGES PDL VEC")
 _capped: dict[int, CachedLaunch] = {}
 _QUANT_ROWS = 32  # tokens per program of the quantize pass
 
@@ -231,7 +231,7 @@ def decode_forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_s
             DecodeDownConstexprs(TOPK=K, TOPK_P=launch.next_pow2(K), W_BITS=w_bits, UPCAST=INTERPRET,
                                  SCALE_N=BLOCK[0], SCALE_K=BLOCK[1], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
                                  PREFETCH=c.get("PREFETCH", False), LOAD_STAGES=c.get("LOAD_STAGES", 1),
-                                 PDL=pdl, VEC=c.get("VEC", 0), MMA=c.get("MMA", False)),
+                                 PDL=pdl, VEC=c.get("VEC", 0)),
             num_warps=c["num_warps"], num_stages=c["num_stages"])
     return out
 
