@@ -37,14 +37,6 @@ def _tile(bn: int, bk: int, nw: int, **way) -> dict:
 GATE_UP = [_tile(4, 512, 8), _tile(4, 128, 4), _tile(8, 256, 8), _tile(4, 1024, 8), _tile(4, 512, 8, PREFETCH=True),
            _tile(4, 512, 8, VEC=8), _tile(4, 128, 4, VEC=4), _tile(8, 256, 8, VEC=8), _tile(4, 1024, 8, VEC=16),
            _tile(4, 512, 8, VEC=8, LOAD_STAGES=3)]
-# tensor-core tiles (s48, MMA): weight rows times x padded to 16 columns, loads pipelined by LOAD_STAGES
-MMA = [_tile(16, 128, 4, MMA=True), _tile(16, 128, 4, MMA=True, LOAD_STAGES=3),
-       _tile(16, 128, 4, MMA=True, LOAD_STAGES=4),
-       _tile(32, 128, 4, MMA=True, LOAD_STAGES=3), _tile(32, 128, 4, MMA=True, LOAD_STAGES=4),
-       _tile(16, 64, 4, MMA=True, LOAD_STAGES=4), _tile(32, 64, 4, MMA=True, LOAD_STAGES=4),
-       _tile(64, 128, 4, MMA=True, LOAD_STAGES=3), _tile(32, 128, 8, MMA=True, LOAD_STAGES=4),
-       _tile(64, 128, 8, MMA=True, LOAD_STAGES=3)]
-GATE_UP = [GATE_UP[0], *MMA, *GATE_UP[1:]]
 DOWN = [_tile(4, 128, 8), _tile(8, 64, 8, PREFETCH=True), _tile(8, 128, 8), _tile(4, 256, 8), _tile(8, 256, 8),
         _tile(4, 512, 8), _tile(8, 128, 8, PREFETCH=True), _tile(4, 128, 4, PREFETCH=True), _tile(4, 128, 8, VEC=16),
         _tile(8, 128, 8, VEC=16), _tile(8, 256, 8, VEC=16), _tile(4, 512, 8, VEC=16)]
@@ -54,8 +46,9 @@ DOWN = [_tile(4, 128, 8), _tile(8, 64, 8, PREFETCH=True), _tile(8, 128, 8), _til
 EARLY = [_tile(4, 128, 8, PDL=True, PREFETCH=True), _tile(4, 256, 8, PDL=True, PREFETCH=True),
          _tile(4, 512, 8, PDL=True, PREFETCH=True), _tile(8, 256, 8, PDL=True, PREFETCH=True),
          _tile(4, 256, 4, PDL=True, PREFETCH=True), _tile(8, 128, 8, PDL=True, PREFETCH=True)]
-PAIRS = [(GATE_UP[0], {**DOWN[0], "PDL": True}), *((g, {**DOWN[0], "PDL": True}) for g in MMA),
-         *((GATE_UP[0], d) for d in EARLY[:1]), (GATE_UP[0], {**DOWN[0], "PDL": True})]
+PAIRS = [(GATE_UP[0], {**DOWN[0], "PDL": True}), *((GATE_UP[0], d) for d in EARLY), (GATE_UP[0], DOWN[0]),
+         (GATE_UP[0], {**DOWN[0], "PDL": True})]
+
 
 def main() -> None:
     name = os.environ.get("SHAPE", "qwen3_30b_a3b")

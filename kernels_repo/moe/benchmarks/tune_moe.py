@@ -404,8 +404,7 @@ def fp8_decode_space(stage: str) -> list[dict]:
     LOAD_STAGES 3 and 4 (the loop's loads pipelined through shared memory), VEC (runs of a thread's
     own columns summed before the scale: fewer registers), plain and with LOAD_STAGES 3, and, for
     down, PDL (launched as a programmatic dependent of gate/up; sm90), also with PREFETCH (then the
-    first step's weights are loaded before the wait for gate/up: also wide steps, last) and VEC; for
-    gate/up, last, MMA tiles (the tensor cores, x padded to 16 columns)."""
+    first step's weights are loaded before the wait for gate/up) and VEC."""
     if stage == "gate_up":
         # (s42: Qwen3-30B-A3B T=1 picked the widest step, (4, 512); hence (4, 1024) and (8, 512))
         pairs = [(4, 64), (4, 128), (8, 64), (8, 128), (16, 64), (32, 64), (4, 512), (8, 256), (16, 128), (4, 1024),
@@ -429,14 +428,6 @@ def fp8_decode_space(stage: str) -> list[dict]:
             if way["VEC"] < 4:
                 continue
         tiles.append({"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 2, **way})
-    if stage == "gate_up":  # on the tensor cores (MMA): x padded to 16 columns, loads pipelined (LOAD_STAGES)
-        tiles += [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 2, "MMA": True, "LOAD_STAGES": ls}
-                  for bn, bk, nw, ls in ((16, 128, 4, 3), (16, 128, 4, 4), (32, 128, 4, 3), (32, 128, 4, 4),
-                                         (16, 64, 4, 4), (32, 64, 4, 4), (64, 128, 4, 3), (32, 128, 8, 4),
-                                         (16, 128, 4, 1))]
-    if stage == "down":  # PDL + PREFETCH loads the first step's weights before the wait for gate/up: wide steps
-        tiles += [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 2, "PDL": True, "PREFETCH": True}
-                  for bn, bk, nw in ((4, 256, 4), (4, 256, 8), (8, 256, 8), (4, 512, 8))]
     return tiles
 
 

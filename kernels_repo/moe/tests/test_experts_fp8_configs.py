@@ -514,13 +514,6 @@ def _vec(decode: dict, vec: int, stages=("gate_up", "down"), **keys) -> dict:
     return {**decode, **{s: {**decode[s], "VEC": vec, **keys} for s in stages}}
 
 
-def _mma(decode: dict, bn: int = 16, bk: int = 64, **keys) -> dict:
-    """`decode` with gate/up on the tensor cores ("MMA"): [bn, bk] weight tiles times x padded to 16
-    columns (the interpreter multiplies in fp32)."""
-    return {**decode, "gate_up": {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": 4, "num_stages": 2, "MMA": True,
-                                  **keys}}
-
-
 def _kernels(run) -> list[str]:
     from kernelhub.device import CachedLaunch
 
@@ -537,17 +530,14 @@ def _kernels(run) -> list[str]:
                                                 (3, 300, _pdl(DECODE_WIDE)), (3, 200, _vec(DECODE, 8)),
                                                 (1, 300, _vec(DECODE_WIDE, 16, ("gate_up",))),
                                                 (3, 300, _pdl(_vec(DECODE_WIDE, 16, ("down",)))),
-                                                (3, 300, _vec(DECODE_WIDE, 4, LOAD_STAGES=3)),
-                                                (1, 200, _mma(DECODE)), (3, 300, _mma(DECODE_WIDE, 32, 128)),
-                                                (1, 300, _pdl(_mma(DECODE, 16, 128, LOAD_STAGES=3)))])
+                                                (3, 300, _vec(DECODE_WIDE, 4, LOAD_STAGES=3))])
 def test_decode_key_runs_the_token_major_kernels_and_matches_the_float64_loop(variant, T, H, decode):
     """Two launches (no routing, no combine), W8A16 math on both variants; -1 ids dropped; H and I
     not multiples of 128: BLOCK_K 32 / 64 chunks inside one scale block, or 256 (two scale blocks
     per step: H=300's second step holds one partial block and one past H); K = 3 (padded to 4);
     PREFETCH (loads one step ahead, the step past H or I masked); LOAD_STAGES; PDL (accepted; the
     interpreter launches without it); VEC (runs of 4-16 columns summed before the scale, on either
-    stage; H = 200 and 300 end inside a run, I = 136 inside the down kernel's); MMA (gate/up on the
-    tensor cores: 16 and 32 rows, H ending inside a 64 or 128-column step)."""
+    stage; H = 200 and 300 end inside a run, I = 136 inside the down kernel's)."""
     x, guq, dq, idx, w, scales = make_fp8(T, H, 136, 6, 3, seed=31, drop=1)
     cfg = {**BASE, "decode": decode}
     out, names = _kernels(lambda: moe.fused_experts(x, guq, dq, idx, w, variant=variant, config=cfg, **scales))
@@ -649,17 +639,6 @@ def test_decode_ids_out_of_range_are_dropped_when_unchecked():
      r"\['decode'\]\['gate_up'\]: 'VEC' and 'PREFETCH' do not combine"),
     ({"down": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "VEC": 64}},
      r"\['decode'\]\['down'\]\['VEC'\] must be a power of two in \[2, 32\]"),
-    ({"gate_up": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "MMA": True}},
-     r"\['decode'\]\['gate_up'\]: 'MMA' tiles need BLOCK_N >= 16 and BLOCK_K <= 128"),
-    ({"gate_up": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1, "MMA": True}},
-     r"\['decode'\]\['gate_up'\]: 'MMA' tiles need .* got 16 and 256"),
-    ({"gate_up": {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "MMA": True, "PREFETCH": True}},
-     r"\['decode'\]\['gate_up'\]: 'MMA' combines with neither 'VEC' nor 'PREFETCH'"),
-    ({"gate_up": {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "MMA": 1}},
-     r"\['decode'\]\['gate_up'\]\['MMA'\] must be a bool"),
-    # MMA is gate/up's (down sums K experts' rows per output column)
-    ({"down": {"BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "MMA": True}},
-     r"\['decode'\]\['down'\] must be a dict of BLOCK_N"),
     # PDL is the down kernel's (launched behind gate/up); gate/up has no such key
     ({"gate_up": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "PDL": True}},
      r"\['decode'\]\['gate_up'\] must be a dict of BLOCK_N"),
@@ -673,8 +652,7 @@ def test_decode_weight_bits_path_equals_fp8_pointer_loads():
     """sm80 reads the fp8 weights as uint8 bits (Triton has no fp8 pointers there): exact, so the
     same output as fp8 loads, bit for bit."""
     x, guq, dq, idx, w, scales = make_fp8(2, 200, 136, 5, 3, seed=34, drop=1)
-    for decode in (DECODE, DECODE_WIDE, _prefetched(DECODE_WIDE), _staged(DECODE_WIDE), _vec(DECODE_WIDE, 16),
-                   _mma(DECODE_WIDE)):
+    for decode in (DECODE, DECODE_WIDE, _prefetched(DECODE_WIDE), _staged(DECODE_WIDE), _vec(DECODE_WIDE, 16)):
         args = (x, guq, dq, idx, w, scales["gate_up_proj_scale_inv"], scales["down_proj_scale_inv"], decode)
         bits = fp8x.decode_forward(*args, w_bits=True)
         assert torch.equal(bits, fp8x.decode_forward(*args, w_bits=False))
@@ -723,9 +701,6 @@ LARGE = {"block_m": 128, "gate_up": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps":
                                     "down": {"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 8, "num_stages": 2}})},
      False),
     (4, {**BASE, "decode": _pdl(_prefetched(DECODE_WIDE))}, False),
-    # gate/up on the tensor cores, loads pipelined (wgmma at 64 rows, mma.sync below)
-    (1, {**BASE, "decode": _pdl(_mma(DECODE_WIDE, 32, 128, LOAD_STAGES=4))}, False),
-    (2, {**BASE, "decode": _mma(DECODE_WIDE, 64, 128, LOAD_STAGES=3)}, False),
     # PDL + PREFETCH down with a wide step: most of a program's weights loaded before its wait for h
     (1, {**BASE, "decode": {"max_tokens": 1, "gate_up": {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 8, "num_stages": 2},
                             "down": {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 8, "num_stages": 2, "PDL": True,

@@ -147,11 +147,11 @@ def _check_decode(where: str, decode: object) -> None:
     for stage in ("gate_up", "down"):
         c, at = decode[stage], f"{where}[{stage!r}]"
         needed = {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
-        optional = ("PREFETCH", "LOAD_STAGES", "VEC") + (("PDL",) if stage == "down" else ("MMA",))
+        optional = ("PREFETCH", "LOAD_STAGES", "VEC") + (("PDL",) if stage == "down" else ())
         if not isinstance(c, dict) or not needed <= set(c) <= needed | set(optional):
             raise ValueError(f"{at} must be a dict of BLOCK_N, BLOCK_K, num_warps, num_stages (and optionally "
                              f"{', '.join(optional)}), got {c!r}")
-        for flag in ("PREFETCH", "PDL", "MMA"):
+        for flag in ("PREFETCH", "PDL"):
             if not isinstance(c.get(flag, False), bool):
                 raise TypeError(f"{at}[{flag!r}] must be a bool, got {c[flag]!r}")
         if not isinstance(c.get("LOAD_STAGES", 1), int) or isinstance(c.get("LOAD_STAGES"), bool):
@@ -170,13 +170,6 @@ def _check_decode(where: str, decode: object) -> None:
                                  f"min(BLOCK_K, 128) = {width}, got {vec!r}")
             if c.get("PREFETCH", False):
                 raise ValueError(f"{at}: 'VEC' and 'PREFETCH' do not combine (the VEC tiles have no prefetch)")
-        if c.get("MMA", False):
-            if c["BLOCK_N"] < 16 or c["BLOCK_K"] > 128:
-                raise ValueError(f"{at}: 'MMA' tiles need BLOCK_N >= 16 and BLOCK_K <= 128 (the tensor cores' "
-                                 f"least M; one scale block per step), got {c['BLOCK_N']!r} and {c['BLOCK_K']!r}")
-            if "VEC" in c or c.get("PREFETCH", False):
-                raise ValueError(f"{at}: 'MMA' combines with neither 'VEC' nor 'PREFETCH' (its loads feed the "
-                                 "tensor cores; LOAD_STAGES pipelines them)")
         if c["num_warps"] not in (1, 2, 4, 8, 16) or isinstance(c["num_warps"], bool):
             raise ValueError(f"{at}['num_warps'] must be 1, 2, 4, 8 or 16, got {c['num_warps']!r}")
         if _bad_int(c["num_stages"], 1):

@@ -123,42 +123,12 @@ def _down_weights(w_ptrs, s_ptrs, k0, I, row_ok, offs_k, chunk, SCALE_K: tl.cons
 
 
 @triton.jit
-def _dot_weight(w, dtype: tl.constexpr, W_BITS: tl.constexpr):
-    """A raw weight tile as the MMA operand dtype (x's): exact, e4m3 values are 16-bit numbers."""
-    if W_BITS:
-        return (_e4m3_bits(w) * 256.0).to(dtype)
-    return w.to(dtype)
-
-
-@triton.jit
-def _mma_x(x_ptrs, k0, H, offs_k, cols, UPCAST: tl.constexpr):
-    """K step k0 of x as the MMA's [BLOCK_K, 16] operand: x in the first column (16 is the least the
-    tensor cores take), zeros elsewhere; masked past H. UPCAST (the interpreter, whose 16-bit dot
-    is wrong): fp32."""
-    xv = tl.load(x_ptrs + k0, mask=offs_k < H - k0, other=0.0)
-    if UPCAST:
-        xv = xv.to(tl.float32)
-    return tl.where(cols[None, :] == 0, xv[:, None], tl.zeros_like(xv)[:, None])
-
-
-@triton.jit
-def _mma_rows(xb, w_ptrs, s_ptrs, k0, H, n_mask, offs_k, SCALE_K: tl.constexpr, W_BITS: tl.constexpr):
-    """K step k0 of the MMA tiles: (W[rows, k0:k0+BLOCK_K] @ xb) * s, [BLOCK_N, 16] fp32."""
-    w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & (offs_k < H - k0)[None, :], other=0.0)
-    w = _dot_weight(w, xb.dtype, W_BITS)
-    sc = tl.load(s_ptrs + k0 // SCALE_K, mask=n_mask, other=0.0)
-    if xb.dtype == tl.float32:  # (fp32 activations: full-precision products, not tf32)
-        return tl.dot(w, xb, input_precision="ieee") * sc[:, None]
-    return tl.dot(w, xb) * sc[:, None]
-
-
-@triton.jit
 def _fp8_decode_gate_up_kernel(
     x_ptr, w_ptr, ws_ptr, idx_ptr, h_ptr, H, I, E,
     stride_xt, stride_it, stride_ik, stride_we, stride_wn, stride_wse, stride_wsn, stride_hm,
     TOPK: tl.constexpr, W_BITS: tl.constexpr, UPCAST: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, LOAD_STAGES: tl.constexpr,
-    TRIGGER: tl.constexpr, VEC: tl.constexpr, MMA: tl.constexpr,
+    TRIGGER: tl.constexpr, VEC: tl.constexpr,
 ):
     if TRIGGER:  # the down kernel (a programmatic dependent) may launch once every program got here
         gdc_launch_dependents()
@@ -171,22 +141,7 @@ def _fp8_decode_gate_up_kernel(
     n_mask = offs_n < I
     gs_ptrs = ws_ptr + e * stride_wse + (offs_n // SCALE_N)[:, None] * stride_wsn
     us_ptrs = ws_ptr + e * stride_wse + ((offs_n + I) // SCALE_N)[:, None] * stride_wsn
-    if MMA:  # tensor cores: [BLOCK_N, BLOCK_K] weight tiles (BLOCK_K within a scale block) times x
-        offs_k = tl.arange(0, BLOCK_K)
-        cols = tl.arange(0, 16)
-        g_ptrs = w_ptr + e * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-        x_ptrs = x_ptr + t * stride_xt + offs_k
-        gs_rows = ws_ptr + e * stride_wse + (offs_n // SCALE_N) * stride_wsn  # [BLOCK_N] + the K block
-        us_rows = ws_ptr + e * stride_wse + ((offs_n + I) // SCALE_N) * stride_wsn
-        acc_g = tl.zeros((BLOCK_N, 16), dtype=tl.float32)
-        acc_u = tl.zeros_like(acc_g)
-        for k0 in tl.range(0, H, BLOCK_K, num_stages=LOAD_STAGES):
-            xb = _mma_x(x_ptrs, k0, H, offs_k, cols, UPCAST)
-            acc_g += _mma_rows(xb, g_ptrs, gs_rows, k0, H, n_mask, offs_k, SCALE_K, W_BITS)
-            acc_u += _mma_rows(xb, g_ptrs + I * stride_wn, us_rows, k0, H, n_mask, offs_k, SCALE_K, W_BITS)
-        acc_g = acc_g[:, :, None]  # (3-D, as the other tiles' accumulators: summed below)
-        acc_u = acc_u[:, :, None]
-    elif VEC > 0:  # [BN, NB, KC // VEC, VEC] tiles: products summed per VEC run in registers, then scaled
+    if VEC > 0:  # [BN, NB, KC // VEC, VEC] tiles: products summed per VEC run in registers, then scaled
         offs_v, chunk = _k_vectors(BLOCK_K, SCALE_K, VEC)
         g_ptrs = w_ptr + e * stride_we + offs_n[:, None, None, None].to(tl.int64) * stride_wn + offs_v[None, :, :, :]
         u_ptrs = g_ptrs + I * stride_wn
