@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One run on a GPU machine, from the repository root: versions, GPU tests, the demo, then the benchmarks.
 # Usage: bash benchmarks/gpu_run.sh [tests] [demo] [swiglu] [routing] [moe] [slice] [fp8] [tune] [cfgab] [dirab] [decodeab]
-#   diagnostics (scripts in tools/): [tiles] [profile] [moehost] [diag] [compdiag] [fp8diag] [comphost] [graphdiag] [ncudecode] [sweep] [persist] [moeprof] [flatcheck] [ncu] [pairab]
+#   diagnostics (scripts in tools/): [tiles] [profile] [moehost] [diag] [compdiag] [fp8diag] [comphost] [graphdiag] [ncudecode] [decodescale] [sweep] [persist] [moeprof] [flatcheck] [ncu] [pairab]
 # Env: OUT (logs and JSON lines; default /tmp/kernelhub-out), GPU_TESTS (pytest paths for `tests`), GPU_K (its -k
 # expression), CFG_A, CFG_B, AB_ROUNDS=2 (cfgab), MOE_OLD (dirab), TESTS_TIMEOUT, MOE_TIMEOUT, SWEEP_TIMEOUT,
 # PERSIST_TIMEOUT, TUNE_TIMEOUT, TUNE_ARGS, and the benchmarks' own (SHAPES, TOKENS, IMPLS, MODES, COMPILE...).
@@ -67,6 +67,7 @@ for step in $steps; do
     comphost) timeout 200 python3 tools/diag_compiled_host.py > "$OUT/diag_compiled_host.log" 2>&1; grep -E "^T=|^python|Error" "$OUT/diag_compiled_host.log" ;;
     compdiag) timeout ${COMPDIAG_TIMEOUT:-300} python3 tools/diag_compiled.py > "$OUT/diag_compiled.log" 2>&1; grep -E "^T=|^bound|Error" "$OUT/diag_compiled.log" ;;
     fp8diag) timeout ${FP8DIAG_TIMEOUT:-150} python3 tools/diag_fp8_decode.py 2>&1 | tee "$OUT/diag_fp8_decode.log" | tail -25 ;;
+    decodescale) timeout 120 python3 tools/diag_decode_scaling.py 2>&1 | tee "$OUT/decode_scaling.log" | grep -v -i warn ;;
     graphdiag) timeout 200 python3 tools/diag_swiglu_graph.py 2>&1 | tee "$OUT/diag_swiglu_graph.log" | tail -8 ;;
     sweep) timeout ${SWEEP_TIMEOUT:-240} python3 tools/sweep_backward.py 2>&1 | tee "$OUT/sweep_backward.log" | grep -v "^ " ;;
     tune) timeout ${TUNE_TIMEOUT:-400} python3 kernels_repo/moe/benchmarks/tune_moe.py ${TUNE_ARGS:-} 2>&1 | tee "$OUT/tune_moe.log" | grep -E "^==| block_m=|wrote" ;;
@@ -100,10 +101,10 @@ for step in $steps; do
           python3 tools/profile_moe.py > "$OUT/ncu.log" 2>&1
         grep -E "_grouped|Throughput|Duration|Hit Rate|Achieved Occupancy|ERR|==PROF==|==ERROR==" "$OUT/ncu.log" | head -${NCU_LINES:-90}
       fi ;;
-    ncudecode) # hardware counters of fp8 (shipped, VEC) and 16-bit decode calls at T=1 (tools/ncu_decode.py; SHAPE)
+    ncudecode) # hardware counters of fp8 (shipped tiles) and 16-bit decode calls at T=1 (tools/ncu_decode.py; SHAPE)
       NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       if [ -z "$NCU" ]; then echo "no ncu on this machine"; else
-        timeout ${NCU_TIMEOUT:-300} "$NCU" -k "regex:decode" -c 6 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+        timeout ${NCU_TIMEOUT:-300} "$NCU" -k "regex:decode" -c 4 --section SpeedOfLight --section ComputeWorkloadAnalysis \
           --section WarpStateStats --section InstructionStats --section MemoryWorkloadAnalysis --section Occupancy \
           --section LaunchStats python3 tools/ncu_decode.py > "$OUT/ncu_decode.log" 2>&1
         grep -E "decode|Duration|Throughput|Issue Slots Busy|Issued Ipc|Warp Cycles Per Issued|Stall|Achieved Occupancy|Registers Per|relative|==ERR" "$OUT/ncu_decode.log" | head -${NCU_LINES:-120}

@@ -35,11 +35,9 @@ def _tile(bn: int, bk: int, nw: int, **way) -> dict:
 # hand-picked: the shipped Qwen3 tiles first (s45; down shipped with PDL, which only a whole call
 # shows), then other steps and load modes
 GATE_UP = [_tile(4, 512, 8), _tile(4, 128, 4), _tile(8, 256, 8), _tile(4, 1024, 8), _tile(4, 512, 8, PREFETCH=True),
-           _tile(4, 512, 8, VEC=8), _tile(4, 128, 4, VEC=4), _tile(8, 256, 8, VEC=8), _tile(4, 1024, 8, VEC=16),
-           _tile(4, 512, 8, VEC=8, LOAD_STAGES=3)]
+           _tile(4, 512, 8, LOAD_STAGES=3)]
 DOWN = [_tile(4, 128, 8), _tile(8, 64, 8, PREFETCH=True), _tile(8, 128, 8), _tile(4, 256, 8), _tile(8, 256, 8),
-        _tile(4, 512, 8), _tile(8, 128, 8, PREFETCH=True), _tile(4, 128, 4, PREFETCH=True), _tile(4, 128, 8, VEC=16),
-        _tile(8, 128, 8, VEC=16), _tile(8, 256, 8, VEC=16), _tile(4, 512, 8, VEC=16)]
+        _tile(4, 512, 8), _tile(8, 128, 8, PREFETCH=True), _tile(4, 128, 4, PREFETCH=True)]
 # whole calls (gate/up, down): with PDL the down kernel overlaps gate/up, so only a call's time says it.
 # PDL + PREFETCH: the down program's first step of weights is loaded before it waits for gate/up (s48),
 # so wide first steps (up to 512 of Qwen3's 768 columns) stream while gate/up finishes

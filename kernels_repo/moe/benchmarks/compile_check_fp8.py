@@ -43,9 +43,6 @@ for _stage, _tile in (("gate_up", {"BLOCK_N": 4, "BLOCK_K": 128}), ("down", {"BL
 # then passes gate/up; sm90 only)
 DECODE_TILES["gate_up"].append({"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 8, "num_stages": 2, "TRIGGER": True})
 DECODE_TILES["down"].append({"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 8, "num_stages": 2, "PDL": True})
-# runs of VEC columns summed in registers before the scale (one run per thread's vector)
-DECODE_TILES["gate_up"].append({"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 8, "num_stages": 2, "VEC": 8})
-DECODE_TILES["down"].append({"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 8, "num_stages": 2, "VEC": 16})
 SM89_SMEM = 101376  # shared memory per block (opt-in) of sm86/sm89
 _UNIT = ("stride_ak", "stride_bk", "stride_cn")  # unit strides the JIT specializes to constexpr 1
 
@@ -164,9 +161,9 @@ def check_decode(cap: int, stage: str, c: dict, dtype: str = "bf16", label: str 
                  BLOCK_K=c["BLOCK_K"], PREFETCH=c.get("PREFETCH", False), LOAD_STAGES=c.get("LOAD_STAGES", 1),
                  stride_ik=1)
     if stage == "down":
-        const.update(TOPK_P=8, stride_wtk=1, PDL=c.get("PDL", False), VEC=c.get("VEC", 0))
+        const.update(TOPK_P=8, stride_wtk=1, PDL=c.get("PDL", False))
     else:
-        const.update(TRIGGER=c.get("TRIGGER", False), VEC=c.get("VEC", 0))
+        const.update(TRIGGER=c.get("TRIGGER", False))
     full = {n: sig.get(n, "constexpr" if n in const else cc.I32) for n in fn.arg_names}
     text = f"fp8 decode {stage} x={dtype} {json.dumps(c, sort_keys=True)}{' W_BITS' if w_bits else ''} {label}".rstrip()
     try:

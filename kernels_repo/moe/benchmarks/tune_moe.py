@@ -401,32 +401,24 @@ def fp8_decode_space(stage: str) -> list[dict]:
     twice as long with 128-column steps as with 64 (s39-1); the down kernel holds all K experts'
     tiles at once, hence its narrower rows. Each tile every way, next to each other so that a budget
     cut leaves all timed: plain, PREFETCH (the next step's loads issued before this step's math),
-    LOAD_STAGES 3 and 4 (the loop's loads pipelined through shared memory), VEC (runs of a thread's
-    own columns summed before the scale: fewer registers), plain and with LOAD_STAGES 3, and, for
-    down, PDL (launched as a programmatic dependent of gate/up; sm90), also with PREFETCH (then the
-    first step's weights are loaded before the wait for gate/up) and VEC."""
+    LOAD_STAGES 3 and 4 (the loop's loads pipelined through shared memory), and, for down, PDL
+    (launched as a programmatic dependent of gate/up; sm90), also with PREFETCH (then the first
+    step's weights are loaded before the wait for gate/up)."""
     if stage == "gate_up":
         # (s42: Qwen3-30B-A3B T=1 picked the widest step, (4, 512); hence (4, 1024) and (8, 512))
         pairs = [(4, 64), (4, 128), (8, 64), (8, 128), (16, 64), (32, 64), (4, 512), (8, 256), (16, 128), (4, 1024),
                  (8, 512)]
     else:
         pairs = [(4, 32), (4, 64), (8, 32), (8, 64), (16, 32), (16, 64), (4, 128), (8, 128), (16, 128)]
-    # VEC: runs of a thread's own columns (its share of the tile, 4 to 16 fp8 bytes) summed in registers
-    ways = ({}, {"PREFETCH": True}, {"LOAD_STAGES": 3}, {"LOAD_STAGES": 4}, {"VEC": True},
-            {"VEC": True, "LOAD_STAGES": 3})
+    ways = ({}, {"PREFETCH": True}, {"LOAD_STAGES": 3}, {"LOAD_STAGES": 4})
     if stage == "down":
-        ways += ({"PDL": True}, {"PDL": True, "PREFETCH": True}, {"PDL": True, "VEC": True})
-    rows = 8 if stage == "down" else 1  # (the down tile holds the K = 8 experts' rows)
+        ways += ({"PDL": True}, {"PDL": True, "PREFETCH": True})
     tiles = []
     for (bn, bk), nw, way in itertools.product(pairs, (4, 8), ways):
         # (the down tile holds 8 experts' rows and an accumulator per expert: more than 64 weights per
         # thread spills)
         if stage == "down" and bn * bk * 8 > 64 * 32 * nw:
             continue
-        if "VEC" in way:
-            way = {**way, "VEC": min(16, rows * bn * bk // (32 * nw), bk)}
-            if way["VEC"] < 4:
-                continue
         tiles.append({"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 2, **way})
     return tiles
 

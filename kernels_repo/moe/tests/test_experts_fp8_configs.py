@@ -509,11 +509,6 @@ def _pdl(decode: dict) -> dict:
     return {**decode, "down": {**decode["down"], "PDL": True}}
 
 
-def _vec(decode: dict, vec: int, stages=("gate_up", "down"), **keys) -> dict:
-    """`decode` with the tiles of `stages` as runs of `vec` columns summed before the scale ("VEC")."""
-    return {**decode, **{s: {**decode[s], "VEC": vec, **keys} for s in stages}}
-
-
 def _kernels(run) -> list[str]:
     from kernelhub.device import CachedLaunch
 
@@ -527,17 +522,14 @@ def _kernels(run) -> list[str]:
 @pytest.mark.parametrize(("T", "H", "decode"), [(1, 200, DECODE), (3, 200, DECODE), (1, 300, DECODE_WIDE),
                                                 (3, 300, DECODE_WIDE), (3, 200, _prefetched(DECODE)),
                                                 (1, 300, _prefetched(DECODE_WIDE)), (3, 300, _staged(DECODE)),
-                                                (3, 300, _pdl(DECODE_WIDE)), (3, 200, _vec(DECODE, 8)),
-                                                (1, 300, _vec(DECODE_WIDE, 16, ("gate_up",))),
-                                                (3, 300, _pdl(_vec(DECODE_WIDE, 16, ("down",)))),
-                                                (3, 300, _vec(DECODE_WIDE, 4, LOAD_STAGES=3))])
+                                                (3, 300, _pdl(DECODE_WIDE)),
+                                                (1, 300, _pdl(_prefetched(DECODE_WIDE)))])
 def test_decode_key_runs_the_token_major_kernels_and_matches_the_float64_loop(variant, T, H, decode):
     """Two launches (no routing, no combine), W8A16 math on both variants; -1 ids dropped; H and I
     not multiples of 128: BLOCK_K 32 / 64 chunks inside one scale block, or 256 (two scale blocks
     per step: H=300's second step holds one partial block and one past H); K = 3 (padded to 4);
     PREFETCH (loads one step ahead, the step past H or I masked); LOAD_STAGES; PDL (accepted; the
-    interpreter launches without it); VEC (runs of 4-16 columns summed before the scale, on either
-    stage; H = 200 and 300 end inside a run, I = 136 inside the down kernel's)."""
+    interpreter launches without it)."""
     x, guq, dq, idx, w, scales = make_fp8(T, H, 136, 6, 3, seed=31, drop=1)
     cfg = {**BASE, "decode": decode}
     out, names = _kernels(lambda: moe.fused_experts(x, guq, dq, idx, w, variant=variant, config=cfg, **scales))
@@ -584,23 +576,6 @@ def test_pdl_is_gpu_only():
     assert torch.equal(got, fp8x.decode_forward(x, guq, dq, idx, w, gus, dns, DECODE_WIDE))
 
 
-def test_decode_vec_reaches_both_kernels_and_agrees_with_the_plain_tiles():
-    """VEC is a constexpr of both launches (0 without it); its sums, in another order than the plain
-    tiles', agree with them to fp32 rounding (h is stored in bf16)."""
-    x, guq, dq, idx, w, scales = make_fp8(2, 300, 136, 6, 3, seed=37, drop=1)
-    gus, dns = scales["gate_up_proj_scale_inv"], scales["down_proj_scale_inv"]
-    from kernelhub.device import CachedLaunch
-
-    outs = {}
-    for vec in (0, 16):
-        decode = _vec(DECODE_WIDE, vec) if vec else DECODE_WIDE
-        with CachedLaunch.recording() as calls:
-            outs[vec] = fp8x.decode_forward(x, guq, dq, idx, w, gus, dns, decode)
-        for c in calls:
-            assert dict(zip(c.launcher.names[-len(c.constexprs):], c.constexprs, strict=True))["VEC"] == vec
-    assert rel(outs[16], outs[0]) < 2e-3 and rel(outs[16], oracle(x, guq, dq, idx, w, scales)) < 1e-2
-
-
 def test_decode_ids_out_of_range_are_dropped_when_unchecked():
     x, guq, dq, idx, w, scales = make_fp8(2, 144, 80, 4, 2, seed=33)
     bad = idx.clone()
@@ -629,16 +604,6 @@ def test_decode_ids_out_of_range_are_dropped_when_unchecked():
      r"\['decode'\]\['gate_up'\]\['LOAD_STAGES'\] must be in \[1, 8\]"),
     ({"down": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "PDL": "yes"}},
      r"\['decode'\]\['down'\]\['PDL'\] must be a bool"),
-    ({"gate_up": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "VEC": 3}},
-     r"\['decode'\]\['gate_up'\]\['VEC'\] must be a power of two in \[2, 32\] and at most min\(BLOCK_K, 128\) = 64"),
-    ({"gate_up": {"BLOCK_N": 8, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "VEC": 32}},
-     r"\['decode'\]\['gate_up'\]\['VEC'\] must be .* = 16, got 32"),
-    ({"gate_up": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "VEC": True}},
-     r"\['decode'\]\['gate_up'\]\['VEC'\] must be a power of two"),
-    ({"gate_up": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "VEC": 8, "PREFETCH": True}},
-     r"\['decode'\]\['gate_up'\]: 'VEC' and 'PREFETCH' do not combine"),
-    ({"down": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "VEC": 64}},
-     r"\['decode'\]\['down'\]\['VEC'\] must be a power of two in \[2, 32\]"),
     # PDL is the down kernel's (launched behind gate/up); gate/up has no such key
     ({"gate_up": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "PDL": True}},
      r"\['decode'\]\['gate_up'\] must be a dict of BLOCK_N"),
@@ -652,7 +617,7 @@ def test_decode_weight_bits_path_equals_fp8_pointer_loads():
     """sm80 reads the fp8 weights as uint8 bits (Triton has no fp8 pointers there): exact, so the
     same output as fp8 loads, bit for bit."""
     x, guq, dq, idx, w, scales = make_fp8(2, 200, 136, 5, 3, seed=34, drop=1)
-    for decode in (DECODE, DECODE_WIDE, _prefetched(DECODE_WIDE), _staged(DECODE_WIDE), _vec(DECODE_WIDE, 16)):
+    for decode in (DECODE, DECODE_WIDE, _prefetched(DECODE_WIDE), _staged(DECODE_WIDE)):
         args = (x, guq, dq, idx, w, scales["gate_up_proj_scale_inv"], scales["down_proj_scale_inv"], decode)
         bits = fp8x.decode_forward(*args, w_bits=True)
         assert torch.equal(bits, fp8x.decode_forward(*args, w_bits=False))
@@ -706,16 +671,6 @@ LARGE = {"block_m": 128, "gate_up": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps":
                             "down": {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 8, "num_stages": 2, "PDL": True,
                                      "PREFETCH": True}}},
      False),
-    # runs of a thread's own columns summed before the scale (VEC), plain, pipelined, down with PDL
-    (1, {**BASE, "decode": {"max_tokens": 1, "gate_up": {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 8, "num_stages": 2,
-                                                         "VEC": 8},
-                            "down": {"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 8, "num_stages": 2, "PDL": True}}},
-     False),
-    (3, {**BASE, "decode": _vec(DECODE_WIDE, 8, LOAD_STAGES=3)}, False),
-    (1, {**BASE, "decode": _pdl(_vec({"max_tokens": 1, "gate_up": {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 8,
-                                                                   "num_stages": 2},
-                                      "down": {"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 8, "num_stages": 2}},
-                                     16, ("down",)))}, False),
 ])
 def test_gpu_sm90_pinned_paths_match_the_oracle(T, config, quantized):
     if not torch.cuda.is_available():

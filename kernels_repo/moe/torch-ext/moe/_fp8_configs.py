@@ -33,11 +33,8 @@ the W8A16 math, 16-bit activations, e.g. at decode where weight bytes bound the 
 "BLOCK_K" (16 to 1024, a power of two: a divisor of the scale block or whole scale blocks),
 "num_warps", "num_stages", optional "PREFETCH" (bool, default false: each K step's loads issued
 one step ahead, so a program keeps two steps' bytes in flight), "LOAD_STAGES" (int 1 to 8,
-default 1: the K loop's loads pipelined through shared memory that many steps deep), "VEC" (int 2
-to 32, a power of two at most min(BLOCK_K, 128), not with PREFETCH: the tile as runs of VEC
-columns whose products are summed before the block scale is applied, fewer registers and
-instructions where a run is one thread's own vector: VEC <= BLOCK_N * BLOCK_K / (32 * num_warps),
-times 8 on down, whose tile holds the K experts' rows) and on "down" only "PDL" (bool: on sm90 the
+default 1: the K loop's loads pipelined through shared memory that many steps deep) and on
+"down" only "PDL" (bool: on sm90 the
 down kernel is a programmatic dependent launch of gate/up, started while gate/up finishes;
 elsewhere ignored)}).
 With fp8 activations the gate/up tile is 128 columns wide (one quantization group of h per tile,
@@ -147,7 +144,7 @@ def _check_decode(where: str, decode: object) -> None:
     for stage in ("gate_up", "down"):
         c, at = decode[stage], f"{where}[{stage!r}]"
         needed = {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
-        optional = ("PREFETCH", "LOAD_STAGES", "VEC") + (("PDL",) if stage == "down" else ())
+        optional = ("PREFETCH", "LOAD_STAGES") + (("PDL",) if stage == "down" else ())
         if not isinstance(c, dict) or not needed <= set(c) <= needed | set(optional):
             raise ValueError(f"{at} must be a dict of BLOCK_N, BLOCK_K, num_warps, num_stages (and optionally "
                              f"{', '.join(optional)}), got {c!r}")
@@ -163,13 +160,6 @@ def _check_decode(where: str, decode: object) -> None:
         if c["BLOCK_K"] not in _DECODE_BLOCK_K or isinstance(c["BLOCK_K"], bool):
             raise ValueError(f"{at}['BLOCK_K'] must be one of {_DECODE_BLOCK_K} (a divisor of the scale block or "
                              f"whole scale blocks), got {c['BLOCK_K']!r}")
-        if "VEC" in c:
-            vec, width = c["VEC"], min(c["BLOCK_K"], 128)
-            if vec not in (2, 4, 8, 16, 32) or isinstance(vec, bool) or vec > width:
-                raise ValueError(f"{at}['VEC'] must be a power of two in [2, 32] and at most "
-                                 f"min(BLOCK_K, 128) = {width}, got {vec!r}")
-            if c.get("PREFETCH", False):
-                raise ValueError(f"{at}: 'VEC' and 'PREFETCH' do not combine (the VEC tiles have no prefetch)")
         if c["num_warps"] not in (1, 2, 4, 8, 16) or isinstance(c["num_warps"], bool):
             raise ValueError(f"{at}['num_warps'] must be 1, 2, 4, 8 or 16, got {c['num_warps']!r}")
         if _bad_int(c["num_stages"], 1):

@@ -18,11 +18,6 @@ bytes in flight per program without a wider step's registers. LOAD_STAGES > 1: t
 loads software-pipelined by Triton (cp.async into shared memory, LOAD_STAGES - 1 steps ahead),
 bytes in flight without the registers to hold them; Triton pipelines loads that feed no MMA only
 in a loop that asks for it (`tl.range(num_stages=)`).
-VEC: the gate/up tile as [BLOCK_N, NB, KC // VEC, VEC], each run of VEC columns one thread's own
-vector; the products are summed over the run in registers and scaled once per run, so the
-accumulators are [BLOCK_N, NB, KC // VEC] rather than the whole tile (sm90 ptxas, (4, 512, 8
-warps): 38 registers a thread instead of 52; one FMUL per run instead of per weight). The down
-kernel's VEC does the same with the K experts' rows as one axis of its tile.
 PDL (down, sm90): the down kernel is launched as a programmatic dependent of gate/up (which lets
 it launch from its start, TRIGGER): its programs start while gate/up's last ones run, read the
 token's expert ids and weights, and wait for h (`griddepcontrol.wait`) before their first load of
@@ -43,21 +38,6 @@ from ._fp8_kernels import _e4m3_bits
 
 
 @triton.jit
-def _token_expert_rows(idx_ptr, wts_ptr, t, stride_it, stride_ik, stride_wt, stride_wtk, E, H,
-                       TOPK: tl.constexpr, TOPK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A down program's K experts' weight rows as one axis, r = slot * BLOCK_N + n (the VEC
-    tiles): each row's slot, output column, expert (0 where dropped), whether it counts
-    (a real slot, an id in [0, E), a column below H) and its routing weight."""
-    r = tl.arange(0, TOPK_P * BLOCK_N)
-    slot_r = r // BLOCK_N
-    n_r = tl.program_id(1) * BLOCK_N + r % BLOCK_N
-    e_r = tl.load(idx_ptr + t * stride_it + slot_r * stride_ik, mask=slot_r < TOPK, other=-1).to(tl.int64)
-    ok_r = (slot_r < TOPK) & (e_r >= 0) & (e_r < E) & (n_r < H)
-    wt_r = tl.load(wts_ptr + t * stride_wt + slot_r * stride_wtk, mask=ok_r, other=0.0).to(tl.float32)
-    return slot_r, n_r, tl.where(ok_r, e_r, 0), ok_r, wt_r
-
-
-@triton.jit
 def _fp32_weight(w, W_BITS: tl.constexpr):
     if W_BITS:  # uint8 e4m3 bits -> fp16 (value / 256) -> fp32, exact
         return _e4m3_bits(w).to(tl.float32) * 256.0
@@ -71,32 +51,6 @@ def _k_chunks(BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr):
     KC: tl.constexpr = BLOCK_K if BLOCK_K < SCALE_K else SCALE_K
     chunk = tl.arange(0, BLOCK_K // KC) * KC
     return chunk[:, None] + tl.arange(0, KC)[None, :], chunk
-
-
-@triton.jit
-def _k_vectors(BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr, VEC: tl.constexpr):
-    """A K step as [NB, KC // VEC, VEC] offsets (runs of VEC columns, each a thread's own vector), and
-    the per-chunk starts [NB], for the VEC tiles of both kernels."""
-    KC: tl.constexpr = BLOCK_K if BLOCK_K < SCALE_K else SCALE_K
-    chunk = tl.arange(0, BLOCK_K // KC) * KC
-    runs = tl.arange(0, KC // VEC) * VEC
-    return chunk[:, None, None] + runs[None, :, None] + tl.arange(0, VEC)[None, None, :], chunk
-
-
-@triton.jit
-def _gate_up_vec_sums(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, k0, H, n_mask, offs_v, chunk,
-                      SCALE_K: tl.constexpr, W_BITS: tl.constexpr):
-    """K step k0 of the VEC tiles: the gate and up products summed over each VEC run ([BN, NB,
-    KC // VEC]: within a thread's registers) and then scaled; masked past H."""
-    mask = n_mask[:, None, None, None] & (offs_v < H - k0)[None, :, :, :]
-    s_mask = n_mask[:, None] & (chunk < H - k0)[None, :]
-    kb = ((k0 + chunk) // SCALE_K)[None, :]
-    xv = tl.load(x_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
-    sg = tl.load(gs_ptrs + kb, mask=s_mask, other=0.0)[:, :, None]
-    su = tl.load(us_ptrs + kb, mask=s_mask, other=0.0)[:, :, None]
-    wg = _fp32_weight(tl.load(g_ptrs + k0, mask=mask, other=0.0), W_BITS)
-    wu = _fp32_weight(tl.load(u_ptrs + k0, mask=mask, other=0.0), W_BITS)
-    return tl.sum(wg * xv, axis=3) * sg, tl.sum(wu * xv, axis=3) * su
 
 
 @triton.jit
@@ -128,7 +82,7 @@ def _fp8_decode_gate_up_kernel(
     stride_xt, stride_it, stride_ik, stride_we, stride_wn, stride_wse, stride_wsn, stride_hm,
     TOPK: tl.constexpr, W_BITS: tl.constexpr, UPCAST: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, LOAD_STAGES: tl.constexpr,
-    TRIGGER: tl.constexpr, VEC: tl.constexpr,
+    TRIGGER: tl.constexpr,
 ):
     if TRIGGER:  # the down kernel (a programmatic dependent) may launch once every program got here
         gdc_launch_dependents()
@@ -141,40 +95,26 @@ def _fp8_decode_gate_up_kernel(
     n_mask = offs_n < I
     gs_ptrs = ws_ptr + e * stride_wse + (offs_n // SCALE_N)[:, None] * stride_wsn
     us_ptrs = ws_ptr + e * stride_wse + ((offs_n + I) // SCALE_N)[:, None] * stride_wsn
-    if VEC > 0:  # [BN, NB, KC // VEC, VEC] tiles: products summed per VEC run in registers, then scaled
-        offs_v, chunk = _k_vectors(BLOCK_K, SCALE_K, VEC)
-        g_ptrs = w_ptr + e * stride_we + offs_n[:, None, None, None].to(tl.int64) * stride_wn + offs_v[None, :, :, :]
-        u_ptrs = g_ptrs + I * stride_wn
-        x_ptrs = x_ptr + t * stride_xt + (offs_n * 0)[:, None, None, None] + offs_v[None, :, :, :]
-        KC: tl.constexpr = BLOCK_K if BLOCK_K < SCALE_K else SCALE_K
-        acc_g = tl.zeros((BLOCK_N, BLOCK_K // KC, KC // VEC), dtype=tl.float32)
-        acc_u = tl.zeros_like(acc_g)
-        for k0 in tl.range(0, H, BLOCK_K, num_stages=LOAD_STAGES):
-            dg, du = _gate_up_vec_sums(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, k0, H, n_mask, offs_v, chunk,
-                                       SCALE_K, W_BITS)
-            acc_g += dg
-            acc_u += du
-    else:
-        offs_k, chunk = _k_chunks(BLOCK_K, SCALE_K)  # [NB, KC], [NB]
-        g_ptrs = w_ptr + e * stride_we + offs_n[:, None, None].to(tl.int64) * stride_wn + offs_k[None, :, :]
-        u_ptrs = g_ptrs + I * stride_wn
-        # x in the weight tile's layout (constant along BLOCK_N), as `_experts_decode` does
-        x_ptrs = x_ptr + t * stride_xt + (offs_n * 0)[:, None, None] + offs_k[None, :, :]
-        acc_g = tl.zeros((BLOCK_N, BLOCK_K // SCALE_K if BLOCK_K > SCALE_K else 1,
-                          SCALE_K if BLOCK_K > SCALE_K else BLOCK_K), dtype=tl.float32)
-        acc_u = tl.zeros_like(acc_g)
-        if PREFETCH:
-            nxt = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, 0, H, n_mask, offs_k, chunk, SCALE_K)
-        for k0 in tl.range(0, H, BLOCK_K, num_stages=LOAD_STAGES):
-            if PREFETCH:  # the next step's loads issued before this step's math: two steps' bytes in flight
-                xv, sg, su, wg, wu = nxt
-                nxt = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, k0 + BLOCK_K, H, n_mask, offs_k, chunk,
-                                     SCALE_K)
-            else:
-                xv, sg, su, wg, wu = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, k0, H, n_mask, offs_k,
-                                                    chunk, SCALE_K)
-            acc_g += _fp32_weight(wg, W_BITS) * (xv * sg)
-            acc_u += _fp32_weight(wu, W_BITS) * (xv * su)
+    offs_k, chunk = _k_chunks(BLOCK_K, SCALE_K)  # [NB, KC], [NB]
+    g_ptrs = w_ptr + e * stride_we + offs_n[:, None, None].to(tl.int64) * stride_wn + offs_k[None, :, :]
+    u_ptrs = g_ptrs + I * stride_wn
+    # x in the weight tile's layout (constant along BLOCK_N), as `_experts_decode` does
+    x_ptrs = x_ptr + t * stride_xt + (offs_n * 0)[:, None, None] + offs_k[None, :, :]
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K // SCALE_K if BLOCK_K > SCALE_K else 1,
+                      SCALE_K if BLOCK_K > SCALE_K else BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros_like(acc_g)
+    if PREFETCH:
+        nxt = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, 0, H, n_mask, offs_k, chunk, SCALE_K)
+    for k0 in tl.range(0, H, BLOCK_K, num_stages=LOAD_STAGES):
+        if PREFETCH:  # the next step's loads issued before this step's math: two steps' bytes in flight
+            xv, sg, su, wg, wu = nxt
+            nxt = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, k0 + BLOCK_K, H, n_mask, offs_k, chunk,
+                                 SCALE_K)
+        else:
+            xv, sg, su, wg, wu = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, k0, H, n_mask, offs_k,
+                                                chunk, SCALE_K)
+        acc_g += _fp32_weight(wg, W_BITS) * (xv * sg)
+        acc_u += _fp32_weight(wu, W_BITS) * (xv * su)
     g = tl.sum(tl.sum(acc_g, axis=2), axis=1)  # (both tiles' accumulators are 3-D)
     u = tl.sum(tl.sum(acc_u, axis=2), axis=1)
     h = g * tl.sigmoid(g) * u
@@ -188,65 +128,41 @@ def _fp8_decode_down_kernel(
     stride_om,
     TOPK: tl.constexpr, TOPK_P: tl.constexpr, W_BITS: tl.constexpr, UPCAST: tl.constexpr, SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-    LOAD_STAGES: tl.constexpr, PDL: tl.constexpr, VEC: tl.constexpr,
+    LOAD_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
-    if VEC > 0:
-        # the K experts' rows as one axis of [R, NB, KC // VEC, VEC] tiles: products summed per VEC
-        # run in registers, scaled once per run (as the gate/up VEC tiles)
-        slot_r, n_r, e_r, ok_r, wt_r = _token_expert_rows(idx_ptr, wts_ptr, t, stride_it, stride_ik, stride_wt,
-                                                          stride_wtk, E, H, TOPK, TOPK_P, BLOCK_N)
-        offs_v, chunk = _k_vectors(BLOCK_K, SCALE_K, VEC)
-        hv_ptrs = h_ptr + (t * TOPK + slot_r)[:, None, None, None] * stride_hm + offs_v[None, :, :, :]
-        wv_ptrs = (w_ptr + e_r[:, None, None, None] * stride_we + n_r[:, None, None, None].to(tl.int64) * stride_wn
-                   + offs_v[None, :, :, :])
-        sv_ptrs = ws_ptr + e_r[:, None] * stride_wse + (n_r // SCALE_N)[:, None] * stride_wsn  # [R, 1] + K blocks
-        if PDL:
-            gdc_wait()
-        KC: tl.constexpr = BLOCK_K if BLOCK_K < SCALE_K else SCALE_K
-        acc_v = tl.zeros((TOPK_P * BLOCK_N, BLOCK_K // KC, KC // VEC), dtype=tl.float32)
-        for k0 in tl.range(0, I, BLOCK_K, num_stages=LOAD_STAGES):
-            mask = ok_r[:, None, None, None] & (offs_v < I - k0)[None, :, :, :]
-            s_mask = ok_r[:, None] & (chunk < I - k0)[None, :]
-            hv = tl.load(hv_ptrs + k0, mask=mask, other=0.0).to(tl.float32)
-            sv = tl.load(sv_ptrs + ((k0 + chunk) // SCALE_K)[None, :], mask=s_mask, other=0.0)
-            wv = _fp32_weight(tl.load(wv_ptrs + k0, mask=mask, other=0.0), W_BITS)
-            acc_v += tl.sum(wv * hv, axis=3) * (sv * wt_r[:, None])[:, :, None]
-        per_row = tl.sum(tl.sum(acc_v, axis=2), axis=1)  # [R]
-        out = tl.sum(tl.reshape(per_row, (TOPK_P, BLOCK_N)), axis=0)
-    else:
-        offs_k, chunk = _k_chunks(BLOCK_K, SCALE_K)  # [NB, KC], [NB]
-        # the token's K experts side by side ([TOPK_P, BLOCK_N, NB, KC] tiles: all their bytes in
-        # flight together), as `_experts_decode._decode_down_kernel`
-        slot = tl.arange(0, TOPK_P)
-        e = tl.load(idx_ptr + t * stride_it + slot * stride_ik, mask=slot < TOPK, other=-1).to(tl.int64)
-        valid = (slot < TOPK) & (e >= 0) & (e < E)
-        e = tl.where(valid, e, 0)
-        wt = tl.load(wts_ptr + t * stride_wt + slot * stride_wtk, mask=valid, other=0.0).to(tl.float32)
-        h_ptrs = (h_ptr + (t * TOPK + slot)[:, None, None, None] * stride_hm + (offs_n * 0)[None, :, None, None]
-                  + offs_k[None, None, :, :])
-        w_ptrs = (w_ptr + e[:, None, None, None] * stride_we + offs_n[None, :, None, None].to(tl.int64) * stride_wn
-                  + offs_k[None, None, :, :])
-        # [TOPK_P, BLOCK_N, 1] + the K blocks
-        s_ptrs = ws_ptr + e[:, None, None] * stride_wse + (offs_n // SCALE_N)[None, :, None] * stride_wsn
-        row_ok = valid[:, None, None] & n_mask[None, :, None]
-        if PREFETCH:  # the first step's weights: under PDL in flight while gate/up still runs
-            nxt = _down_weights(w_ptrs, s_ptrs, 0, I, row_ok, offs_k, chunk, SCALE_K)
-        if PDL:  # h is the gate/up kernel's: wait for it (and its writes) before any load of it
-            gdc_wait()
-        # one accumulator per expert, summed once after the loop (as `_experts_decode`)
-        acc = tl.zeros((TOPK_P, BLOCK_N, BLOCK_K // SCALE_K if BLOCK_K > SCALE_K else 1,
-                        SCALE_K if BLOCK_K > SCALE_K else BLOCK_K), dtype=tl.float32)
-        for k0 in tl.range(0, I, BLOCK_K, num_stages=LOAD_STAGES):
-            if PREFETCH:
-                s, wv = nxt
-                nxt = _down_weights(w_ptrs, s_ptrs, k0 + BLOCK_K, I, row_ok, offs_k, chunk, SCALE_K)
-            else:
-                s, wv = _down_weights(w_ptrs, s_ptrs, k0, I, row_ok, offs_k, chunk, SCALE_K)
-            h_mask = row_ok[:, :, :, None] & (offs_k < I - k0)[None, None, :, :]
-            hv = tl.load(h_ptrs + k0, mask=h_mask, other=0.0).to(tl.float32)
-            acc += _fp32_weight(wv, W_BITS) * (hv * (s * wt[:, None, None])[:, :, :, None])
-        out = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=0)
+    offs_k, chunk = _k_chunks(BLOCK_K, SCALE_K)  # [NB, KC], [NB]
+    # the token's K experts side by side ([TOPK_P, BLOCK_N, NB, KC] tiles: all their bytes in
+    # flight together), as `_experts_decode._decode_down_kernel`
+    slot = tl.arange(0, TOPK_P)
+    e = tl.load(idx_ptr + t * stride_it + slot * stride_ik, mask=slot < TOPK, other=-1).to(tl.int64)
+    valid = (slot < TOPK) & (e >= 0) & (e < E)
+    e = tl.where(valid, e, 0)
+    wt = tl.load(wts_ptr + t * stride_wt + slot * stride_wtk, mask=valid, other=0.0).to(tl.float32)
+    h_ptrs = (h_ptr + (t * TOPK + slot)[:, None, None, None] * stride_hm + (offs_n * 0)[None, :, None, None]
+              + offs_k[None, None, :, :])
+    w_ptrs = (w_ptr + e[:, None, None, None] * stride_we + offs_n[None, :, None, None].to(tl.int64) * stride_wn
+              + offs_k[None, None, :, :])
+    # [TOPK_P, BLOCK_N, 1] + the K blocks
+    s_ptrs = ws_ptr + e[:, None, None] * stride_wse + (offs_n // SCALE_N)[None, :, None] * stride_wsn
+    row_ok = valid[:, None, None] & n_mask[None, :, None]
+    if PREFETCH:  # the first step's weights: under PDL in flight while gate/up still runs
+        nxt = _down_weights(w_ptrs, s_ptrs, 0, I, row_ok, offs_k, chunk, SCALE_K)
+    if PDL:  # h is the gate/up kernel's: wait for it (and its writes) before any load of it
+        gdc_wait()
+    # one accumulator per expert, summed once after the loop (as `_experts_decode`)
+    acc = tl.zeros((TOPK_P, BLOCK_N, BLOCK_K // SCALE_K if BLOCK_K > SCALE_K else 1,
+                    SCALE_K if BLOCK_K > SCALE_K else BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(0, I, BLOCK_K, num_stages=LOAD_STAGES):
+        if PREFETCH:
+            s, wv = nxt
+            nxt = _down_weights(w_ptrs, s_ptrs, k0 + BLOCK_K, I, row_ok, offs_k, chunk, SCALE_K)
+        else:
+            s, wv = _down_weights(w_ptrs, s_ptrs, k0, I, row_ok, offs_k, chunk, SCALE_K)
+        h_mask = row_ok[:, :, :, None] & (offs_k < I - k0)[None, None, :, :]
+        hv = tl.load(h_ptrs + k0, mask=h_mask, other=0.0).to(tl.float32)
+        acc += _fp32_weight(wv, W_BITS) * (hv * (s * wt[:, None, None])[:, :, :, None])
+    out = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=0)
     tl.store(out_ptr + t * stride_om + offs_n, _to(out, out_ptr.dtype.element_ty, UPCAST), mask=n_mask)
