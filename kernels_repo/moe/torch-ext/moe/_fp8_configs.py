@@ -34,9 +34,8 @@ the W8A16 math, 16-bit activations, e.g. at decode where weight bytes bound the 
 "num_warps", "num_stages", optional "PREFETCH" (bool, default false: each K step's loads issued
 one step ahead, so a program keeps two steps' bytes in flight), "LOAD_STAGES" (int 1 to 8,
 default 1: the K loop's loads pipelined through shared memory that many steps deep) and on
-"down" only "PDL" (bool: on sm90 the
-down kernel is a programmatic dependent launch of gate/up, started while gate/up finishes;
-elsewhere ignored)}).
+"down" only "PDL" (bool: on sm90 the down kernel is a programmatic dependent launch of gate/up,
+started while gate/up finishes; elsewhere ignored)}).
 With fp8 activations the gate/up tile is 128 columns wide (one quantization group of h per tile,
 quantized in its epilogue).
 """
