@@ -8,8 +8,7 @@ and which tile or load mode closes the gap. Then whole calls (PAIRS) from one CU
 the flush between calls, less the flush alone: the time a PDL down kernel overlaps shows only there.
 
 Usage (repo root, GPU): PYTHONPATH=src python tools/diag_fp8_decode.py  (`fp8diag`)
-  env: SHAPE=qwen3_30b_a3b  T=1  REPS=20  PAIRS_ONLY=1 (whole calls only)  XS_ONLY=1 (gate/up alone: the
-  shipped and the XS tiles)
+  env: SHAPE=qwen3_30b_a3b  T=1  REPS=20  PAIRS_ONLY=1 (whole calls only)
 """
 
 from __future__ import annotations
@@ -37,12 +36,6 @@ def _tile(bn: int, bk: int, nw: int, **way) -> dict:
 # shows), then other steps and load modes
 GATE_UP = [_tile(4, 512, 8), _tile(4, 128, 4), _tile(8, 256, 8), _tile(4, 1024, 8), _tile(4, 512, 8, PREFETCH=True),
            _tile(4, 512, 8, LOAD_STAGES=3)]
-# XS (s48): x times the block scale once per column for all the tile's rows; tiles where a thread holds
-# several rows (sm90 SASS: 3.4-4.3 instructions per weight against 5.0-6.0)
-XS = [_tile(16, 256, 8, XS=True), _tile(8, 512, 8, XS=True), _tile(16, 128, 4, XS=True), _tile(8, 256, 4, XS=True),
-      _tile(16, 256, 4, XS=True), _tile(8, 512, 4, XS=True), _tile(32, 128, 4, XS=True), _tile(8, 1024, 8, XS=True),
-      _tile(16, 256, 8, XS=True, LOAD_STAGES=3)]
-GATE_UP = [GATE_UP[0], *XS, *([] if os.environ.get("XS_ONLY") else GATE_UP[1:])]
 DOWN = [_tile(4, 128, 8), _tile(8, 64, 8, PREFETCH=True), _tile(8, 128, 8), _tile(4, 256, 8), _tile(8, 256, 8),
         _tile(4, 512, 8), _tile(8, 128, 8, PREFETCH=True), _tile(4, 128, 4, PREFETCH=True)]
 # whole calls (gate/up, down): with PDL the down kernel overlaps gate/up, so only a call's time says it.
@@ -51,8 +44,8 @@ DOWN = [_tile(4, 128, 8), _tile(8, 64, 8, PREFETCH=True), _tile(8, 128, 8), _til
 EARLY = [_tile(4, 128, 8, PDL=True, PREFETCH=True), _tile(4, 256, 8, PDL=True, PREFETCH=True),
          _tile(4, 512, 8, PDL=True, PREFETCH=True), _tile(8, 256, 8, PDL=True, PREFETCH=True),
          _tile(4, 256, 4, PDL=True, PREFETCH=True), _tile(8, 128, 8, PDL=True, PREFETCH=True)]
-PAIRS = [(GATE_UP[0], {**DOWN[0], "PDL": True}), *((g, {**DOWN[0], "PDL": True}) for g in XS),
-         *((GATE_UP[0], d) for d in EARLY[:1]), (GATE_UP[0], DOWN[0]), (GATE_UP[0], {**DOWN[0], "PDL": True})]
+PAIRS = [(GATE_UP[0], {**DOWN[0], "PDL": True}), *((GATE_UP[0], d) for d in EARLY), (GATE_UP[0], DOWN[0]),
+         (GATE_UP[0], {**DOWN[0], "PDL": True})]
 
 
 def main() -> None:
@@ -76,8 +69,7 @@ def main() -> None:
     want = moe.fused_experts(x, gu, dn, idx, w, gate_up_proj_scale_inv=gus, down_proj_scale_inv=dns,
                              variant="sm80").float()
     base = {"gate_up": GATE_UP[0], "down": DOWN[0]}
-    stages = (("gate_up", GATE_UP),) if os.environ.get("XS_ONLY") else (("gate_up", GATE_UP), ("down", DOWN))
-    for stage, space in () if os.environ.get("PAIRS_ONLY") else stages:
+    for stage, space in () if os.environ.get("PAIRS_ONLY") else (("gate_up", GATE_UP), ("down", DOWN)):
         for c in space:
             dec = {"max_tokens": T, **base, stage: c}
             try:

@@ -163,7 +163,7 @@ def check_decode(cap: int, stage: str, c: dict, dtype: str = "bf16", label: str 
     if stage == "down":
         const.update(TOPK_P=8, stride_wtk=1, PDL=c.get("PDL", False))
     else:
-        const.update(TRIGGER=c.get("TRIGGER", False), XS=c.get("XS", False))
+        const.update(TRIGGER=c.get("TRIGGER", False))
     full = {n: sig.get(n, "constexpr" if n in const else cc.I32) for n in fn.arg_names}
     text = f"fp8 decode {stage} x={dtype} {json.dumps(c, sort_keys=True)}{' W_BITS' if w_bits else ''} {label}".rstrip()
     try:

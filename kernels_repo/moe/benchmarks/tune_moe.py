@@ -403,7 +403,7 @@ def fp8_decode_space(stage: str) -> list[dict]:
     cut leaves all timed: plain, PREFETCH (the next step's loads issued before this step's math),
     LOAD_STAGES 3 and 4 (the loop's loads pipelined through shared memory), and, for down, PDL
     (launched as a programmatic dependent of gate/up; sm90), also with PREFETCH (then the first
-    step's weights are loaded before the wait for gate/up); last, gate/up XS tiles."""
+    step's weights are loaded before the wait for gate/up)."""
     if stage == "gate_up":
         # (s42: Qwen3-30B-A3B T=1 picked the widest step, (4, 512); hence (4, 1024) and (8, 512))
         pairs = [(4, 64), (4, 128), (8, 64), (8, 128), (16, 64), (32, 64), (4, 512), (8, 256), (16, 128), (4, 1024),
@@ -420,10 +420,6 @@ def fp8_decode_space(stage: str) -> list[dict]:
         if stage == "down" and bn * bk * 8 > 64 * 32 * nw:
             continue
         tiles.append({"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 2, **way})
-    if stage == "gate_up":  # XS: x times the block scale once per column, for tiles of several rows a thread
-        tiles += [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 2, "XS": True}
-                  for bn, bk, nw in ((16, 256, 8), (8, 512, 8), (16, 128, 4), (8, 256, 4), (16, 256, 4), (8, 512, 4),
-                                     (32, 128, 4), (8, 1024, 8))]
     return tiles
 
 

@@ -576,30 +576,6 @@ def test_pdl_is_gpu_only():
     assert torch.equal(got, fp8x.decode_forward(x, guq, dq, idx, w, gus, dns, DECODE_WIDE))
 
 
-@pytest.mark.parametrize(("T", "H", "I", "tile"), [(1, 300, 256, (8, 64, 4)), (3, 200, 128, (16, 256, 4)),
-                                                   (2, 300, 256, (4, 512, 8)), (1, 300, 136, (8, 64, 4))])
-def test_decode_xs_tiles_scale_x_once_per_column_where_rows_share_a_scale_block(T, H, I, tile):
-    """gate/up "XS": x times the block scale once per column for all the tile's rows. It reaches the
-    kernel where the rows share a scale block (I a multiple of 128; the up rows start at I), else
-    the plain tile runs (I = 136); either way the float64 loop's output, and the plain tiles' to
-    fp32 rounding (H = 200 / 300: partial K blocks; -1 ids dropped; the W8A16 bits path the same)."""
-    x, guq, dq, idx, w, scales = make_fp8(T, H, I, 6, 3, seed=38, drop=1)
-    gus, dns = scales["gate_up_proj_scale_inv"], scales["down_proj_scale_inv"]
-    bn, bk, nw = tile
-    plain = {"max_tokens": 4, "gate_up": {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 1},
-             "down": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1}}
-    xs = {**plain, "gate_up": {**plain["gate_up"], "XS": True}}
-    from kernelhub.device import CachedLaunch
-
-    with CachedLaunch.recording() as calls:
-        got = fp8x.decode_forward(x, guq, dq, idx, w, gus, dns, xs)
-    passed = dict(zip(calls[0].launcher.names[-len(calls[0].constexprs):], calls[0].constexprs, strict=True))
-    assert passed["XS"] == (I % 128 == 0)
-    assert rel(got, oracle(x, guq, dq, idx, w, scales)) < 1e-2
-    assert rel(got, fp8x.decode_forward(x, guq, dq, idx, w, gus, dns, plain)) < 2e-3
-    assert torch.equal(got, fp8x.decode_forward(x, guq, dq, idx, w, gus, dns, xs, w_bits=True))
-
-
 def test_decode_ids_out_of_range_are_dropped_when_unchecked():
     x, guq, dq, idx, w, scales = make_fp8(2, 144, 80, 4, 2, seed=33)
     bad = idx.clone()
@@ -628,13 +604,6 @@ def test_decode_ids_out_of_range_are_dropped_when_unchecked():
      r"\['decode'\]\['gate_up'\]\['LOAD_STAGES'\] must be in \[1, 8\]"),
     ({"down": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "PDL": "yes"}},
      r"\['decode'\]\['down'\]\['PDL'\] must be a bool"),
-    ({"gate_up": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "XS": 1}},
-     r"\['decode'\]\['gate_up'\]\['XS'\] must be a bool"),
-    ({"gate_up": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "XS": True, "PREFETCH": True}},
-     r"\['decode'\]\['gate_up'\]: 'XS' and 'PREFETCH' do not combine"),
-    # XS is gate/up's (the down tile's rows belong to K experts with their own scales)
-    ({"down": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "XS": True}},
-     r"\['decode'\]\['down'\] must be a dict of BLOCK_N"),
     # PDL is the down kernel's (launched behind gate/up); gate/up has no such key
     ({"gate_up": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "PDL": True}},
      r"\['decode'\]\['gate_up'\] must be a dict of BLOCK_N"),
@@ -697,13 +666,6 @@ LARGE = {"block_m": 128, "gate_up": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps":
                                     "down": {"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 8, "num_stages": 2}})},
      False),
     (4, {**BASE, "decode": _pdl(_prefetched(DECODE_WIDE))}, False),
-    # gate/up XS (I = 768: the rows share their scale blocks), with and without LOAD_STAGES
-    (1, {**BASE, "decode": _pdl({"max_tokens": 1, "gate_up": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 8,
-                                                                 "num_stages": 2, "XS": True},
-                                    "down": {"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 8, "num_stages": 2}})},
-     False),
-    (2, {**BASE, "decode": {**DECODE_WIDE, "gate_up": {**DECODE_WIDE["gate_up"], "XS": True, "LOAD_STAGES": 3}}},
-     False),
     # PDL + PREFETCH down with a wide step: most of a program's weights loaded before its wait for h
     (1, {**BASE, "decode": {"max_tokens": 1, "gate_up": {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 8, "num_stages": 2},
                             "down": {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 8, "num_stages": 2, "PDL": True,

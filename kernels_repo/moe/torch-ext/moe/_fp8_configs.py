@@ -33,11 +33,9 @@ the W8A16 math, 16-bit activations, e.g. at decode where weight bytes bound the 
 "BLOCK_K" (16 to 1024, a power of two: a divisor of the scale block or whole scale blocks),
 "num_warps", "num_stages", optional "PREFETCH" (bool, default false: each K step's loads issued
 one step ahead, so a program keeps two steps' bytes in flight), "LOAD_STAGES" (int 1 to 8,
-default 1: the K loop's loads pipelined through shared memory that many steps deep), on
-"gate_up" only "XS" (bool, not with PREFETCH: x times the block scale formed once per column for
-all the tile's rows, where they share a scale block: BLOCK_N <= 128 and I a multiple of 128;
-elsewhere the plain tile runs) and on "down" only "PDL" (bool: on sm90 the down kernel is a
-programmatic dependent launch of gate/up, started while gate/up finishes; elsewhere ignored)}).
+default 1: the K loop's loads pipelined through shared memory that many steps deep) and on
+"down" only "PDL" (bool: on sm90 the down kernel is a programmatic dependent launch of gate/up,
+started while gate/up finishes; elsewhere ignored)}).
 With fp8 activations the gate/up tile is 128 columns wide (one quantization group of h per tile,
 quantized in its epilogue).
 """
@@ -145,15 +143,13 @@ def _check_decode(where: str, decode: object) -> None:
     for stage in ("gate_up", "down"):
         c, at = decode[stage], f"{where}[{stage!r}]"
         needed = {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
-        optional = ("PREFETCH", "LOAD_STAGES") + (("PDL",) if stage == "down" else ("XS",))
+        optional = ("PREFETCH", "LOAD_STAGES") + (("PDL",) if stage == "down" else ())
         if not isinstance(c, dict) or not needed <= set(c) <= needed | set(optional):
             raise ValueError(f"{at} must be a dict of BLOCK_N, BLOCK_K, num_warps, num_stages (and optionally "
                              f"{', '.join(optional)}), got {c!r}")
-        for flag in ("PREFETCH", "PDL", "XS"):
+        for flag in ("PREFETCH", "PDL"):
             if not isinstance(c.get(flag, False), bool):
                 raise TypeError(f"{at}[{flag!r}] must be a bool, got {c[flag]!r}")
-        if c.get("XS", False) and c.get("PREFETCH", False):
-            raise ValueError(f"{at}: 'XS' and 'PREFETCH' do not combine (the XS tiles load each step at use)")
         if not isinstance(c.get("LOAD_STAGES", 1), int) or isinstance(c.get("LOAD_STAGES"), bool):
             raise TypeError(f"{at}['LOAD_STAGES'] must be an int, got {c['LOAD_STAGES']!r}")
         if not 1 <= c.get("LOAD_STAGES", 1) <= 8:

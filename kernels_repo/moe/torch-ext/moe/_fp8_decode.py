@@ -18,10 +18,6 @@ bytes in flight per program without a wider step's registers. LOAD_STAGES > 1: t
 loads software-pipelined by Triton (cp.async into shared memory, LOAD_STAGES - 1 steps ahead),
 bytes in flight without the registers to hold them; Triton pipelines loads that feed no MMA only
 in a loop that asks for it (`tl.range(num_stages=)`).
-XS (gate/up): the tile's rows lie in one 128-row scale block (BLOCK_N <= 128, I a multiple of 128:
-the launcher passes XS only then), so x times the block scale is formed once per column, from x
-loaded once, not once per row: where a thread holds several rows, about a quarter fewer
-instructions per weight (sm90 SASS, (16, 256, 8 warps): 4.0 per weight against 5.3).
 PDL (down, sm90): the down kernel is launched as a programmatic dependent of gate/up (which lets
 it launch from its start, TRIGGER): its programs start while gate/up's last ones run, read the
 token's expert ids and weights, and wait for h (`griddepcontrol.wait`) before their first load of
@@ -71,16 +67,6 @@ def _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, k0, H, n_mask, offs
 
 
 @triton.jit
-def _x_scaled(xk_ptrs, gs_blk, us_blk, k0, H, offs_k, chunk, SCALE_K: tl.constexpr):
-    """K step k0's x ([NB, KC], fp32) times the tile's gate and up block scales (XS tiles)."""
-    xv = tl.load(xk_ptrs + k0, mask=offs_k < H - k0, other=0.0).to(tl.float32)
-    kb = (k0 + chunk) // SCALE_K
-    sg = tl.load(gs_blk + kb, mask=chunk < H - k0, other=0.0)
-    su = tl.load(us_blk + kb, mask=chunk < H - k0, other=0.0)
-    return xv * sg[:, None], xv * su[:, None]
-
-
-@triton.jit
 def _down_weights(w_ptrs, s_ptrs, k0, I, row_ok, offs_k, chunk, SCALE_K: tl.constexpr):
     """K step k0's scales and raw weight tiles of the token's K experts; masked past I. (Not h:
     these are the loads a PDL down program may issue before gate/up is done.)"""
@@ -96,7 +82,7 @@ def _fp8_decode_gate_up_kernel(
     stride_xt, stride_it, stride_ik, stride_we, stride_wn, stride_wse, stride_wsn, stride_hm,
     TOPK: tl.constexpr, W_BITS: tl.constexpr, UPCAST: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, LOAD_STAGES: tl.constexpr,
-    TRIGGER: tl.constexpr, XS: tl.constexpr,
+    TRIGGER: tl.constexpr,
 ):
     if TRIGGER:  # the down kernel (a programmatic dependent) may launch once every program got here
         gdc_launch_dependents()
@@ -117,29 +103,18 @@ def _fp8_decode_gate_up_kernel(
     acc_g = tl.zeros((BLOCK_N, BLOCK_K // SCALE_K if BLOCK_K > SCALE_K else 1,
                       SCALE_K if BLOCK_K > SCALE_K else BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros_like(acc_g)
-    if XS:  # the tile's rows share their scales (one row block): x * s once per column, for all rows
-        xk_ptrs = x_ptr + t * stride_xt + offs_k  # [NB, KC]: x loaded once, not once per row
-        row0 = tl.program_id(1) * BLOCK_N
-        gs_blk = ws_ptr + e * stride_wse + (row0 // SCALE_N) * stride_wsn  # + the K block
-        us_blk = ws_ptr + e * stride_wse + ((row0 + I) // SCALE_N) * stride_wsn
-        for k0 in tl.range(0, H, BLOCK_K, num_stages=LOAD_STAGES):
-            xg, xu = _x_scaled(xk_ptrs, gs_blk, us_blk, k0, H, offs_k, chunk, SCALE_K)
-            mask = n_mask[:, None, None] & (offs_k < H - k0)[None, :, :]
-            acc_g += _fp32_weight(tl.load(g_ptrs + k0, mask=mask, other=0.0), W_BITS) * xg[None, :, :]
-            acc_u += _fp32_weight(tl.load(u_ptrs + k0, mask=mask, other=0.0), W_BITS) * xu[None, :, :]
-    else:
-        if PREFETCH:
-            nxt = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, 0, H, n_mask, offs_k, chunk, SCALE_K)
-        for k0 in tl.range(0, H, BLOCK_K, num_stages=LOAD_STAGES):
-            if PREFETCH:  # the next step's loads issued before this step's math: two steps' bytes in flight
-                xv, sg, su, wg, wu = nxt
-                nxt = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, k0 + BLOCK_K, H, n_mask, offs_k,
-                                     chunk, SCALE_K)
-            else:
-                xv, sg, su, wg, wu = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, k0, H, n_mask, offs_k,
-                                                    chunk, SCALE_K)
-            acc_g += _fp32_weight(wg, W_BITS) * (xv * sg)
-            acc_u += _fp32_weight(wu, W_BITS) * (xv * su)
+    if PREFETCH:
+        nxt = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, 0, H, n_mask, offs_k, chunk, SCALE_K)
+    for k0 in tl.range(0, H, BLOCK_K, num_stages=LOAD_STAGES):
+        if PREFETCH:  # the next step's loads issued before this step's math: two steps' bytes in flight
+            xv, sg, su, wg, wu = nxt
+            nxt = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, k0 + BLOCK_K, H, n_mask, offs_k, chunk,
+                                 SCALE_K)
+        else:
+            xv, sg, su, wg, wu = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, k0, H, n_mask, offs_k,
+                                                chunk, SCALE_K)
+        acc_g += _fp32_weight(wg, W_BITS) * (xv * sg)
+        acc_u += _fp32_weight(wu, W_BITS) * (xv * su)
     g = tl.sum(tl.sum(acc_g, axis=2), axis=1)  # (both tiles' accumulators are 3-D)
     u = tl.sum(tl.sum(acc_u, axis=2), axis=1)
     h = g * tl.sigmoid(g) * u
