@@ -39,8 +39,8 @@ GATE_UP = [_tile(4, 512, 8), _tile(4, 128, 4), _tile(8, 256, 8), _tile(4, 1024, 
 DOWN = [_tile(4, 128, 8), _tile(8, 64, 8, PREFETCH=True), _tile(8, 128, 8), _tile(4, 256, 8), _tile(8, 256, 8),
         _tile(4, 512, 8), _tile(8, 128, 8, PREFETCH=True), _tile(4, 128, 4, PREFETCH=True)]
 # whole calls (gate/up, down): with PDL the down kernel overlaps gate/up, so only a call's time says it.
-# PDL + PREFETCH: the down program's first step of weights is loaded before it waits for gate/up (s48),
-# so wide first steps (up to 512 of Qwen3's 768 columns) stream while gate/up finishes
+# PDL + PREFETCH: the down program's first step of weights is loaded before it waits for gate/up (s48;
+# on an H100 a tie at (4, 128, 8 warps), slower at the wider steps, whose registers cost occupancy)
 EARLY = [_tile(4, 128, 8, PDL=True, PREFETCH=True), _tile(4, 256, 8, PDL=True, PREFETCH=True),
          _tile(4, 512, 8, PDL=True, PREFETCH=True), _tile(8, 256, 8, PDL=True, PREFETCH=True),
          _tile(4, 256, 4, PDL=True, PREFETCH=True), _tile(8, 128, 8, PDL=True, PREFETCH=True)]
