@@ -46,15 +46,6 @@ EARLY = [_tile(4, 128, 8, PDL=True, PREFETCH=True), _tile(4, 256, 8, PDL=True, P
          _tile(4, 256, 4, PDL=True, PREFETCH=True), _tile(8, 128, 8, PDL=True, PREFETCH=True)]
 PAIRS = [(GATE_UP[0], {**DOWN[0], "PDL": True}), *((GATE_UP[0], d) for d in EARLY), (GATE_UP[0], DOWN[0]),
          (GATE_UP[0], {**DOWN[0], "PDL": True})]
-# RUNS (s49): x (h) loaded once per column for all of a thread's rows, products summed over
-# 16-column runs in registers and scaled once per run (sm90 SASS 4.0-4.4 instructions per weight at
-# 48-58 registers against the shipped gate/up's 6.0 at 54); the best of each stage alone is also
-# paired (with PDL) after the table
-GATE_UP += [_tile(8, 256, 4, RUNS=True), _tile(16, 256, 4, RUNS=True), _tile(8, 512, 8, RUNS=True),
-            _tile(16, 512, 8, RUNS=True), _tile(4, 512, 8, RUNS=True), _tile(32, 512, 8, RUNS=True),
-            _tile(8, 128, 4, RUNS=True), _tile(16, 256, 8, RUNS=True)]
-DOWN += [_tile(4, 128, 8, RUNS=True), _tile(8, 128, 8, RUNS=True), _tile(4, 256, 8, RUNS=True),
-         _tile(8, 256, 8, RUNS=True), _tile(8, 128, 4, RUNS=True), _tile(4, 64, 4, RUNS=True)]
 
 
 def main() -> None:
@@ -98,7 +89,7 @@ def main() -> None:
             print(f"{stage} {json.dumps(c)}: {t:.1f} us ({floor[stage] / t:.2f} of bytes)  "
                   f"all {sum(us.values()):.1f} us  err {err:.1e}", flush=True)
     alone = _graph_us(flush.zero_)
-    pairs = list(PAIRS)
+    pairs = list(PAIRS)  # and the fastest tile of each stage alone, paired
     if len(best) == 2:  # the fastest of each stage alone, together (down with PDL and without)
         g, d = best["gate_up"][1], best["down"][1]
         pairs += [(g, {**DOWN[0], "PDL": True}), (g, {**d, "PDL": True}), (g, d),

@@ -159,7 +159,7 @@ def check_decode(cap: int, stage: str, c: dict, dtype: str = "bf16", label: str 
             "out_ptr": f"*{dtype}"})
     const = dict(TOPK=8, W_BITS=w_bits, UPCAST=False, SCALE_N=128, SCALE_K=128, BLOCK_N=c["BLOCK_N"],
                  BLOCK_K=c["BLOCK_K"], PREFETCH=c.get("PREFETCH", False), LOAD_STAGES=c.get("LOAD_STAGES", 1),
-                 RUNS=c.get("RUNS", False), stride_ik=1)
+                 stride_ik=1)
     if stage == "down":
         const.update(TOPK_P=8, stride_wtk=1, PDL=c.get("PDL", False))
     else:

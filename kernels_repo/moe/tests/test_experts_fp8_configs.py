@@ -509,12 +509,6 @@ def _pdl(decode: dict) -> dict:
     return {**decode, "down": {**decode["down"], "PDL": True}}
 
 
-def _runs(decode: dict) -> dict:
-    """`decode` with both stages' RUNS tiles: x (h) loaded once per column for all the tile's rows,
-    products summed over 16-column runs and scaled once per run."""
-    return _both_stages(decode, RUNS=True)
-
-
 def _kernels(run) -> list[str]:
     from kernelhub.device import CachedLaunch
 
@@ -529,16 +523,13 @@ def _kernels(run) -> list[str]:
                                                 (3, 300, DECODE_WIDE), (3, 200, _prefetched(DECODE)),
                                                 (1, 300, _prefetched(DECODE_WIDE)), (3, 300, _staged(DECODE)),
                                                 (3, 300, _pdl(DECODE_WIDE)),
-                                                (1, 300, _pdl(_prefetched(DECODE_WIDE))),
-                                                (3, 200, _runs(DECODE)), (1, 300, _runs(DECODE_WIDE)),
-                                                (3, 300, _pdl(_runs(DECODE_WIDE))), (3, 300, _staged(_runs(DECODE)))])
+                                                (1, 300, _pdl(_prefetched(DECODE_WIDE)))])
 def test_decode_key_runs_the_token_major_kernels_and_matches_the_float64_loop(variant, T, H, decode):
     """Two launches (no routing, no combine), W8A16 math on both variants; -1 ids dropped; H and I
     not multiples of 128: BLOCK_K 32 / 64 chunks inside one scale block, or 256 (two scale blocks
     per step: H=300's second step holds one partial block and one past H); K = 3 (padded to 4);
     PREFETCH (loads one step ahead, the step past H or I masked); LOAD_STAGES; PDL (accepted; the
-    interpreter launches without it); RUNS (16-column runs: BLOCK_K 32 is two runs, H=300 ends
-    inside a run)."""
+    interpreter launches without it)."""
     x, guq, dq, idx, w, scales = make_fp8(T, H, 136, 6, 3, seed=31, drop=1)
     cfg = {**BASE, "decode": decode}
     out, names = _kernels(lambda: moe.fused_experts(x, guq, dq, idx, w, variant=variant, config=cfg, **scales))
@@ -613,10 +604,6 @@ def test_decode_ids_out_of_range_are_dropped_when_unchecked():
      r"\['decode'\]\['gate_up'\]\['LOAD_STAGES'\] must be in \[1, 8\]"),
     ({"down": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "PDL": "yes"}},
      r"\['decode'\]\['down'\]\['PDL'\] must be a bool"),
-    ({"gate_up": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "RUNS": 1}},
-     r"\['decode'\]\['gate_up'\]\['RUNS'\] must be a bool"),
-    ({"down": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "RUNS": True, "PREFETCH": True}},
-     r"\['decode'\]\['down'\]: RUNS and PREFETCH cannot both be set"),
     # PDL is the down kernel's (launched behind gate/up); gate/up has no such key
     ({"gate_up": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "PDL": True}},
      r"\['decode'\]\['gate_up'\] must be a dict of BLOCK_N"),
@@ -684,13 +671,6 @@ LARGE = {"block_m": 128, "gate_up": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps":
                             "down": {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 8, "num_stages": 2, "PDL": True,
                                      "PREFETCH": True}}},
      False),
-    # RUNS tiles (x and h once per column, 16-column runs) at the widths the sweep times, with PDL
-    (1, {**BASE, "decode": _pdl(_runs({"max_tokens": 1, "gate_up": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4,
-                                                                    "num_stages": 2},
-                                       "down": {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 8, "num_stages": 2}}))},
-     False),
-    (4, {**BASE, "decode": _staged(_runs(DECODE_WIDE))}, False),
-    (4, {**BASE, "decode": _runs(DECODE)}, False),
 ])
 def test_gpu_sm90_pinned_paths_match_the_oracle(T, config, quantized):
     if not torch.cuda.is_available():

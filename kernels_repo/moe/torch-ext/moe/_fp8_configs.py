@@ -143,15 +143,13 @@ def _check_decode(where: str, decode: object) -> None:
     for stage in ("gate_up", "down"):
         c, at = decode[stage], f"{where}[{stage!r}]"
         needed = {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
-        optional = ("PREFETCH", "LOAD_STAGES", "RUNS") + (("PDL",) if stage == "down" else ())
+        optional = ("PREFETCH", "LOAD_STAGES") + (("PDL",) if stage == "down" else ())
         if not isinstance(c, dict) or not needed <= set(c) <= needed | set(optional):
             raise ValueError(f"{at} must be a dict of BLOCK_N, BLOCK_K, num_warps, num_stages (and optionally "
                              f"{', '.join(optional)}), got {c!r}")
-        for flag in ("PREFETCH", "PDL", "RUNS"):
+        for flag in ("PREFETCH", "PDL"):
             if not isinstance(c.get(flag, False), bool):
                 raise TypeError(f"{at}[{flag!r}] must be a bool, got {c[flag]!r}")
-        if c.get("RUNS", False) and c.get("PREFETCH", False):
-            raise ValueError(f"{at}: RUNS and PREFETCH cannot both be set (RUNS tiles load one step at a time)")
         if not isinstance(c.get("LOAD_STAGES", 1), int) or isinstance(c.get("LOAD_STAGES"), bool):
             raise TypeError(f"{at}['LOAD_STAGES'] must be an int, got {c['LOAD_STAGES']!r}")
         if not 1 <= c.get("LOAD_STAGES", 1) <= 8:

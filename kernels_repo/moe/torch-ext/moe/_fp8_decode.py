@@ -54,16 +54,6 @@ def _k_chunks(BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr):
 
 
 @triton.jit
-def _k_runs(BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr, RUN: tl.constexpr):
-    """A K step as [NB, KC // RUN, RUN] offsets (runs of RUN columns inside one scale block: a
-    thread's own vector) and the per-chunk starts [NB], for the RUNS tiles."""
-    KC: tl.constexpr = BLOCK_K if BLOCK_K < SCALE_K else SCALE_K
-    chunk = tl.arange(0, BLOCK_K // KC) * KC
-    runs = tl.arange(0, KC // RUN) * RUN
-    return chunk[:, None, None] + runs[None, :, None] + tl.arange(0, RUN)[None, None, :], chunk
-
-
-@triton.jit
 def _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, k0, H, n_mask, offs_k, chunk, SCALE_K: tl.constexpr):
     """K step k0's x (fp32), gate/up scales and raw gate/up weight tiles; all masked past H (a step
     at or past H loads nothing)."""
@@ -92,7 +82,7 @@ def _fp8_decode_gate_up_kernel(
     stride_xt, stride_it, stride_ik, stride_we, stride_wn, stride_wse, stride_wsn, stride_hm,
     TOPK: tl.constexpr, W_BITS: tl.constexpr, UPCAST: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr, LOAD_STAGES: tl.constexpr,
-    TRIGGER: tl.constexpr, RUNS: tl.constexpr,
+    TRIGGER: tl.constexpr,
 ):
     if TRIGGER:  # the down kernel (a programmatic dependent) may launch once every program got here
         gdc_launch_dependents()
@@ -105,47 +95,26 @@ def _fp8_decode_gate_up_kernel(
     n_mask = offs_n < I
     gs_ptrs = ws_ptr + e * stride_wse + (offs_n // SCALE_N)[:, None] * stride_wsn
     us_ptrs = ws_ptr + e * stride_wse + ((offs_n + I) // SCALE_N)[:, None] * stride_wsn
-    if RUNS:  # [BN, NB, KC // 16, 16] tiles, x once per column: see the module docstring
-        offs_v, chunk = _k_runs(BLOCK_K, SCALE_K, 16)  # [NB, KC // 16, 16], [NB]
-        g_ptrs = w_ptr + e * stride_we + offs_n[:, None, None, None].to(tl.int64) * stride_wn + offs_v[None, :, :, :]
-        u_ptrs = g_ptrs + I * stride_wn
-        xr_ptrs = x_ptr + t * stride_xt + offs_v
-        acc_g = tl.zeros((BLOCK_N, BLOCK_K // SCALE_K if BLOCK_K > SCALE_K else 1,
-                          (SCALE_K if BLOCK_K > SCALE_K else BLOCK_K) // 16), dtype=tl.float32)
-        acc_u = tl.zeros_like(acc_g)
-        for k0 in tl.range(0, H, BLOCK_K, num_stages=LOAD_STAGES):
-            k_ok = offs_v < H - k0
-            xv = tl.load(xr_ptrs + k0, mask=k_ok, other=0.0).to(tl.float32)[None, :, :, :]
-            mask = n_mask[:, None, None, None] & k_ok[None, :, :, :]
-            s_mask = n_mask[:, None] & (chunk < H - k0)[None, :]
-            kb = ((k0 + chunk) // SCALE_K)[None, :]
-            sg = tl.load(gs_ptrs + kb, mask=s_mask, other=0.0)[:, :, None]
-            su = tl.load(us_ptrs + kb, mask=s_mask, other=0.0)[:, :, None]
-            wg = _fp32_weight(tl.load(g_ptrs + k0, mask=mask, other=0.0), W_BITS)
-            wu = _fp32_weight(tl.load(u_ptrs + k0, mask=mask, other=0.0), W_BITS)
-            acc_g += tl.sum(wg * xv, axis=3) * sg
-            acc_u += tl.sum(wu * xv, axis=3) * su
-    else:
-        offs_k, chunk = _k_chunks(BLOCK_K, SCALE_K)  # [NB, KC], [NB]
-        g_ptrs = w_ptr + e * stride_we + offs_n[:, None, None].to(tl.int64) * stride_wn + offs_k[None, :, :]
-        u_ptrs = g_ptrs + I * stride_wn
-        # x in the weight tile's layout (constant along BLOCK_N), as `_experts_decode` does
-        x_ptrs = x_ptr + t * stride_xt + (offs_n * 0)[:, None, None] + offs_k[None, :, :]
-        acc_g = tl.zeros((BLOCK_N, BLOCK_K // SCALE_K if BLOCK_K > SCALE_K else 1,
-                          SCALE_K if BLOCK_K > SCALE_K else BLOCK_K), dtype=tl.float32)
-        acc_u = tl.zeros_like(acc_g)
-        if PREFETCH:
-            nxt = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, 0, H, n_mask, offs_k, chunk, SCALE_K)
-        for k0 in tl.range(0, H, BLOCK_K, num_stages=LOAD_STAGES):
-            if PREFETCH:  # the next step's loads issued before this step's math: two steps' bytes in flight
-                xv, sg, su, wg, wu = nxt
-                nxt = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, k0 + BLOCK_K, H, n_mask, offs_k,
-                                     chunk, SCALE_K)
-            else:
-                xv, sg, su, wg, wu = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, k0, H, n_mask, offs_k,
-                                                    chunk, SCALE_K)
-            acc_g += _fp32_weight(wg, W_BITS) * (xv * sg)
-            acc_u += _fp32_weight(wu, W_BITS) * (xv * su)
+    offs_k, chunk = _k_chunks(BLOCK_K, SCALE_K)  # [NB, KC], [NB]
+    g_ptrs = w_ptr + e * stride_we + offs_n[:, None, None].to(tl.int64) * stride_wn + offs_k[None, :, :]
+    u_ptrs = g_ptrs + I * stride_wn
+    # x in the weight tile's layout (constant along BLOCK_N), as `_experts_decode` does
+    x_ptrs = x_ptr + t * stride_xt + (offs_n * 0)[:, None, None] + offs_k[None, :, :]
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K // SCALE_K if BLOCK_K > SCALE_K else 1,
+                      SCALE_K if BLOCK_K > SCALE_K else BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros_like(acc_g)
+    if PREFETCH:
+        nxt = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, 0, H, n_mask, offs_k, chunk, SCALE_K)
+    for k0 in tl.range(0, H, BLOCK_K, num_stages=LOAD_STAGES):
+        if PREFETCH:  # the next step's loads issued before this step's math: two steps' bytes in flight
+            xv, sg, su, wg, wu = nxt
+            nxt = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, k0 + BLOCK_K, H, n_mask, offs_k, chunk,
+                                 SCALE_K)
+        else:
+            xv, sg, su, wg, wu = _gate_up_tiles(x_ptrs, g_ptrs, u_ptrs, gs_ptrs, us_ptrs, k0, H, n_mask, offs_k,
+                                                chunk, SCALE_K)
+        acc_g += _fp32_weight(wg, W_BITS) * (xv * sg)
+        acc_u += _fp32_weight(wu, W_BITS) * (xv * su)
     g = tl.sum(tl.sum(acc_g, axis=2), axis=1)  # (both tiles' accumulators are 3-D)
     u = tl.sum(tl.sum(acc_u, axis=2), axis=1)
     h = g * tl.sigmoid(g) * u
@@ -159,11 +128,12 @@ def _fp8_decode_down_kernel(
     stride_om,
     TOPK: tl.constexpr, TOPK_P: tl.constexpr, W_BITS: tl.constexpr, UPCAST: tl.constexpr, SCALE_N: tl.constexpr,
     SCALE_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr,
-    LOAD_STAGES: tl.constexpr, PDL: tl.constexpr, RUNS: tl.constexpr,
+    LOAD_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
+    offs_k, chunk = _k_chunks(BLOCK_K, SCALE_K)  # [NB, KC], [NB]
     # the token's K experts side by side ([TOPK_P, BLOCK_N, NB, KC] tiles: all their bytes in
     # flight together), as `_experts_decode._decode_down_kernel`
     slot = tl.arange(0, TOPK_P)
@@ -171,48 +141,28 @@ def _fp8_decode_down_kernel(
     valid = (slot < TOPK) & (e >= 0) & (e < E)
     e = tl.where(valid, e, 0)
     wt = tl.load(wts_ptr + t * stride_wt + slot * stride_wtk, mask=valid, other=0.0).to(tl.float32)
+    h_ptrs = (h_ptr + (t * TOPK + slot)[:, None, None, None] * stride_hm + (offs_n * 0)[None, :, None, None]
+              + offs_k[None, None, :, :])
+    w_ptrs = (w_ptr + e[:, None, None, None] * stride_we + offs_n[None, :, None, None].to(tl.int64) * stride_wn
+              + offs_k[None, None, :, :])
     # [TOPK_P, BLOCK_N, 1] + the K blocks
     s_ptrs = ws_ptr + e[:, None, None] * stride_wse + (offs_n // SCALE_N)[None, :, None] * stride_wsn
     row_ok = valid[:, None, None] & n_mask[None, :, None]
-    if RUNS:  # [TOPK_P, BN, NB, KC // 16, 16] tiles, h once per (expert, column): see the module docstring
-        offs_v, chunk = _k_runs(BLOCK_K, SCALE_K, 16)  # [NB, KC // 16, 16], [NB]
-        hr_ptrs = h_ptr + (t * TOPK + slot)[:, None, None, None] * stride_hm + offs_v[None, :, :, :]
-        w_ptrs = (w_ptr + e[:, None, None, None, None] * stride_we
-                  + offs_n[None, :, None, None, None].to(tl.int64) * stride_wn + offs_v[None, None, :, :, :])
-        if PDL:
-            gdc_wait()
-        acc = tl.zeros((TOPK_P, BLOCK_N, BLOCK_K // SCALE_K if BLOCK_K > SCALE_K else 1,
-                        (SCALE_K if BLOCK_K > SCALE_K else BLOCK_K) // 16), dtype=tl.float32)
-        for k0 in tl.range(0, I, BLOCK_K, num_stages=LOAD_STAGES):
-            k_ok = offs_v < I - k0
-            hv = tl.load(hr_ptrs + k0, mask=valid[:, None, None, None] & k_ok[None, :, :, :], other=0.0)
-            mask = row_ok[:, :, :, None, None] & k_ok[None, None, :, :, :]
-            s_mask = row_ok & (chunk < I - k0)[None, None, :]
-            sv = tl.load(s_ptrs + ((k0 + chunk) // SCALE_K)[None, None, :], mask=s_mask, other=0.0)
-            wv = _fp32_weight(tl.load(w_ptrs + k0, mask=mask, other=0.0), W_BITS)
-            acc += tl.sum(wv * hv.to(tl.float32)[:, None, :, :, :], axis=4) * (sv * wt[:, None, None])[:, :, :, None]
-        out = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=0)
-    else:
-        offs_k, chunk = _k_chunks(BLOCK_K, SCALE_K)  # [NB, KC], [NB]
-        h_ptrs = (h_ptr + (t * TOPK + slot)[:, None, None, None] * stride_hm + (offs_n * 0)[None, :, None, None]
-                  + offs_k[None, None, :, :])
-        w_ptrs = (w_ptr + e[:, None, None, None] * stride_we + offs_n[None, :, None, None].to(tl.int64) * stride_wn
-                  + offs_k[None, None, :, :])
-        if PREFETCH:  # the first step's weights: under PDL in flight while gate/up still runs
-            nxt = _down_weights(w_ptrs, s_ptrs, 0, I, row_ok, offs_k, chunk, SCALE_K)
-        if PDL:  # h is the gate/up kernel's: wait for it (and its writes) before any load of it
-            gdc_wait()
-        # one accumulator per expert, summed once after the loop (as `_experts_decode`)
-        acc = tl.zeros((TOPK_P, BLOCK_N, BLOCK_K // SCALE_K if BLOCK_K > SCALE_K else 1,
-                        SCALE_K if BLOCK_K > SCALE_K else BLOCK_K), dtype=tl.float32)
-        for k0 in tl.range(0, I, BLOCK_K, num_stages=LOAD_STAGES):
-            if PREFETCH:
-                s, wv = nxt
-                nxt = _down_weights(w_ptrs, s_ptrs, k0 + BLOCK_K, I, row_ok, offs_k, chunk, SCALE_K)
-            else:
-                s, wv = _down_weights(w_ptrs, s_ptrs, k0, I, row_ok, offs_k, chunk, SCALE_K)
-            h_mask = row_ok[:, :, :, None] & (offs_k < I - k0)[None, None, :, :]
-            hv = tl.load(h_ptrs + k0, mask=h_mask, other=0.0).to(tl.float32)
-            acc += _fp32_weight(wv, W_BITS) * (hv * (s * wt[:, None, None])[:, :, :, None])
-        out = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=0)
+    if PREFETCH:  # the first step's weights: under PDL in flight while gate/up still runs
+        nxt = _down_weights(w_ptrs, s_ptrs, 0, I, row_ok, offs_k, chunk, SCALE_K)
+    if PDL:  # h is the gate/up kernel's: wait for it (and its writes) before any load of it
+        gdc_wait()
+    # one accumulator per expert, summed once after the loop (as `_experts_decode`)
+    acc = tl.zeros((TOPK_P, BLOCK_N, BLOCK_K // SCALE_K if BLOCK_K > SCALE_K else 1,
+                    SCALE_K if BLOCK_K > SCALE_K else BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(0, I, BLOCK_K, num_stages=LOAD_STAGES):
+        if PREFETCH:
+            s, wv = nxt
+            nxt = _down_weights(w_ptrs, s_ptrs, k0 + BLOCK_K, I, row_ok, offs_k, chunk, SCALE_K)
+        else:
+            s, wv = _down_weights(w_ptrs, s_ptrs, k0, I, row_ok, offs_k, chunk, SCALE_K)
+        h_mask = row_ok[:, :, :, None] & (offs_k < I - k0)[None, None, :, :]
+        hv = tl.load(h_ptrs + k0, mask=h_mask, other=0.0).to(tl.float32)
+        acc += _fp32_weight(wv, W_BITS) * (hv * (s * wt[:, None, None])[:, :, :, None])
+    out = tl.sum(tl.sum(tl.sum(acc, axis=3), axis=2), axis=0)
     tl.store(out_ptr + t * stride_om + offs_n, _to(out, out_ptr.dtype.element_ty, UPCAST), mask=n_mask)

@@ -50,10 +50,10 @@ _decode_down_launch = CachedLaunch(_fp8_decode_down_kernel)
 _decode_down_pdl_launch = CachedLaunch(_fp8_decode_down_kernel, launch_pdl=True)
 DecodeGateUpConstexprs = constexpr_spec(_fp8_decode_gate_up_kernel,
                                         "TOPK W_BITS UPCAST SCALE_N SCALE_K BLOCK_N BLOCK_K PREFETCH LOAD_STAGES "
-                                        "TRIGGER RUNS")
+                                        "TRIGGER")
 DecodeDownConstexprs = constexpr_spec(_fp8_decode_down_kernel,
                                       "TOPK TOPK_P W_BITS UPCAST SCALE_N SCALE_K BLOCK_N BLOCK_K PREFETCH "
-                                      "LOAD_STAGES PDL RUNS")
+                                      "LOAD_STAGES PDL")
 _capped: dict[int, CachedLaunch] = {}
 _QUANT_ROWS = 32  # tokens per program of the quantize pass
 
@@ -218,8 +218,7 @@ def decode_forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_s
              gate_up_proj.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1), h.stride(0)),
             DecodeGateUpConstexprs(TOPK=K, W_BITS=w_bits, UPCAST=INTERPRET, SCALE_N=BLOCK[0], SCALE_K=BLOCK[1],
                                    BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], PREFETCH=c.get("PREFETCH", False),
-                                   LOAD_STAGES=c.get("LOAD_STAGES", 1), TRIGGER=pdl,
-                                   RUNS=c.get("RUNS", False)),
+                                   LOAD_STAGES=c.get("LOAD_STAGES", 1), TRIGGER=pdl),
             num_warps=c["num_warps"], num_stages=c["num_stages"])
     c = decode["down"]
     if H:
@@ -231,7 +230,7 @@ def decode_forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_s
             DecodeDownConstexprs(TOPK=K, TOPK_P=launch.next_pow2(K), W_BITS=w_bits, UPCAST=INTERPRET,
                                  SCALE_N=BLOCK[0], SCALE_K=BLOCK[1], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
                                  PREFETCH=c.get("PREFETCH", False), LOAD_STAGES=c.get("LOAD_STAGES", 1),
-                                 PDL=pdl, RUNS=c.get("RUNS", False)),
+                                 PDL=pdl),
             num_warps=c["num_warps"], num_stages=c["num_stages"])
     return out
 
