@@ -37,7 +37,7 @@ def triton_h():
         (H, I, E, x.stride(0), idx.stride(0), idx.stride(1), gu.stride(0), gu.stride(1), gus.stride(0), gus.stride(1),
          h.stride(0)),
         fp8x.DecodeGateUpConstexprs(TOPK=K, W_BITS=False, UPCAST=False, SCALE_N=128, SCALE_K=128, BLOCK_N=4,
-                                    BLOCK_K=512, PREFETCH=False, LOAD_STAGES=1, TRIGGER=False, RUNS=False),
+                                    BLOCK_K=512, PREFETCH=False, LOAD_STAGES=1, TRIGGER=False),
         num_warps=8, num_stages=2)
     return h
 
