@@ -98,6 +98,8 @@ def main() -> None:
         for stage, c in b.get("decode", {}).items():
             if stage != "max_tokens":
                 fails += check(f"{where} decode {stage}", cc8.check_decode(90, stage, c, label=where))
+            if stage != "max_tokens" and c.get("GLUON", False):
+                fails += check(f"{where} decode gluon {stage}", cc8.check_decode_gluon(stage, c, label=where))
     if args.candidates:
         for stage in ("gate_up", "down"):
             for c in tune_module().fp8_decode_space(stage):

@@ -46,6 +46,12 @@ EARLY = [_tile(4, 128, 8, PDL=True, PREFETCH=True), _tile(4, 256, 8, PDL=True, P
          _tile(4, 256, 4, PDL=True, PREFETCH=True), _tile(8, 128, 8, PDL=True, PREFETCH=True)]
 PAIRS = [(GATE_UP[0], {**DOWN[0], "PDL": True}), *((GATE_UP[0], d) for d in EARLY), (GATE_UP[0], DOWN[0]),
          (GATE_UP[0], {**DOWN[0], "PDL": True})]
+# the Gluon kernels (stage key GLUON, sm90; s49): x / h loaded once per thread's 16-column run and
+# kept for all of its rows, each run's products summed in registers and scaled once
+GATE_UP += [_tile(bn, bk, nw, GLUON=True) for bn, bk, nw in ((16, 512, 8), (8, 256, 4), (4, 256, 2), (16, 256, 4),
+                                                              (32, 512, 8), (8, 512, 8))]
+DOWN += [_tile(bn, bk, nw, GLUON=True) for bn, bk, nw in ((4, 128, 8), (8, 128, 8), (4, 256, 8), (8, 256, 8),
+                                                          (16, 128, 8), (4, 128, 4), (8, 64, 8))]
 
 
 def main() -> None:
@@ -89,7 +95,7 @@ def main() -> None:
             print(f"{stage} {json.dumps(c)}: {t:.1f} us ({floor[stage] / t:.2f} of bytes)  "
                   f"all {sum(us.values()):.1f} us  err {err:.1e}", flush=True)
     alone = _graph_us(flush.zero_)
-    pairs = list(PAIRS)  # and the fastest tile of each stage alone, paired
+    pairs = list(PAIRS)
     if len(best) == 2:  # the fastest of each stage alone, together (down with PDL and without)
         g, d = best["gate_up"][1], best["down"][1]
         pairs += [(g, {**DOWN[0], "PDL": True}), (g, {**d, "PDL": True}), (g, d),

@@ -43,6 +43,13 @@ for _stage, _tile in (("gate_up", {"BLOCK_N": 4, "BLOCK_K": 128}), ("down", {"BL
 # then passes gate/up; sm90 only)
 DECODE_TILES["gate_up"].append({"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 8, "num_stages": 2, "TRIGGER": True})
 DECODE_TILES["down"].append({"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 8, "num_stages": 2, "PDL": True})
+# the Gluon decode kernels (stage key "GLUON", sm90): one thread a row's run down to one warp a row
+GLUON_DECODE_TILES = {"gate_up": [{"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 8, "num_stages": 2},
+                                  {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 2, "num_stages": 2},
+                                  {"BLOCK_N": 4, "BLOCK_K": 32, "num_warps": 1, "num_stages": 2, "TRIGGER": True}],
+                      "down": [{"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 8, "num_stages": 2, "PDL": True},
+                               {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 8, "num_stages": 2},
+                               {"BLOCK_N": 4, "BLOCK_K": 32, "num_warps": 2, "num_stages": 2}]}
 SM89_SMEM = 101376  # shared memory per block (opt-in) of sm86/sm89
 _UNIT = ("stride_ak", "stride_bk", "stride_cn")  # unit strides the JIT specializes to constexpr 1
 
@@ -176,6 +183,38 @@ def check_decode(cap: int, stage: str, c: dict, dtype: str = "bf16", label: str 
     return rep
 
 
+def check_decode_gluon(stage: str, c: dict, dtype: str = "bf16", label: str = "") -> dict | None:
+    """A Gluon decode kernel (`_fp8_decode_gluon`) for sm90 with a stage's tile."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    mod = importlib.import_module(cc.moe.__name__ + "._fp8_decode_gluon")
+    const = dict(TOPK=8, SCALE_N=128, SCALE_K=128, BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], stride_ik=1)
+    if stage == "gate_up":
+        fn = mod._fp8_decode_gate_up_gluon_kernel
+        sig = {"x_ptr": f"*{dtype}", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "idx_ptr": "*i64", "h_ptr": f"*{dtype}"}
+        const.update(TRIGGER=c.get("TRIGGER", False))
+    else:
+        fn = mod._fp8_decode_down_gluon_kernel
+        sig = {"h_ptr": f"*{dtype}", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "idx_ptr": "*i64", "wts_ptr": "*fp32",
+               "out_ptr": f"*{dtype}"}
+        const.update(TOPK_P=8, stride_wtk=1, PDL=c.get("PDL", False))
+    full = {n: sig.get(n, "constexpr" if n in const else cc.I32) for n in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if full[n] != "constexpr"}
+    text = f"gluon decode {stage} x={dtype} {json.dumps(c, sort_keys=True)} {label}".rstrip()
+    try:
+        k = triton.compile(GluonASTSource(fn, full, const, attrs), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": c["num_warps"]})
+        rep = cc.ptxas_report(k.asm["ptx"], 90)
+    except Exception as e:  # noqa: BLE001
+        print(f"FAIL sm90 {text}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+        return None
+    spills = int(re.search(r"spill_bytes=(\d+)", rep).group(1))
+    gdc = k.asm["ptx"].count("griddepcontrol.")
+    print(f"{'ok  ' if not spills else 'FAIL'} sm90 {text} smem={k.metadata.shared} {rep} gdc={gdc}", flush=True)
+    return None if spills else {"smem": k.metadata.shared, "spills": spills, "gdc": gdc,
+                                "regs": int(re.search(r"regs=(\d+)", rep).group(1))}
+
+
 def shipped(variant: str) -> list[dict]:
     data = json.loads((fp8c._DIR / f"fp8_{variant}.json").read_text())
     return data["buckets"] + [b for bs in data.get("shapes", {}).values() for b in bs]
@@ -237,6 +276,10 @@ def main() -> None:
             if cap == 90 and importlib.import_module(cc.moe.__name__ + "._gluon_gemm").available():
                 fails += sum(check_gluon(cap, gated, operand) is None
                              for gated in (True, False) for operand in ("fp8", "bf16"))
+    if 90 in caps and importlib.import_module(cc.moe.__name__ + "._fp8_decode_gluon").gluon is not None:
+        fails += sum(check_decode_gluon(stage, c) is None for stage, tiles in GLUON_DECODE_TILES.items() for c in tiles)
+        fails += sum(check_decode_gluon(stage, b["decode"][stage], label="shipped") is None for b in shipped("sm90")
+                     for stage in ("gate_up", "down") if b.get("decode", {}).get(stage, {}).get("GLUON", False))
     for cap in [c for c in (90, 80) if c in caps]:
         for stage, tiles in DECODE_TILES.items():
             for c in tiles:

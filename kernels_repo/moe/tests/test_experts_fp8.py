@@ -439,6 +439,11 @@ def test_fp8_kernels_compile_for_sm90_sm89_and_sm80_without_a_gpu(tmp_path):
     # the Gluon warp-specialized GEMMs (bucket key "GLUON") compile for sm90 without spills
     assert all(out.count(f"ok   sm90 gluon {op} {stage}") == 1
                for op in ("fp8", "bf16") for stage in ("gate_up", "down")), out[-2000:]
+    # the Gluon decode kernels (stage key "GLUON") compile for sm90 without spills; TRIGGER / PDL
+    # tiles have the grid dependency control, the others none
+    gluon = [line for line in out.splitlines() if line.startswith("ok   sm90 gluon decode")]
+    assert sum(" gate_up " in line for line in gluon) >= 3 and sum(" down " in line for line in gluon) >= 3, gluon
+    assert all((" gdc=0" in line) != ('"PDL": true' in line or '"TRIGGER": true' in line) for line in gluon), gluon
     # decode kernels: LOAD_STAGES > 1 pipelines the K loop's loads (cp.async), plain loads do not
     assert_only_staged_decode_tiles_pipelined(
         [line for line in out.splitlines() if line.startswith("ok   sm90 fp8 decode")], '"LOAD_STAGES": 3')

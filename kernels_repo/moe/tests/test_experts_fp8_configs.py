@@ -509,6 +509,12 @@ def _pdl(decode: dict) -> dict:
     return {**decode, "down": {**decode["down"], "PDL": True}}
 
 
+def _gluon(decode: dict, stages: tuple[str, ...] = ("gate_up", "down")) -> dict:
+    """`decode` whose stages ask for the Gluon kernels (`_fp8_decode_gluon`: a capability 9.0 GPU's;
+    the interpreter and other devices run the Triton kernels with the same tiles)."""
+    return {**decode, **{s: {**decode[s], "GLUON": True} for s in stages}}
+
+
 def _kernels(run) -> list[str]:
     from kernelhub.device import CachedLaunch
 
@@ -523,13 +529,14 @@ def _kernels(run) -> list[str]:
                                                 (3, 300, DECODE_WIDE), (3, 200, _prefetched(DECODE)),
                                                 (1, 300, _prefetched(DECODE_WIDE)), (3, 300, _staged(DECODE)),
                                                 (3, 300, _pdl(DECODE_WIDE)),
-                                                (1, 300, _pdl(_prefetched(DECODE_WIDE)))])
+                                                (1, 300, _pdl(_prefetched(DECODE_WIDE))),
+                                                (3, 300, _gluon(DECODE_WIDE))])
 def test_decode_key_runs_the_token_major_kernels_and_matches_the_float64_loop(variant, T, H, decode):
     """Two launches (no routing, no combine), W8A16 math on both variants; -1 ids dropped; H and I
     not multiples of 128: BLOCK_K 32 / 64 chunks inside one scale block, or 256 (two scale blocks
     per step: H=300's second step holds one partial block and one past H); K = 3 (padded to 4);
     PREFETCH (loads one step ahead, the step past H or I masked); LOAD_STAGES; PDL (accepted; the
-    interpreter launches without it)."""
+    interpreter launches without it); GLUON (accepted; the interpreter runs the Triton kernel)."""
     x, guq, dq, idx, w, scales = make_fp8(T, H, 136, 6, 3, seed=31, drop=1)
     cfg = {**BASE, "decode": decode}
     out, names = _kernels(lambda: moe.fused_experts(x, guq, dq, idx, w, variant=variant, config=cfg, **scales))
@@ -604,6 +611,12 @@ def test_decode_ids_out_of_range_are_dropped_when_unchecked():
      r"\['decode'\]\['gate_up'\]\['LOAD_STAGES'\] must be in \[1, 8\]"),
     ({"down": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "PDL": "yes"}},
      r"\['decode'\]\['down'\]\['PDL'\] must be a bool"),
+    ({"gate_up": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "GLUON": 1}},
+     r"\['decode'\]\['gate_up'\]\['GLUON'\] must be a bool"),
+    ({"gate_up": {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1, "GLUON": True}},
+     r"\['decode'\]\['gate_up'\]\['BLOCK_K'\] must be at most 512 with GLUON"),
+    ({"down": {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4, "num_stages": 1, "GLUON": True}},
+     r"\['decode'\]\['down'\]\['BLOCK_K'\] must be at most 512 with GLUON"),
     # PDL is the down kernel's (launched behind gate/up); gate/up has no such key
     ({"gate_up": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "PDL": True}},
      r"\['decode'\]\['gate_up'\] must be a dict of BLOCK_N"),
@@ -671,6 +684,14 @@ LARGE = {"block_m": 128, "gate_up": {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps":
                             "down": {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 8, "num_stages": 2, "PDL": True,
                                      "PREFETCH": True}}},
      False),
+    # the Gluon kernels (sm90), the down one a PDL launch, at the tiles the sweep times
+    (1, {**BASE, "decode": _pdl(_gluon({"max_tokens": 1, "gate_up": {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 8,
+                                                                     "num_stages": 2},
+                                        "down": {"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 8,
+                                                 "num_stages": 2}}))}, False),
+    (4, {**BASE, "decode": _gluon({**DECODE_WIDE, "gate_up": {"BLOCK_N": 4, "BLOCK_K": 256, "num_warps": 2,
+                                                              "num_stages": 2}})}, False),
+    (4, {**BASE, "decode": _gluon(DECODE, ("down",))}, False),
 ])
 def test_gpu_sm90_pinned_paths_match_the_oracle(T, config, quantized):
     if not torch.cuda.is_available():
@@ -721,6 +742,52 @@ def test_gpu_pdl_down_launch_is_a_dependent_one_and_captures_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, fp8x.decode_forward(*b, plain))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("T", "H", "inter", "gate_up"), [
+    (1, 2048, 768, {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 8, "num_stages": 2}),
+    # partial scale blocks and runs (H = 300 ends inside a 16-column run), dropped ids, K = 3
+    (3, 300, 136, {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4, "num_stages": 2}),
+    (2, 300, 136, {"BLOCK_N": 4, "BLOCK_K": 32, "num_warps": 1, "num_stages": 2}),
+])
+def test_gpu_gluon_decode_gate_up_runs_matches_and_captures(T, H, inter, gate_up):
+    """sm90: "GLUON" stages launch the Gluon kernels (recorded like the Triton ones, so replayable;
+    the down one as a PDL dependent of gate/up), match the float64 loop, and a CUDA graph of the
+    call replays new inputs as an eager call computes them."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs a capability 9.0 GPU")
+    if fp8x.decode_gluon.gluon is None:
+        pytest.skip("this triton has no Gluon")
+    from kernelhub.device import CachedLaunch
+
+    dev = torch.device("cuda")
+    decode = _pdl(_gluon({"max_tokens": 4, "gate_up": gate_up,
+                          "down": {"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 8, "num_stages": 2}}))
+    launches = fp8x._decode_gluon_launches
+
+    def inputs(seed):
+        x, guq, dq, idx, w, scales = make_fp8(T, H, inter, 16, 3 if H == 300 else 8, seed=seed, drop=1)
+        return [t.to(dev) for t in (x, guq, dq, idx, w, scales["gate_up_proj_scale_inv"],
+                                    scales["down_proj_scale_inv"])], (x, guq, dq, idx, w, scales)
+
+    a, cpu = inputs(44)
+    with CachedLaunch.recording() as calls:
+        got = fp8x.decode_forward(*a, decode)
+    assert [c.launcher for c in calls] == [launches[0], launches[2]]
+    gate_up, down = (dict(zip(c.launcher.names[-len(c.constexprs):], c.constexprs, strict=True)) for c in calls)
+    assert gate_up["TRIGGER"] and down["PDL"]
+    assert rel(got.cpu(), oracle(*cpu)) < 1e-2
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        captured = fp8x.decode_forward(*a, decode)
+    b, _ = inputs(45)
+    for dst, src in zip(a, b, strict=True):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, fp8x.decode_forward(*b, decode))
 
 
 def test_pinned_config_reaches_the_kernels_under_torch_compile():

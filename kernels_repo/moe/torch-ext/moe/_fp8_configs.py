@@ -35,7 +35,9 @@ the W8A16 math, 16-bit activations, e.g. at decode where weight bytes bound the 
 one step ahead, so a program keeps two steps' bytes in flight), "LOAD_STAGES" (int 1 to 8,
 default 1: the K loop's loads pipelined through shared memory that many steps deep) and on
 "down" only "PDL" (bool: on sm90 the down kernel is a programmatic dependent launch of gate/up,
-started while gate/up finishes; elsewhere ignored)}).
+started while gate/up finishes; elsewhere ignored) and "GLUON" (bool: on a capability 9.0 GPU
+with Gluon the stage's kernel of `_fp8_decode_gluon` with this BLOCK_N, BLOCK_K (at most 512) and
+num_warps, the load-mode keys unused; elsewhere the Triton kernel with all of them)}).
 With fp8 activations the gate/up tile is 128 columns wide (one quantization group of h per tile,
 quantized in its epilogue).
 """
@@ -143,11 +145,11 @@ def _check_decode(where: str, decode: object) -> None:
     for stage in ("gate_up", "down"):
         c, at = decode[stage], f"{where}[{stage!r}]"
         needed = {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages"}
-        optional = ("PREFETCH", "LOAD_STAGES") + (("PDL",) if stage == "down" else ())
+        optional = ("PREFETCH", "LOAD_STAGES", "GLUON") + (("PDL",) if stage == "down" else ())
         if not isinstance(c, dict) or not needed <= set(c) <= needed | set(optional):
             raise ValueError(f"{at} must be a dict of BLOCK_N, BLOCK_K, num_warps, num_stages (and optionally "
                              f"{', '.join(optional)}), got {c!r}")
-        for flag in ("PREFETCH", "PDL"):
+        for flag in ("PREFETCH", "PDL", "GLUON"):
             if not isinstance(c.get(flag, False), bool):
                 raise TypeError(f"{at}[{flag!r}] must be a bool, got {c[flag]!r}")
         if not isinstance(c.get("LOAD_STAGES", 1), int) or isinstance(c.get("LOAD_STAGES"), bool):
@@ -159,6 +161,8 @@ def _check_decode(where: str, decode: object) -> None:
         if c["BLOCK_K"] not in _DECODE_BLOCK_K or isinstance(c["BLOCK_K"], bool):
             raise ValueError(f"{at}['BLOCK_K'] must be one of {_DECODE_BLOCK_K} (a divisor of the scale block or "
                              f"whole scale blocks), got {c['BLOCK_K']!r}")
+        if c.get("GLUON", False) and c["BLOCK_K"] > 512:  # (a row's 16-column runs within one warp)
+            raise ValueError(f"{at}['BLOCK_K'] must be at most 512 with GLUON, got {c['BLOCK_K']!r}")
         if c["num_warps"] not in (1, 2, 4, 8, 16) or isinstance(c["num_warps"], bool):
             raise ValueError(f"{at}['num_warps'] must be 1, 2, 4, 8 or 16, got {c['num_warps']!r}")
         if _bad_int(c["num_stages"], 1):

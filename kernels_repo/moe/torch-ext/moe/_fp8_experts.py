@@ -27,6 +27,7 @@ from kernelhub.device import CachedLaunch, device_capability, device_guard, devi
 from . import _experts_launch as launch
 from . import _experts_replay as replay
 from . import _experts_sm90 as sm90
+from . import _fp8_decode_gluon as decode_gluon
 from . import _gluon_gemm as gluon_gemm
 from ._constexpr_spec import constexpr_spec
 from ._experts_routing import align_rows
@@ -46,6 +47,11 @@ Fp8GemmConstexprs = constexpr_spec(_fp8_gemm_kernel, """EPILOGUE GATHER_A TOPK F
 QuantConstexprs = constexpr_spec(_quantize_x_kernel, "EMULATE ROWS TOPK BLOCK_T GROUP")
 _decode_gate_up_launch = CachedLaunch(_fp8_decode_gate_up_kernel)
 _decode_down_launch = CachedLaunch(_fp8_decode_down_kernel)
+# the Gluon decode kernels (a stage's "GLUON" key, capability 9.0), launched the same way (recorded, replayable)
+_decode_gluon_launches = ((CachedLaunch(decode_gluon._fp8_decode_gate_up_gluon_kernel),
+                           CachedLaunch(decode_gluon._fp8_decode_down_gluon_kernel),
+                           CachedLaunch(decode_gluon._fp8_decode_down_gluon_kernel, launch_pdl=True))
+                          if decode_gluon.gluon is not None else None)
 # the down kernel as a programmatic dependent launch of gate/up (a "PDL" down stage on sm90)
 _decode_down_pdl_launch = CachedLaunch(_fp8_decode_down_kernel, launch_pdl=True)
 DecodeGateUpConstexprs = constexpr_spec(_fp8_decode_gate_up_kernel,
@@ -210,8 +216,16 @@ def decode_forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_s
     # the ids before its wait, so they must not be the output of a kernel still running, which they
     # could be if it followed anything else
     pdl = cap is not None and cap >= 90 and not INTERPRET and bool(inter) and decode["down"].get("PDL", False)
+    gluon = not INTERPRET and decode_gluon.applies(x.device, w_bits)
     c = decode["gate_up"]
-    if inter:
+    if inter and gluon and c.get("GLUON", False):
+        _decode_gluon_launches[0].split(
+            (T * K, launch.cdiv(inter, c["BLOCK_N"])), _index(x), (x, gu, gate_up_scale, topk_idx, h),
+            (H, inter, E, x.stride(0), topk_idx.stride(0), topk_idx.stride(1), gate_up_proj.stride(0),
+             gate_up_proj.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1), h.stride(0)),
+            (K, BLOCK[0], BLOCK[1], c["BLOCK_N"], c["BLOCK_K"], pdl), num_warps=c["num_warps"],
+            num_stages=c["num_stages"])
+    elif inter:
         _decode_gate_up_launch.split(
             (T * K, launch.cdiv(inter, c["BLOCK_N"])), _index(x), (x, gu, gate_up_scale, topk_idx, h),
             (H, inter, E, x.stride(0), topk_idx.stride(0), topk_idx.stride(1), gate_up_proj.stride(0),
@@ -221,7 +235,15 @@ def decode_forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_s
                                    LOAD_STAGES=c.get("LOAD_STAGES", 1), TRIGGER=pdl),
             num_warps=c["num_warps"], num_stages=c["num_stages"])
     c = decode["down"]
-    if H:
+    if H and gluon and c.get("GLUON", False):
+        _decode_gluon_launches[2 if pdl else 1].split(
+            (T, launch.cdiv(H, c["BLOCK_N"])), _index(x), (h, dn, down_scale, topk_idx, topk_weights, out),
+            (H, inter, E, h.stride(0), topk_idx.stride(0), topk_idx.stride(1), down_proj.stride(0),
+             down_proj.stride(1), down_scale.stride(0), down_scale.stride(1), topk_weights.stride(0),
+             topk_weights.stride(1), out.stride(0)),
+            (K, launch.next_pow2(K), BLOCK[0], BLOCK[1], c["BLOCK_N"], c["BLOCK_K"], pdl), num_warps=c["num_warps"],
+            num_stages=c["num_stages"])
+    elif H:
         (_decode_down_pdl_launch if pdl else _decode_down_launch).split(
             (T, launch.cdiv(H, c["BLOCK_N"])), _index(x), (h, dn, down_scale, topk_idx, topk_weights, out),
             (H, inter, E, h.stride(0), topk_idx.stride(0), topk_idx.stride(1), down_proj.stride(0),
