@@ -8,7 +8,8 @@ and which tile or load mode closes the gap. Then whole calls (PAIRS) from one CU
 the flush between calls, less the flush alone: the time a PDL down kernel overlaps shows only there.
 
 Usage (repo root, GPU): PYTHONPATH=src python tools/diag_fp8_decode.py  (`fp8diag`)
-  env: SHAPE=qwen3_30b_a3b  T=1  REPS=20  PAIRS_ONLY=1 (whole calls only)
+  env: SHAPE=qwen3_30b_a3b  T=1  REPS=20  PAIRS_ONLY=1 (whole calls only)  GLUON_ONLY=1 (the shipped
+  and the Gluon tiles)
 """
 
 from __future__ import annotations
@@ -52,6 +53,10 @@ GATE_UP += [_tile(bn, bk, nw, GLUON=True) for bn, bk, nw in ((16, 512, 8), (8, 2
                                                               (32, 512, 8), (8, 512, 8))]
 DOWN += [_tile(bn, bk, nw, GLUON=True) for bn, bk, nw in ((4, 128, 8), (8, 128, 8), (4, 256, 8), (8, 256, 8),
                                                           (16, 128, 8), (4, 128, 4), (8, 64, 8))]
+if os.environ.get("GLUON_ONLY"):  # the shipped tiles and the Gluon ones, and the shipped call
+    GATE_UP = [GATE_UP[0], *(c for c in GATE_UP if c.get("GLUON"))]
+    DOWN = [DOWN[0], *(c for c in DOWN if c.get("GLUON"))]
+    PAIRS = PAIRS[:1]
 
 
 def main() -> None:
