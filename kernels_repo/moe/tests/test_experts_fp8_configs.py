@@ -583,6 +583,40 @@ def test_pdl_is_gpu_only():
     assert torch.equal(got, fp8x.decode_forward(x, guq, dq, idx, w, gus, dns, DECODE_WIDE))
 
 
+@pytest.mark.parametrize(("T", "H", "inter", "K", "decode"), [
+    # partial scale blocks and runs (H = 300 ends inside a 16-column run), dropped ids, K = 3 (padded to 4)
+    (3, 300, 136, 3, {"max_tokens": 4, "gate_up": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 2, "num_stages": 1},
+                      "down": {"BLOCK_N": 4, "BLOCK_K": 128, "num_warps": 4, "num_stages": 1}}),
+    # whole scale blocks per step, one run a row per lane group, rows past I
+    (1, 300, 136, 3, {"max_tokens": 4, "gate_up": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 1},
+                      "down": {"BLOCK_N": 8, "BLOCK_K": 32, "num_warps": 2, "num_stages": 1}}),
+    (2, 144, 80, 2, {"max_tokens": 4, "gate_up": {"BLOCK_N": 4, "BLOCK_K": 16, "num_warps": 1, "num_stages": 1},
+                     "down": {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 8, "num_stages": 1}}),
+])
+def test_gluon_decode_kernels_run_in_the_interpreter_and_match_the_float64_loop(T, H, inter, K, decode, monkeypatch):
+    """The Gluon decode kernels' own source (`_gluon_interpret`: layouts dropped, which change no
+    value) launched by `decode_forward` as on an sm90 GPU with both stages "GLUON": the two Gluon
+    launches, matching the float64 loop at edge shapes."""
+    dg = fp8x.decode_gluon
+    if dg.gluon is None or not fp8x.INTERPRET:
+        pytest.skip("needs triton's Gluon and the interpreter")
+    from _gluon_interpret import interpreted
+
+    from kernelhub.device import CachedLaunch
+
+    gate_up, down = interpreted(dg._fp8_decode_gate_up_gluon_kernel), interpreted(dg._fp8_decode_down_gluon_kernel)
+    launches = (CachedLaunch(gate_up), CachedLaunch(down), CachedLaunch(down))
+    monkeypatch.setattr(fp8x, "_decode_gluon_launches", launches)
+    monkeypatch.setattr(fp8x, "INTERPRET", False)  # (decode_forward as on a GPU; the kernels are interpreted)
+    monkeypatch.setattr(dg, "applies", lambda device, w_bits: True)
+    x, guq, dq, idx, w, scales = make_fp8(T, H, inter, 6, K, seed=36, drop=1)
+    with CachedLaunch.recording() as calls:
+        out = fp8x.decode_forward(x, guq, dq, idx, w, scales["gate_up_proj_scale_inv"],
+                                  scales["down_proj_scale_inv"], _gluon(decode))
+    assert [c.launcher for c in calls] == [launches[0], launches[1]]
+    assert rel(out, oracle(x, guq, dq, idx, w, scales)) < 1e-2
+
+
 def test_decode_ids_out_of_range_are_dropped_when_unchecked():
     x, guq, dq, idx, w, scales = make_fp8(2, 144, 80, 4, 2, seed=33)
     bad = idx.clone()
