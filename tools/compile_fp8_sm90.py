@@ -104,6 +104,9 @@ def main() -> None:
         for stage in ("gate_up", "down"):
             for c in tune_module().fp8_decode_space(stage):
                 fails += check(f"candidate decode {stage} {c}", cc8.check_decode(90, stage, c, label="candidate"))
+                if c.get("GLUON", False):
+                    fails += check(f"candidate decode gluon {stage} {c}",
+                                   cc8.check_decode_gluon(stage, c, label="candidate"))
         for where, b in candidates():
             stage = where.split()[-1]
             fails += check(f"{where} {b[stage]}", cc8.check_gemm(90, "sm90", b, stage, label=where))

@@ -403,21 +403,23 @@ def fp8_decode_space(stage: str) -> list[dict]:
     cut leaves all timed: plain, PREFETCH (the next step's loads issued before this step's math),
     LOAD_STAGES 3 and 4 (the loop's loads pipelined through shared memory), and, for down, PDL
     (launched as a programmatic dependent of gate/up; sm90), also with PREFETCH (then the first
-    step's weights are loaded before the wait for gate/up)."""
+    step's weights are loaded before the wait for gate/up); and GLUON (the Gluon kernels of
+    `_fp8_decode_gluon` on a capability 9.0 GPU, steps of at most 512 columns; down also with PDL;
+    elsewhere they time the plain Triton tile again)."""
     if stage == "gate_up":
         # (s42: Qwen3-30B-A3B T=1 picked the widest step, (4, 512); hence (4, 1024) and (8, 512))
         pairs = [(4, 64), (4, 128), (8, 64), (8, 128), (16, 64), (32, 64), (4, 512), (8, 256), (16, 128), (4, 1024),
                  (8, 512)]
     else:
         pairs = [(4, 32), (4, 64), (8, 32), (8, 64), (16, 32), (16, 64), (4, 128), (8, 128), (16, 128)]
-    ways = ({}, {"PREFETCH": True}, {"LOAD_STAGES": 3}, {"LOAD_STAGES": 4})
+    ways = ({}, {"PREFETCH": True}, {"LOAD_STAGES": 3}, {"LOAD_STAGES": 4}, {"GLUON": True})
     if stage == "down":
-        ways += ({"PDL": True}, {"PDL": True, "PREFETCH": True})
+        ways += ({"PDL": True}, {"PDL": True, "PREFETCH": True}, {"PDL": True, "GLUON": True})
     tiles = []
     for (bn, bk), nw, way in itertools.product(pairs, (4, 8), ways):
         # (the down tile holds 8 experts' rows and an accumulator per expert: more than 64 weights per
         # thread spills)
-        if stage == "down" and bn * bk * 8 > 64 * 32 * nw:
+        if (stage == "down" and bn * bk * 8 > 64 * 32 * nw) or (way.get("GLUON") and bk > 512):
             continue
         tiles.append({"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": 2, **way})
     return tiles
