@@ -785,7 +785,7 @@ def test_gpu_pdl_down_launch_is_a_dependent_one_and_captures_in_a_cuda_graph():
     (3, 300, 136, {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4, "num_stages": 2}),
     (2, 300, 136, {"BLOCK_N": 4, "BLOCK_K": 32, "num_warps": 1, "num_stages": 2}),
 ])
-def test_gpu_gluon_decode_gate_up_runs_matches_and_captures(T, H, inter, gate_up):
+def test_gpu_gluon_decode_kernels_run_match_and_capture(T, H, inter, gate_up):
     """sm90: "GLUON" stages launch the Gluon kernels (recorded like the Triton ones, so replayable;
     the down one as a PDL dependent of gate/up), match the float64 loop, and a CUDA graph of the
     call replays new inputs as an eager call computes them."""

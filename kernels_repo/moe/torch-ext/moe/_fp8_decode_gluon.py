@@ -1,18 +1,21 @@
-"""The fp8 token-major decode gate/up kernel of `_fp8_decode` written in Gluon (a decode stage's
-"GLUON" key, capability 9.0).
+"""The fp8 token-major decode kernels of `_fp8_decode` written in Gluon (a decode stage's "GLUON"
+key, capability 9.0).
 
-Why: the Triton kernel holds x in the weight tile's layout, one copy per weight element (x loaded
-per row, or broadcast through shared memory with a barrier each K step when a thread holds
-several rows), and scales every product. Gluon's explicit layouts let each thread load its own run
+Why: the Triton kernels hold x (down: h) in the weight tile's layout, one copy per weight element
+(loaded per row, or broadcast through shared memory with a barrier each K step when a thread holds
+several rows), and scale every product. Gluon's explicit layouts let each thread load its own run
 of 16 columns of x once per K step, keep it in registers for all of its rows, sum each row's 16
 products in registers and scale that sum once, with no shared memory: on an H100 the Qwen3-30B-A3B
-T=1 gate/up kernel took 13.8-14.4 us against the Triton kernel's 17.8 (s49-2).
+T=1 gate/up kernel took 13.8-14.4 us against the Triton kernel's 17.8 (s49-2; the down kernel, of
+the same form, is not yet timed).
 
-Tile: [BLOCK_N, BLOCK_K // 16, 16] weight elements, 16 contiguous bytes (one run) per thread, the
-BLOCK_K // 16 runs of a row across a warp's lanes, rows across lanes and warps. Same arguments,
-grid and output as `_fp8_decode_gate_up_kernel` (h[t*K + k] = silu(Wg[e] x[t]) * (Wu[e] x[t]),
-fp32 sums, rows of dropped ids not written), without its load-mode keys (fp8 pointers only, so
-capability 8.9 and up; the launcher asks for 9.0, where it was measured).
+Tiles: gate/up [BLOCK_N, BLOCK_K // 16, 16] weight elements, 16 contiguous bytes (one run) per
+thread, the BLOCK_K // 16 runs of a row across a warp's lanes, rows across lanes and warps; down
+the same per expert, [TOPK_P, BLOCK_N, BLOCK_K // 16, 16] with the token's experts across warps.
+Same arguments, grids and outputs as `_fp8_decode_gate_up_kernel` / `_fp8_decode_down_kernel`
+(fp32 sums; rows of dropped ids neither written by gate/up nor read by down), TRIGGER / PDL as
+there, without the load-mode keys (fp8 pointers only, so capability 8.9 and up; the launcher asks
+for 9.0, where they were compiled and measured).
 """
 
 from __future__ import annotations
@@ -27,10 +30,6 @@ try:  # triton >= 3.5 ships Gluon (3.6 on the GPU image, 3.7 in CI)
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - older triton: the Triton kernel runs instead
     gluon = None
-
-RUN = 16  # columns of one thread's run: one 16-byte load of fp8 weights
-BLOCK_K_CHOICES = (16, 32, 64, 128, 256, 512)  # runs of a row within one warp (at most 32)
-
 
 def applies(device: torch.device, w_bits: bool) -> bool:
     """Gluon present, a capability 9.0 device and fp8 weight pointers."""
