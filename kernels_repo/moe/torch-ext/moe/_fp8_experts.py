@@ -216,44 +216,44 @@ def decode_forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_s
     # the ids before its wait, so they must not be the output of a kernel still running, which they
     # could be if it followed anything else
     pdl = cap is not None and cap >= 90 and not INTERPRET and bool(inter) and decode["down"].get("PDL", False)
+    # the Gluon kernels (a stage's "GLUON" key) take the same grid, tensors and ints, and only the
+    # constexprs that mean something to them
     gluon = not INTERPRET and decode_gluon.applies(x.device, w_bits)
     c = decode["gate_up"]
-    if inter and gluon and c.get("GLUON", False):
-        _decode_gluon_launches[0].split(
-            (T * K, launch.cdiv(inter, c["BLOCK_N"])), _index(x), (x, gu, gate_up_scale, topk_idx, h),
-            (H, inter, E, x.stride(0), topk_idx.stride(0), topk_idx.stride(1), gate_up_proj.stride(0),
-             gate_up_proj.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1), h.stride(0)),
-            (K, BLOCK[0], BLOCK[1], c["BLOCK_N"], c["BLOCK_K"], pdl), num_warps=c["num_warps"],
-            num_stages=c["num_stages"])
-    elif inter:
-        _decode_gate_up_launch.split(
-            (T * K, launch.cdiv(inter, c["BLOCK_N"])), _index(x), (x, gu, gate_up_scale, topk_idx, h),
-            (H, inter, E, x.stride(0), topk_idx.stride(0), topk_idx.stride(1), gate_up_proj.stride(0),
-             gate_up_proj.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1), h.stride(0)),
-            DecodeGateUpConstexprs(TOPK=K, W_BITS=w_bits, UPCAST=INTERPRET, SCALE_N=BLOCK[0], SCALE_K=BLOCK[1],
-                                   BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], PREFETCH=c.get("PREFETCH", False),
-                                   LOAD_STAGES=c.get("LOAD_STAGES", 1), TRIGGER=pdl),
-            num_warps=c["num_warps"], num_stages=c["num_stages"])
+    if inter:
+        grid, tensors = (T * K, launch.cdiv(inter, c["BLOCK_N"])), (x, gu, gate_up_scale, topk_idx, h)
+        ints = (H, inter, E, x.stride(0), topk_idx.stride(0), topk_idx.stride(1), gate_up_proj.stride(0),
+                gate_up_proj.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1), h.stride(0))
+        if gluon and c.get("GLUON", False):
+            _decode_gluon_launches[0].split(grid, _index(x), tensors, ints,
+                                            (K, BLOCK[0], BLOCK[1], c["BLOCK_N"], c["BLOCK_K"], pdl),
+                                            num_warps=c["num_warps"], num_stages=c["num_stages"])
+        else:
+            _decode_gate_up_launch.split(
+                grid, _index(x), tensors, ints,
+                DecodeGateUpConstexprs(TOPK=K, W_BITS=w_bits, UPCAST=INTERPRET, SCALE_N=BLOCK[0], SCALE_K=BLOCK[1],
+                                       BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], PREFETCH=c.get("PREFETCH", False),
+                                       LOAD_STAGES=c.get("LOAD_STAGES", 1), TRIGGER=pdl),
+                num_warps=c["num_warps"], num_stages=c["num_stages"])
     c = decode["down"]
-    if H and gluon and c.get("GLUON", False):
-        _decode_gluon_launches[2 if pdl else 1].split(
-            (T, launch.cdiv(H, c["BLOCK_N"])), _index(x), (h, dn, down_scale, topk_idx, topk_weights, out),
-            (H, inter, E, h.stride(0), topk_idx.stride(0), topk_idx.stride(1), down_proj.stride(0),
-             down_proj.stride(1), down_scale.stride(0), down_scale.stride(1), topk_weights.stride(0),
-             topk_weights.stride(1), out.stride(0)),
-            (K, launch.next_pow2(K), BLOCK[0], BLOCK[1], c["BLOCK_N"], c["BLOCK_K"], pdl), num_warps=c["num_warps"],
-            num_stages=c["num_stages"])
-    elif H:
-        (_decode_down_pdl_launch if pdl else _decode_down_launch).split(
-            (T, launch.cdiv(H, c["BLOCK_N"])), _index(x), (h, dn, down_scale, topk_idx, topk_weights, out),
-            (H, inter, E, h.stride(0), topk_idx.stride(0), topk_idx.stride(1), down_proj.stride(0),
-             down_proj.stride(1), down_scale.stride(0), down_scale.stride(1), topk_weights.stride(0),
-             topk_weights.stride(1), out.stride(0)),
-            DecodeDownConstexprs(TOPK=K, TOPK_P=launch.next_pow2(K), W_BITS=w_bits, UPCAST=INTERPRET,
-                                 SCALE_N=BLOCK[0], SCALE_K=BLOCK[1], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
-                                 PREFETCH=c.get("PREFETCH", False), LOAD_STAGES=c.get("LOAD_STAGES", 1),
-                                 PDL=pdl),
-            num_warps=c["num_warps"], num_stages=c["num_stages"])
+    if H:
+        grid, tensors = (T, launch.cdiv(H, c["BLOCK_N"])), (h, dn, down_scale, topk_idx, topk_weights, out)
+        ints = (H, inter, E, h.stride(0), topk_idx.stride(0), topk_idx.stride(1), down_proj.stride(0),
+                down_proj.stride(1), down_scale.stride(0), down_scale.stride(1), topk_weights.stride(0),
+                topk_weights.stride(1), out.stride(0))
+        if gluon and c.get("GLUON", False):
+            _decode_gluon_launches[2 if pdl else 1].split(
+                grid, _index(x), tensors, ints,
+                (K, launch.next_pow2(K), BLOCK[0], BLOCK[1], c["BLOCK_N"], c["BLOCK_K"], pdl),
+                num_warps=c["num_warps"], num_stages=c["num_stages"])
+        else:
+            (_decode_down_pdl_launch if pdl else _decode_down_launch).split(
+                grid, _index(x), tensors, ints,
+                DecodeDownConstexprs(TOPK=K, TOPK_P=launch.next_pow2(K), W_BITS=w_bits, UPCAST=INTERPRET,
+                                     SCALE_N=BLOCK[0], SCALE_K=BLOCK[1], BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"],
+                                     PREFETCH=c.get("PREFETCH", False), LOAD_STAGES=c.get("LOAD_STAGES", 1),
+                                     PDL=pdl),
+                num_warps=c["num_warps"], num_stages=c["num_stages"])
     return out
 
 
