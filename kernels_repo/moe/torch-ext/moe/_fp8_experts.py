@@ -47,11 +47,6 @@ Fp8GemmConstexprs = constexpr_spec(_fp8_gemm_kernel, """EPILOGUE GATHER_A TOPK F
 QuantConstexprs = constexpr_spec(_quantize_x_kernel, "EMULATE ROWS TOPK BLOCK_T GROUP")
 _decode_gate_up_launch = CachedLaunch(_fp8_decode_gate_up_kernel)
 _decode_down_launch = CachedLaunch(_fp8_decode_down_kernel)
-# the Gluon decode kernels (a stage's "GLUON" key, capability 9.0), launched the same way (recorded, replayable)
-_decode_gluon_launches = ((CachedLaunch(decode_gluon._fp8_decode_gate_up_gluon_kernel),
-                           CachedLaunch(decode_gluon._fp8_decode_down_gluon_kernel),
-                           CachedLaunch(decode_gluon._fp8_decode_down_gluon_kernel, launch_pdl=True))
-                          if decode_gluon.gluon is not None else None)
 # the down kernel as a programmatic dependent launch of gate/up (a "PDL" down stage on sm90)
 _decode_down_pdl_launch = CachedLaunch(_fp8_decode_down_kernel, launch_pdl=True)
 DecodeGateUpConstexprs = constexpr_spec(_fp8_decode_gate_up_kernel,
@@ -60,6 +55,18 @@ DecodeGateUpConstexprs = constexpr_spec(_fp8_decode_gate_up_kernel,
 DecodeDownConstexprs = constexpr_spec(_fp8_decode_down_kernel,
                                       "TOPK TOPK_P W_BITS UPCAST SCALE_N SCALE_K BLOCK_N BLOCK_K PREFETCH "
                                       "LOAD_STAGES PDL")
+# the Gluon decode kernels (a stage's "GLUON" key, capability 9.0), launched the same way (recorded, replayable):
+# gate/up, down, down as a PDL launch
+if decode_gluon.gluon is not None:
+    _decode_gluon_launches = (CachedLaunch(decode_gluon._fp8_decode_gate_up_gluon_kernel),
+                              CachedLaunch(decode_gluon._fp8_decode_down_gluon_kernel),
+                              CachedLaunch(decode_gluon._fp8_decode_down_gluon_kernel, launch_pdl=True))
+    GluonGateUpConstexprs = constexpr_spec(decode_gluon._fp8_decode_gate_up_gluon_kernel,
+                                           "TOPK SCALE_N SCALE_K BLOCK_N BLOCK_K TRIGGER")
+    GluonDownConstexprs = constexpr_spec(decode_gluon._fp8_decode_down_gluon_kernel,
+                                         "TOPK TOPK_P SCALE_N SCALE_K BLOCK_N BLOCK_K PDL")
+else:  # pragma: no cover - older triton: `decode_gluon.applies` is false, the Triton kernels run
+    _decode_gluon_launches = None
 _capped: dict[int, CachedLaunch] = {}
 _QUANT_ROWS = 32  # tokens per program of the quantize pass
 
@@ -216,8 +223,8 @@ def decode_forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_s
     # the ids before its wait, so they must not be the output of a kernel still running, which they
     # could be if it followed anything else
     pdl = cap is not None and cap >= 90 and not INTERPRET and bool(inter) and decode["down"].get("PDL", False)
-    # the Gluon kernels (a stage's "GLUON" key) take the same grid, tensors and ints, and only the
-    # constexprs that mean something to them
+    # the Gluon kernels (a stage's "GLUON" key) take the same grid, tensors and ints as the Triton
+    # ones, and only the constexprs that mean something to them
     gluon = not INTERPRET and decode_gluon.applies(x.device, w_bits)
     c = decode["gate_up"]
     if inter:
@@ -225,9 +232,11 @@ def decode_forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_s
         ints = (H, inter, E, x.stride(0), topk_idx.stride(0), topk_idx.stride(1), gate_up_proj.stride(0),
                 gate_up_proj.stride(1), gate_up_scale.stride(0), gate_up_scale.stride(1), h.stride(0))
         if gluon and c.get("GLUON", False):
-            _decode_gluon_launches[0].split(grid, _index(x), tensors, ints,
-                                            (K, BLOCK[0], BLOCK[1], c["BLOCK_N"], c["BLOCK_K"], pdl),
-                                            num_warps=c["num_warps"], num_stages=c["num_stages"])
+            _decode_gluon_launches[0].split(
+                grid, _index(x), tensors, ints,
+                GluonGateUpConstexprs(TOPK=K, SCALE_N=BLOCK[0], SCALE_K=BLOCK[1], BLOCK_N=c["BLOCK_N"],
+                                      BLOCK_K=c["BLOCK_K"], TRIGGER=pdl),
+                num_warps=c["num_warps"], num_stages=c["num_stages"])
         else:
             _decode_gate_up_launch.split(
                 grid, _index(x), tensors, ints,
@@ -244,7 +253,8 @@ def decode_forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_s
         if gluon and c.get("GLUON", False):
             _decode_gluon_launches[2 if pdl else 1].split(
                 grid, _index(x), tensors, ints,
-                (K, launch.next_pow2(K), BLOCK[0], BLOCK[1], c["BLOCK_N"], c["BLOCK_K"], pdl),
+                GluonDownConstexprs(TOPK=K, TOPK_P=launch.next_pow2(K), SCALE_N=BLOCK[0], SCALE_K=BLOCK[1],
+                                    BLOCK_N=c["BLOCK_N"], BLOCK_K=c["BLOCK_K"], PDL=pdl),
                 num_warps=c["num_warps"], num_stages=c["num_stages"])
         else:
             (_decode_down_pdl_launch if pdl else _decode_down_launch).split(
