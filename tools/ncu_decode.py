@@ -41,5 +41,6 @@ def main() -> None:
     print(f"fp8 against bf16 on the dequantized weights: relative difference "
           f"{((a.float() - b.float()).norm() / b.float().norm()).item():.4f}", flush=True)
 
+
 if __name__ == "__main__":
     main()
