@@ -1,4 +1,4 @@
-# s49-4 (the device time left after refused starts): GPU tests of the Gluon decode kernels; bench_fp8.py
+# s50-1 (written in s49 as call 4; ran at the start of s50): GPU tests of the Gluon decode kernels; bench_fp8.py
 # Qwen3-30B-A3B T=1, shipped against two candidates (A: gate/up Gluon (16, 512, 8 warps), the s49-2
 # probe's best, down the shipped Triton tile with PDL; B: both stages Gluon, down (4, 128, 8 warps)
 # with PDL) in the order shipped A B B A shipped; then fp8diag's shipped and Gluon tiles
