@@ -8,7 +8,8 @@ Usage (repo root, GPU): PYTHONPATH=src python tools/profile_moe.py
   env: POINTS=qwen3_30b_a3b:4096,deepseek_v3:4096  MODES=fwd,fwdbwd  REPS=10
        COMPILED=1: also each mode with fused_experts under torch.compile(fullgraph=True), its kernels
        beside the eager call's (where a compiled call's extra time goes); BACKWARD=1: fwdbwd by
-       .backward() into cleared .grad (as training and bench_moe.py do) instead of autograd.grad
+       .backward() into cleared .grad (as training and bench_moe.py do) instead of autograd.grad;
+       FP8=1: the weights quantized to float8_e4m3fn 128x128 blocks (reference_fp8), forward only
 """
 
 from __future__ import annotations
@@ -61,11 +62,26 @@ def point_inputs(name: str, T: int) -> tuple:
     return x, gu, dn, idx, w.requires_grad_(), dy
 
 
+def fp8_weights(gu: torch.Tensor, dn: torch.Tensor) -> dict:
+    """fused_experts' fp8 arguments for the bf16 weights: values and block scales per expert."""
+    ref = sys.modules[moe.__name__ + ".reference_fp8"]
+    out = {}
+    for name, w in (("gate_up_proj", gu), ("down_proj", dn)):
+        pairs = [ref.quantize_blocks(w[e].detach()) for e in range(w.shape[0])]
+        out[name] = torch.stack([q for q, _ in pairs])
+        out[name + "_scale_inv"] = torch.stack([s for _, s in pairs])
+    return out
+
+
 def profile_point(name: str, T: int, modes: list[str], reps: int) -> None:
     x, gu, dn, idx, w, dy = point_inputs(name, T)
+    fp8 = fp8_weights(gu, dn) if os.environ.get("FP8") == "1" else None
+    if fp8 is not None:
+        gu, dn = fp8.pop("gate_up_proj"), fp8.pop("down_proj")
+        modes = [m for m in modes if m == "fwd"]
 
     def call(a, g, d, ww):
-        return moe.fused_experts(a, g, d, idx, ww, check_indices=False)
+        return moe.fused_experts(a, g, d, idx, ww, check_indices=False, **(fp8 or {}))
 
     runs = [("eager", call)]
     if os.environ.get("COMPILED") == "1":

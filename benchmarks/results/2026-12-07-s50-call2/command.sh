@@ -1,6 +1,6 @@
 # s50-2: DeepSeek-V3 T=1 with the Gluon decode kernels (its sm90 entry has no decode key: the grouped
 # path runs); bench_fp8.py shipped against C (both stages Gluon: gate/up (16, 512, 8 warps), down
-# (4, 128, 8 warps) with PDL) in the order shipped C C shipped
+# (4, 128, 8 warps) with PDL) in the order shipped C C shipped; then the GPU kernels of one fp8 forward at T=4096 (tools/profile_moe.py FP8=1)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 KERNELHUB_TEST_GPU=1 TRITON_INTERPRET=0
 for w in .whl/*.whl; do python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$w" 2>/dev/null; done
 export PYTHONPATH=$PYTHONPATH:/tmp/site
@@ -24,3 +24,4 @@ for run in shipped C C2 shipped2; do
   env ${dir:+KERNELHUB_MOE_CONFIG_DIR=$dir} OUT=$OUT/$run PEERS=0 SHAPES=deepseek_v3 TOKENS=1 COMPILE=none timeout 75 python3 kernels_repo/moe/benchmarks/bench_fp8.py > $OUT/$run/bench.log 2>&1
   echo "== $run"; grep -E "kernelhub_fp8:|kernelhub_bf16:" $OUT/$run/bench.log | head -3
 done
+FP8=1 POINTS=qwen3_30b_a3b:4096,deepseek_v3:4096 MODES=fwd REPS=10 timeout 150 python3 tools/profile_moe.py 2>&1 | grep -v -i warn | tee $OUT/profile_fp8.log
