@@ -123,16 +123,20 @@ def test_config_tools_write_valid_configs(tmp_path):
 
     fp8 = json.loads((configs / "fp8_sm90.json").read_text())
     key, other = sorted(fp8["shapes"])[:2]
-    decode = {"max_tokens": 8, "gate_up": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 2},
+    decode = {"max_tokens": 8, "gate_up": {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "num_stages": 2,
+                                           "GLUON": True},
               "down": {"BLOCK_N": 8, "BLOCK_K": 128, "num_warps": 4, "num_stages": 2}}
     small = {**decode, "max_tokens": 1}
+    no_decode = {k: v for k, v in fp8["shapes"][other][0].items() if k != "decode"}  # (the grouped path won)
     tuned = {"shapes": {key: [{**fp8["shapes"][key][0], "decode": small}, {**fp8["shapes"][key][0], "decode": decode}],
-                        other: [fp8["shapes"][other][0]]}}
+                        other: [no_decode]}}
     (tmp_path / "tuned.json").write_text(json.dumps(tuned))
     _tool("tools/merge_fp8_decode.py", str(tmp_path / "tuned.json"), str(tmp_path / "out"))
     merged = json.loads((tmp_path / "out" / "fp8_sm90.json").read_text())
     want = json.loads((configs / "fp8_sm90.json").read_text())
-    want["shapes"][key][0]["decode"] = decode
+    # a GLUON entry keeps the shipped entry's fallback (what sm89 runs; the sweep times sm90 only)
+    assert "fallback" in want["shapes"][key][0]["decode"]
+    want["shapes"][key][0]["decode"] = {**decode, "fallback": want["shapes"][key][0]["decode"]["fallback"]}
     want["shapes"][other][0].pop("decode", None)
     assert merged == want
     for name, buckets in merged["shapes"].items():
@@ -142,14 +146,15 @@ def test_config_tools_write_valid_configs(tmp_path):
     # a 16-bit sweep (DECODE_ONLY=1, sm90.json): merged into sm90.json; a shape the file has no
     # entry for gets the default buckets, the key on the first
     bf16 = json.loads((configs / "sm90.json").read_text())
-    staged = {s: {**decode[s], "LOAD_STAGES": 3} for s in ("gate_up", "down")}
-    tuned = {"shapes": {"E256_H7168_I2048": [{**bf16["buckets"][0], "decode": {**decode, **staged}}]}}
+    plain = {**decode, "gate_up": {k: v for k, v in decode["gate_up"].items() if k != "GLUON"}}  # (fp8's key)
+    staged = {s: {**plain[s], "LOAD_STAGES": 3} for s in ("gate_up", "down")}
+    tuned = {"shapes": {"E256_H7168_I2048": [{**bf16["buckets"][0], "decode": {**plain, **staged}}]}}
     (tmp_path / "bf16").mkdir()
     (tmp_path / "bf16" / "sm90.json").write_text(json.dumps(tuned))
     _tool("tools/merge_fp8_decode.py", str(tmp_path / "bf16" / "sm90.json"), str(tmp_path / "out"))
     merged = json.loads((tmp_path / "out" / "sm90.json").read_text())
     want = {**bf16, "shapes": {**bf16["shapes"], "E256_H7168_I2048": json.loads(json.dumps(bf16["buckets"]))}}
-    want["shapes"]["E256_H7168_I2048"][0]["decode"] = {**decode, **staged}
+    want["shapes"]["E256_H7168_I2048"][0]["decode"] = {**plain, **staged}
     assert merged == want
     for i, b in enumerate(merged["shapes"]["E256_H7168_I2048"]):
         cfgs.check_bucket(b, f"E256_H7168_I2048[{i}]")

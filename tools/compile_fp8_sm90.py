@@ -95,11 +95,12 @@ def main() -> None:
                                                                       label=f"{where} quant_x=false"))
     fails += check("quantize", cc8.check_quantize(90))
     for where, b in buckets(args.dir):
-        for stage, c in b.get("decode", {}).items():
-            if stage != "max_tokens":
-                fails += check(f"{where} decode {stage}", cc8.check_decode(90, stage, c, label=where))
-            if stage != "max_tokens" and c.get("GLUON", False):
-                fails += check(f"{where} decode gluon {stage}", cc8.check_decode_gluon(stage, c, label=where))
+        for entry, d in (("decode", b.get("decode")), ("fallback", (b.get("decode") or {}).get("fallback"))):
+            for stage in ("gate_up", "down") if d else ():
+                c = d[stage]
+                fails += check(f"{where} {entry} {stage}", cc8.check_decode(90, stage, c, label=where))
+                if c.get("GLUON", False):
+                    fails += check(f"{where} {entry} gluon {stage}", cc8.check_decode_gluon(stage, c, label=where))
     if args.candidates:
         for stage in ("gate_up", "down"):
             for c in tune_module().fp8_decode_space(stage):

@@ -4,8 +4,9 @@ the 16-bit `tune_moe.py` with DECODE_ONLY=1) into the shipped config of the same
 
 The sweep writes each shape's entry as just the buckets it tuned; this takes, per shape, the decode
 key of the tuned bucket with the largest `max_tokens` and sets it on the shipped shape's first
-bucket (or removes it where the sweep kept none: the grouped path won). A shape the shipped file
-has no entry for gets one: a copy of the default buckets, with the key on the first.
+bucket (or removes it where the sweep kept none: the grouped path won); a shipped entry's
+"fallback" (what runs where the Gluon kernels do not) stays beside a new entry with GLUON stages. A
+shape the shipped file has no entry for gets one: a copy of the default buckets, with the key on the first.
 
 Usage: python tools/merge_fp8_decode.py TUNED.json OUT_DIR_OR_FILE [--variant sm90]
 (TUNED.json named like a shipped file merges into that file; else into fp8_<variant>.json)
@@ -31,7 +32,10 @@ def merge(tuned: dict, shipped: dict) -> dict:
             out.setdefault("shapes", {})[key] = json.loads(json.dumps(out["buckets"]))
         first = out["shapes"][key][0]
         if decodes:
-            first["decode"] = max(decodes, key=lambda d: d["max_tokens"])
+            d, was = max(decodes, key=lambda d: d["max_tokens"]), first.get("decode") or {}
+            if "fallback" in was and any(d[s].get("GLUON", False) for s in ("gate_up", "down")):
+                d = {**d, "fallback": was["fallback"]}  # (what sm89 runs: the sweep times sm90 only)
+            first["decode"] = d
             print(f"{key}: decode {json.dumps(first['decode'], sort_keys=True)}")
         else:
             first.pop("decode", None)

@@ -477,7 +477,9 @@ def test_shipped_sm90_fp8_tiles_compile_without_spills_within_shared_memory(tmp_
     shipped = data["buckets"]
     swept = [b for entries in data.get("shapes", {}).values() for b in entries]
     in_load = sum(not b.get("w8a16", False) for b in shipped)  # (the default buckets' A/B variant only)
-    decode = sum(len([s for s in b.get("decode", {}) if s != "max_tokens"]) for b in shipped + swept)
+    # each decode stage's Triton kernel, its Gluon kernel where it says GLUON, and a fallback's stages
+    entries = [e for b in shipped + swept for e in (b.get("decode"), (b.get("decode") or {}).get("fallback")) if e]
+    decode = sum(1 + bool(e[s].get("GLUON")) for e in entries for s in ("gate_up", "down"))
     assert res.stdout.count("ok   sm90") == 4 * (len(shipped) + len(swept)) + in_load + 1 + decode, res.stdout[-2000:]
 
 
@@ -617,6 +619,41 @@ def test_gluon_decode_kernels_run_in_the_interpreter_and_match_the_float64_loop(
     assert rel(out, oracle(x, guq, dq, idx, w, scales)) < 1e-2
 
 
+@pytest.mark.parametrize(("gluon_runs", "fallback", "want"), [
+    (False, None, ["_fp8_gemm_kernel"]),  # (sm89, the interpreter: the bucket's grouped path)
+    (False, DECODE, ["_fp8_decode_gate_up_kernel", "_fp8_decode_down_kernel"]),
+    (True, None, ["_fp8_decode_gate_up_gluon_kernel", "_fp8_decode_down_gluon_kernel"]),
+])
+def test_decode_fallback_runs_where_the_gluon_kernels_do_not(gluon_runs, fallback, want, monkeypatch):
+    """An entry with GLUON stages and a "fallback": where the Gluon kernels do not run (decided from
+    x's device) the fallback entry's Triton tiles, or the grouped path for null; where they run, the
+    entry itself (the Gluon kernels, here run in the interpreter from their own source)."""
+    from kernelhub.device import CachedLaunch
+
+    dg = fp8x.decode_gluon
+    if gluon_runs:
+        if dg.gluon is None or not fp8x.INTERPRET:
+            pytest.skip("needs triton's Gluon and the interpreter")
+        from _gluon_interpret import interpreted
+
+        launches = (CachedLaunch(interpreted(dg._fp8_decode_gate_up_gluon_kernel)),
+                    *(CachedLaunch(interpreted(dg._fp8_decode_down_gluon_kernel)) for _ in range(2)))
+        monkeypatch.setattr(fp8x, "_decode_gluon_launches", launches)
+        monkeypatch.setattr(fp8x, "INTERPRET", False)  # (decode_forward as on a GPU; the kernels are interpreted)
+        monkeypatch.setattr(dg, "applies", lambda device, w_bits: True)
+    x, guq, dq, idx, w, scales = make_fp8(1, 200, 136, 6, 3, seed=37, drop=1)
+    # the entry's own tiles (BLOCK_K 256) differ from the fallback's (32 / 64)
+    cfg = {**BASE, "decode": {**_gluon(DECODE_WIDE), "fallback": fallback}}
+    with CachedLaunch.recording() as calls:
+        out = moe.fused_experts(x, guq, dq, idx, w, variant="sm90", config=cfg, **scales)
+    names = [getattr(c.launcher.kernel, "__name__", None) or c.launcher.kernel.fn.__name__ for c in calls]
+    assert [n for n in names if "decode" in n or n == "_fp8_gemm_kernel"] == (want if "decode" in want[0]
+                                                                               else want * 2)
+    ks = [c.constexprs.BLOCK_K for c in calls if "decode" in names[calls.index(c)]]
+    assert ks == ([] if "decode" not in want[0] else [256, 256] if gluon_runs else [32, 64])
+    assert rel(out, oracle(x, guq, dq, idx, w, scales)) < (1e-2 if "decode" in want[0] else 0.1)
+
+
 def test_decode_ids_out_of_range_are_dropped_when_unchecked():
     x, guq, dq, idx, w, scales = make_fp8(2, 144, 80, 4, 2, seed=33)
     bad = idx.clone()
@@ -654,6 +691,12 @@ def test_decode_ids_out_of_range_are_dropped_when_unchecked():
     # PDL is the down kernel's (launched behind gate/up); gate/up has no such key
     ({"gate_up": {"BLOCK_N": 8, "BLOCK_K": 64, "num_warps": 4, "num_stages": 1, "PDL": True}},
      r"\['decode'\]\['gate_up'\] must be a dict of BLOCK_N"),
+    # a fallback: only beside GLUON stages, itself an entry without GLUON or a fallback of its own
+    ({"fallback": None}, r"\['decode'\]\['fallback'\] applies where a GLUON stage's Gluon kernel does not run"),
+    ({**_gluon(DECODE), "fallback": _gluon(DECODE)}, r"\['decode'\]\['fallback'\]\['gate_up'\]\['GLUON'\]: a fallback"),
+    ({**_gluon(DECODE), "fallback": {**DECODE, "fallback": None}}, r"\['decode'\]\['fallback'\]: keys must be"),
+    ({**_gluon(DECODE), "fallback": [DECODE]}, r"\['decode'\]\['fallback'\] must be a dict"),
+    ({**_gluon(DECODE), "fallback": {**DECODE, "max_tokens": 0}}, r"\['fallback'\]\['max_tokens'\] must be an int"),
 ])
 def test_bad_decode_key_raises_naming_it(patch, match):
     with pytest.raises((ValueError, TypeError), match=match):

@@ -37,7 +37,10 @@ default 1: the K loop's loads pipelined through shared memory that many steps de
 "down" only "PDL" (bool: on sm90 the down kernel is a programmatic dependent launch of gate/up,
 started while gate/up finishes; elsewhere ignored) and "GLUON" (bool: on a capability 9.0 GPU
 with Gluon the stage's kernel of `_fp8_decode_gluon` with this BLOCK_N, BLOCK_K (at most 512) and
-num_warps, the load-mode keys unused; elsewhere the Triton kernel with all of them)}).
+num_warps, the load-mode keys unused; elsewhere the Triton kernel with all of them)}, and optionally
+"fallback" (where a stage says GLUON: what runs instead of this entry on a device where the Gluon
+kernels do not (sm89, the interpreter): another decode entry without GLUON or fallback, or null for
+the bucket's grouped path)).
 With fp8 activations the gate/up tile is 128 columns wide (one quantization group of h per tile,
 quantized in its epilogue).
 """
@@ -134,12 +137,14 @@ def check_fp8_bucket(bucket: object, where: str, variant: str | None = None) -> 
 _DECODE_BLOCK_K = (16, 32, 64, 128, 256, 512, 1024)
 
 
-def _check_decode(where: str, decode: object) -> None:
+def _check_decode(where: str, decode: object, fallback: bool = False) -> None:
+    """A "decode" entry; `fallback`: one given as another entry's "fallback" (no GLUON, no fallback)."""
     if not isinstance(decode, dict):
         raise TypeError(f"{where} must be a dict, got {type(decode).__name__}")
     keys = {"max_tokens", "gate_up", "down"}
-    if set(decode) != keys:
-        raise ValueError(f"{where}: keys must be {sorted(keys)}, got {sorted(decode)}")
+    if set(decode) - {"fallback"} != keys or (fallback and "fallback" in decode):
+        raise ValueError(f"{where}: keys must be {sorted(keys)}" + ("" if fallback else " and optionally 'fallback'")
+                         + f", got {sorted(decode)}")
     if _bad_int(decode["max_tokens"], 1):
         raise ValueError(f"{where}['max_tokens'] must be an int >= 1, got {decode['max_tokens']!r}")
     for stage in ("gate_up", "down"):
@@ -163,10 +168,18 @@ def _check_decode(where: str, decode: object) -> None:
                              f"whole scale blocks), got {c['BLOCK_K']!r}")
         if c.get("GLUON", False) and c["BLOCK_K"] > 512:  # (a row's 16-column runs within one warp)
             raise ValueError(f"{at}['BLOCK_K'] must be at most 512 with GLUON, got {c['BLOCK_K']!r}")
+        if c.get("GLUON", False) and fallback:
+            raise ValueError(f"{at}['GLUON']: a fallback runs where the Gluon kernels do not, so it cannot say GLUON")
         if c["num_warps"] not in (1, 2, 4, 8, 16) or isinstance(c["num_warps"], bool):
             raise ValueError(f"{at}['num_warps'] must be 1, 2, 4, 8 or 16, got {c['num_warps']!r}")
         if _bad_int(c["num_stages"], 1):
             raise ValueError(f"{at}['num_stages'] must be an int >= 1, got {c['num_stages']!r}")
+    if "fallback" in decode:
+        if not any(decode[s].get("GLUON", False) for s in ("gate_up", "down")):
+            raise ValueError(f"{where}['fallback'] applies where a GLUON stage's Gluon kernel does not run; "
+                             "no stage here says GLUON")
+        if decode["fallback"] is not None:
+            _check_decode(f"{where}['fallback']", decode["fallback"], fallback=True)
 
 
 def _check_file(cfg: object, path: Path) -> None:

@@ -195,10 +195,25 @@ def _gemm(a, a_scale, weight, scale_inv, out, out_scale, routing, stage: dict, *
     )
 
 
+def _weight_bits(x: torch.Tensor) -> bool:
+    """The decode kernels read the fp8 weights as uint8 bits below sm89 (no fp8 pointers there)."""
+    return x.is_cuda and device_capability(x.device) < 89
+
+
+def _gluon_decode(x: torch.Tensor, w_bits: bool) -> bool:
+    """A decode stage's "GLUON" runs its Gluon kernel on x's device (else the Triton kernel)."""
+    return not INTERPRET and decode_gluon.applies(x.device, w_bits)
+
+
 def _decode_applies(cfg: dict, T: int, x, weights_and_scales) -> dict | None:
     """The bucket's "decode" entry where it covers T tokens and the token-major kernels can read
-    the operands (unit last strides: they step K by pointer increments); else None."""
+    the operands (unit last strides: they step K by pointer increments); else None. An entry with
+    "GLUON" stages and a "fallback" gives way to that fallback (an entry, or None: the grouped
+    path) on a device where the Gluon kernels do not run (decided from x's device, per call)."""
     d = cfg.get("decode")
+    if (d is not None and "fallback" in d and any(d[s].get("GLUON", False) for s in ("gate_up", "down"))
+            and not _gluon_decode(x, _weight_bits(x))):
+        d = d["fallback"]
     if d is None or T > d["max_tokens"] or x.stride(1) != 1:
         return None
     return d if all(t.stride(-1) == 1 for t in weights_and_scales) else None
@@ -214,7 +229,7 @@ def decode_forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_s
     K = topk_idx.shape[1]
     cap = device_capability(x.device) if x.is_cuda else None
     if w_bits is None:
-        w_bits = cap is not None and cap < 89
+        w_bits = _weight_bits(x)
     gu = gate_up_proj.view(torch.uint8) if w_bits else gate_up_proj
     dn = down_proj.view(torch.uint8) if w_bits else down_proj
     h = torch.empty(T * K, inter, device=x.device, dtype=x.dtype)
@@ -225,7 +240,7 @@ def decode_forward(x, gate_up_proj, down_proj, topk_idx, topk_weights, gate_up_s
     pdl = cap is not None and cap >= 90 and not INTERPRET and bool(inter) and decode["down"].get("PDL", False)
     # the Gluon kernels (a stage's "GLUON" key) take the same grid, tensors and ints as the Triton
     # ones, and only the constexprs that mean something to them
-    gluon = not INTERPRET and decode_gluon.applies(x.device, w_bits)
+    gluon = _gluon_decode(x, w_bits)
     c = decode["gate_up"]
     if inter:
         grid, tensors = (T * K, launch.cdiv(inter, c["BLOCK_N"])), (x, gu, gate_up_scale, topk_idx, h)
