@@ -73,21 +73,25 @@ def test_sm90_quantize_pass_and_in_load_quantization_give_the_same_output(tma):
     assert rel(outs[True], ref) <= 1.25 * err_emu and rel(outs[True], emu) < 0.4 * err_emu
 
 
-def test_quantize_pass_in_row_order_is_the_token_pass_gathered():
-    """ROWS: buffer row p holds token rows[p] // K's quantized values and scales; padding and dropped
-    (-1) rows are zero with a finite scale."""
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_quantize_pass_in_row_order_is_the_token_pass_gathered(block_m):
+    """ROWS: buffer row p holds token rows[p] // K's quantized values and scales; padding rows (an
+    expert's rows past its count, within its last row block) are zero with a finite scale; -1 ids
+    get no row. (Rows past the last expert's are not written: no GEMM reads them.)"""
     args = _inputs(seed=30)
     x, idx, K = args[0], args[3], args[3].shape[1]
-    routing = fp8x.align_rows(idx, args[1].shape[0], 16)
+    routing = fp8x.align_rows(idx, args[1].shape[0], block_m)
     q, s = fp8x.quantize_x(x)
     qr, sr = fp8x.quantize_x(x, routing, K)
     assert qr.shape == (routing.num_rows, x.shape[1]) and sr.shape == (routing.num_rows, s.shape[1])
     flat = routing.rows.long()
     real = flat >= 0
-    assert real.any() and (~real).any()  # padding rows (and -1 ids) are there
+    used = int(routing.expert_start[-1] + -(-routing.expert_count[-1] // block_m) * block_m)
+    padding = ~real & (torch.arange(routing.num_rows) < used)
+    assert real.any() and padding.any() and (idx < 0).any()  # padding rows and -1 ids are there
     tok = flat[real] // K
     assert torch.equal(qr[real].view(torch.uint8), q[tok].view(torch.uint8)) and torch.equal(sr[real], s[tok])
-    assert not qr[~real].float().any() and torch.isfinite(sr[~real]).all() and (sr[~real] > 0).all()
+    assert not qr[padding].float().any() and torch.isfinite(sr[padding]).all() and (sr[padding] > 0).all()
 
 
 @pytest.mark.parametrize("tma", [True, False])
