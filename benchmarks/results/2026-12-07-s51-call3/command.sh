@@ -1,12 +1,11 @@
 # s51-3: the quantize pass token-major (each token read once, stored to its K rows; padding rows zeroed
-# by per-expert programs; rows past the used ones skipped): GPU tests of the pinned sm90 paths,
-# then per-kernel GPU time old (MOE_DIR=.old_moe: HEAD before the change) / new, then bench_fp8 at Qwen3-30B-A3B
+# by per-expert programs; rows past the used ones skipped): per-kernel GPU time old
+# (MOE_DIR=.old_moe: HEAD before the change) / new, then GPU tests of the pinned sm90 paths, then bench_fp8 at Qwen3-30B-A3B
 # T=4096 and 16384
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 KERNELHUB_TEST_GPU=1 TRITON_INTERPRET=0
 for w in .whl/*.whl; do python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$w" 2>/dev/null; done
 export PYTHONPATH=$PYTHONPATH:/tmp/site
 nvidia-smi --query-gpu=name --format=csv,noheader
-timeout 80 python3 -m pytest -q -m gpu kernels_repo/moe/tests/test_experts_fp8_configs.py -k "gpu_sm90_pinned" 2>&1 | tail -3
 P=qwen3_30b_a3b:4096,qwen3_30b_a3b:16384,deepseek_v3:4096
 for which in old new; do
   echo "== $which"
@@ -14,6 +13,7 @@ for which in old new; do
   FP8=1 POINTS=$P MODES=fwd timeout 60 python3 tools/profile_moe.py 2>&1 | grep -E "profile|quantize|GPU kernels"
 done
 unset MOE_DIR
+timeout 80 python3 -m pytest -q -m gpu kernels_repo/moe/tests/test_experts_fp8_configs.py -k "gpu_sm90_pinned" 2>&1 | tail -3
 for st in qwen3_30b_a3b:4096,16384; do
   OUT=$OUT SHAPES=${st%%:*} TOKENS=${st#*:} COMPILE=default timeout 100 python3 kernels_repo/moe/benchmarks/bench_fp8.py 2>&1 | grep -E "^fp8|ceiling|skip" | grep -v "skip tf"
 done | tee $OUT/bench_fp8.log
