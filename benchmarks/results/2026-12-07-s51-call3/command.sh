@@ -1,3 +1,4 @@
+# NOT RUN in s51: the device time ran out before a machine could be started (kept for the next session)
 # s51-3: the quantize pass token-major (each token read once, stored to its K rows; padding rows zeroed
 # by per-expert programs; rows past the used ones skipped): per-kernel GPU time old
 # (MOE_DIR=.old_moe: HEAD before the change) / new, then GPU tests of the pinned sm90 paths, then bench_fp8 at Qwen3-30B-A3B
