@@ -1,4 +1,5 @@
 # NOT RUN in s51: the device time ran out before a machine could be started (kept for the next session)
+# needs .old_moe (git-ignored, carried): mkdir -p .old_moe && git archive 331cefe kernels_repo/moe | tar -x -C .old_moe
 # s51-3: the quantize pass token-major (each token read once, stored to its K rows; padding rows zeroed
 # by per-expert programs; rows past the used ones skipped): per-kernel GPU time old
 # (MOE_DIR=.old_moe: HEAD before the change) / new, then GPU tests of the pinned sm90 paths, then bench_fp8 at Qwen3-30B-A3B
