@@ -73,14 +73,15 @@ def test_sm90_quantize_pass_and_in_load_quantization_give_the_same_output(tma):
     assert rel(outs[True], ref) <= 1.25 * err_emu and rel(outs[True], emu) < 0.4 * err_emu
 
 
-@pytest.mark.parametrize("block_m", [16, 64])
-def test_quantize_pass_in_row_order_is_the_token_pass_gathered(block_m):
+@pytest.mark.parametrize("T, block_m", [(9, 16), (9, 64), (300, 16)])  # (300 x 2 pairs: the large-batch routing)
+def test_quantize_pass_in_row_order_is_the_token_pass_gathered(T, block_m):
     """ROWS: buffer row p holds token rows[p] // K's quantized values and scales; padding rows (an
     expert's rows past its count, within its last row block) are zero with a finite scale; -1 ids
     get no row. (Rows past the last expert's are not written: no GEMM reads them.)"""
-    args = _inputs(seed=30)
+    args = _inputs(seed=30, T=T)
     x, idx, K = args[0], args[3], args[3].shape[1]
     routing = fp8x.align_rows(idx, args[1].shape[0], block_m)
+    assert (T * K > importlib.import_module(moe.__name__ + "._experts_routing").SMALL_PAIRS) == (T == 300)
     q, s = fp8x.quantize_x(x)
     qr, sr = fp8x.quantize_x(x, routing, K)
     assert qr.shape == (routing.num_rows, x.shape[1]) and sr.shape == (routing.num_rows, s.shape[1])

@@ -114,7 +114,8 @@ def _quantize_x_kernel(x_ptr, q_ptr, s_ptr, pos_ptr, start_ptr, count_ptr, T, H,
                        ALIGN: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr):
     """x [T, H] -> fp8 [T, H] and fp32 scales [T, cdiv(H, GROUP)], per token and GROUP-column group:
     the rounding of the GEMM's in-load quantization (`_quantize_rows`), done once per token instead
-    of once per column tile of the gate/up GEMM. A program quantizes BLOCK_T tokens x GROUPS groups.
+    of once per column tile of the gate/up GEMM. A program quantizes BLOCK_T tokens x GROUPS groups,
+    as one tile of [BLOCK_T * GROUPS] (token, group) rows.
 
     ROWS: into the aligned buffer's row order instead (so that the gate/up GEMM reads A rows in
     order, by TMA, without a gather): each token is read once and stored to the rows of its pairs
@@ -122,42 +123,41 @@ def _quantize_x_kernel(x_ptr, q_ptr, s_ptr, pos_ptr, start_ptr, count_ptr, T, H,
     zeros, with a finite scale, to expert (pid - token programs)'s padding rows (its last row
     block's rows past its count, ALIGN the routing's alignment). Rows past the last expert's are not
     written: no GEMM reads them. Grid (cdiv(T, BLOCK_T) [+ E with ROWS], cdiv(groups, GROUPS))."""
+    # rows of the tile: (token or buffer row, group) pairs, GROUPS consecutive groups a token
     pid = tl.program_id(0)
-    offs_g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    r = tl.arange(0, BLOCK_T * GROUPS)
+    offs_g = tl.program_id(1) * GROUPS + r % GROUPS
+    offs_h = offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    h_ok = offs_h < H
     g_ok = offs_g < tl.cdiv(H, GROUP)
-    offs_h = offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GROUPS, GROUP]
-    h_ok = (offs_h < H)[None, :, :]
     n_tok = tl.cdiv(T, BLOCK_T)
     if pid < n_tok:
-        offs_t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        offs_t = pid.to(tl.int64) * BLOCK_T + r // GROUPS
         t_ok = offs_t < T
-        v = tl.load(x_ptr + offs_t[:, None, None] * stride_xt + offs_h[None, :, :], mask=t_ok[:, None, None] & h_ok,
-                    other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(v), axis=2), 1e-4)  # (as `_quantize_rows`)
-        q = _to_fp8(v * (448.0 / amax)[:, :, None], EMULATE).to(q_ptr.dtype.element_ty)
-        s = amax / 448.0
+        v = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_h, mask=t_ok[:, None] & h_ok, other=0.0)
+        q, s = _quantize_rows(v.to(tl.float32), EMULATE)
+        q = q.to(q_ptr.dtype.element_ty)
         if ROWS:
             for k in tl.static_range(TOPK):
                 dest = tl.load(pos_ptr + offs_t * stride_pt + k, mask=t_ok, other=-1).to(tl.int64)
                 ok = t_ok & (dest >= 0)
-                tl.store(q_ptr + dest[:, None, None] * stride_qt + offs_h[None, :, :], q, mask=ok[:, None, None] & h_ok)
-                tl.store(s_ptr + dest[:, None] * stride_st + offs_g[None, :], s, mask=ok[:, None] & g_ok[None, :])
+                tl.store(q_ptr + dest[:, None] * stride_qt + offs_h, q, mask=ok[:, None] & h_ok)
+                tl.store(s_ptr + dest * stride_st + offs_g, s, mask=ok & g_ok)
         else:
-            tl.store(q_ptr + offs_t[:, None, None] * stride_qt + offs_h[None, :, :], q, mask=t_ok[:, None, None] & h_ok)
-            tl.store(s_ptr + offs_t[:, None] * stride_st + offs_g[None, :], s, mask=t_ok[:, None] & g_ok[None, :])
+            tl.store(q_ptr + offs_t[:, None] * stride_qt + offs_h, q, mask=t_ok[:, None] & h_ok)
+            tl.store(s_ptr + offs_t * stride_st + offs_g, s, mask=t_ok & g_ok)
     elif ROWS:
         e = pid - n_tok
         first = tl.load(start_ptr + e)
         count = tl.load(count_ptr + e)
         end = first + tl.cdiv(count, ALIGN) * ALIGN
-        zeros = tl.zeros((BLOCK_T, GROUPS, GROUP), tl.float32).to(q_ptr.dtype.element_ty)
-        floor = tl.full((BLOCK_T, GROUPS), 1e-4 / 448.0, tl.float32)
+        zeros = tl.zeros((BLOCK_T * GROUPS, GROUP), tl.float32).to(q_ptr.dtype.element_ty)
+        floor = tl.full((BLOCK_T * GROUPS,), 1e-4 / 448.0, tl.float32)
         for r0 in range(first + count, end, BLOCK_T):
-            offs_r = (r0 + tl.arange(0, BLOCK_T)).to(tl.int64)
+            offs_r = (r0 + r // GROUPS).to(tl.int64)
             r_ok = offs_r < end
-            tl.store(q_ptr + offs_r[:, None, None] * stride_qt + offs_h[None, :, :], zeros,
-                     mask=r_ok[:, None, None] & h_ok)
-            tl.store(s_ptr + offs_r[:, None] * stride_st + offs_g[None, :], floor, mask=r_ok[:, None] & g_ok[None, :])
+            tl.store(q_ptr + offs_r[:, None] * stride_qt + offs_h, zeros, mask=r_ok[:, None] & h_ok)
+            tl.store(s_ptr + offs_r * stride_st + offs_g, floor, mask=r_ok & g_ok)
 
 
 @triton.jit
