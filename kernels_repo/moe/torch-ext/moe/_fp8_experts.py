@@ -131,7 +131,7 @@ def quantize_x(x: torch.Tensor, routing=None, topk: int = 1) -> tuple[torch.Tens
         pos, start, count = ((routing.token_topk_to_pos, routing.expert_start, routing.expert_count)
                              if routing is not None else (q, q, q))
         _quant_launch.split(grid, _index(x), (x, q, s, pos, start, count),
-                            (T, H, experts, x.stride(0), q.stride(0), s.stride(0),
+                            (T, H, x.stride(0), q.stride(0), s.stride(0),
                              pos.stride(0) if routing is not None else 0),
                             QuantConstexprs(EMULATE=INTERPRET, ROWS=routing is not None, TOPK=topk,
                                             ALIGN=routing.block_m if routing is not None else 1,

@@ -109,7 +109,7 @@ def _k_step(acc, a, b, a_s, s, pa, prev, FP8_DOT: tl.constexpr, RESCALE: tl.cons
 
 
 @triton.jit
-def _quantize_x_kernel(x_ptr, q_ptr, s_ptr, pos_ptr, start_ptr, count_ptr, T, H, E, stride_xt, stride_qt,
+def _quantize_x_kernel(x_ptr, q_ptr, s_ptr, pos_ptr, start_ptr, count_ptr, T, H, stride_xt, stride_qt,
                        stride_st, stride_pt, EMULATE: tl.constexpr, ROWS: tl.constexpr, TOPK: tl.constexpr,
                        ALIGN: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr):
     """x [T, H] -> fp8 [T, H] and fp32 scales [T, cdiv(H, GROUP)], per token and GROUP-column group:
