@@ -63,7 +63,8 @@ def point_inputs(name: str, T: int) -> tuple:
 
 
 def fp8_weights(gu: torch.Tensor, dn: torch.Tensor) -> dict:
-    """fused_experts' fp8 arguments for the bf16 weights: values and block scales per expert."""
+    """fused_experts' fp8 arguments for the bf16 weights: values and block scales, one expert at a
+    time (`quantize_blocks` on the whole [E, N, K] would take its fp32 copy: 30 GB at DeepSeek-V3)."""
     ref = sys.modules[moe.__name__ + ".reference_fp8"]
     out = {}
     for name, w in (("gate_up_proj", gu), ("down_proj", dn)):

@@ -137,6 +137,11 @@ def check_fp8_bucket(bucket: object, where: str, variant: str | None = None) -> 
 _DECODE_BLOCK_K = (16, 32, 64, 128, 256, 512, 1024)
 
 
+def decode_says_gluon(decode: dict) -> bool:
+    """Whether a (checked) decode entry has a stage that runs its Gluon kernel where it can."""
+    return any(decode[s].get("GLUON", False) for s in ("gate_up", "down"))
+
+
 def _check_decode(where: str, decode: object, fallback: bool = False) -> None:
     """A "decode" entry; `fallback`: one given as another entry's "fallback" (no GLUON, no fallback)."""
     if not isinstance(decode, dict):
@@ -175,7 +180,7 @@ def _check_decode(where: str, decode: object, fallback: bool = False) -> None:
         if _bad_int(c["num_stages"], 1):
             raise ValueError(f"{at}['num_stages'] must be an int >= 1, got {c['num_stages']!r}")
     if "fallback" in decode:
-        if not any(decode[s].get("GLUON", False) for s in ("gate_up", "down")):
+        if not decode_says_gluon(decode):
             raise ValueError(f"{where}['fallback'] applies where a GLUON stage's Gluon kernel does not run; "
                              "no stage here says GLUON")
         if decode["fallback"] is not None:

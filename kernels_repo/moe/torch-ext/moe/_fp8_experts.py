@@ -32,7 +32,13 @@ from . import _gluon_gemm as gluon_gemm
 from ._constexpr_spec import constexpr_spec
 from ._experts_routing import align_rows
 from ._experts_validate import FN, INTERPRET, check_ids, checked_variant, needs_grad
-from ._fp8_configs import FP8_INTERPRETER_CONFIG, QUANT_GROUP, check_fp8_bucket, picked_fp8_config
+from ._fp8_configs import (
+    FP8_INTERPRETER_CONFIG,
+    QUANT_GROUP,
+    check_fp8_bucket,
+    decode_says_gluon,
+    picked_fp8_config,
+)
 from ._fp8_decode import _fp8_decode_down_kernel, _fp8_decode_gate_up_kernel
 from ._fp8_kernels import _fp8_gemm_kernel, _quantize_x_kernel
 from ._fp8_validate import BLOCK, refuse_weight_gradients, validate_fp8_inputs
@@ -126,15 +132,16 @@ def quantize_x(x: torch.Tensor, routing=None, topk: int = 1) -> tuple[torch.Tens
     q = torch.empty(n, H, device=x.device, dtype=torch.float8_e4m3fn)
     s = torch.empty(n, launch.cdiv(H, QUANT_GROUP), device=x.device, dtype=torch.float32)
     if T and H and x.stride(1) == 1:
-        experts = routing.expert_start.shape[0] if routing is not None else 0
+        if routing is None:  # (the routing pointers unread: any tensor of the device stands in)
+            pos = start = count = q
+            experts, stride_pt, align = 0, 0, 1
+        else:
+            pos, start, count = routing.token_topk_to_pos, routing.expert_start, routing.expert_count
+            experts, stride_pt, align = start.shape[0], pos.stride(0), routing.block_m
         grid = (launch.cdiv(T, _QUANT_ROWS) + experts, launch.cdiv(s.shape[1], _QUANT_GROUPS))
-        pos, start, count = ((routing.token_topk_to_pos, routing.expert_start, routing.expert_count)
-                             if routing is not None else (q, q, q))
         _quant_launch.split(grid, _index(x), (x, q, s, pos, start, count),
-                            (T, H, x.stride(0), q.stride(0), s.stride(0),
-                             pos.stride(0) if routing is not None else 0),
-                            QuantConstexprs(EMULATE=INTERPRET, ROWS=routing is not None, TOPK=topk,
-                                            ALIGN=routing.block_m if routing is not None else 1,
+                            (T, H, x.stride(0), q.stride(0), s.stride(0), stride_pt),
+                            QuantConstexprs(EMULATE=INTERPRET, ROWS=routing is not None, TOPK=topk, ALIGN=align,
                                             BLOCK_T=_QUANT_ROWS, GROUP=QUANT_GROUP, GROUPS=_QUANT_GROUPS),
                             num_warps=4)
     elif T and H:  # (a column-strided x: one contiguous copy first)
@@ -218,8 +225,7 @@ def _decode_applies(cfg: dict, T: int, x, weights_and_scales) -> dict | None:
     "GLUON" stages and a "fallback" gives way to that fallback (an entry, or None: the grouped
     path) on a device where the Gluon kernels do not run (decided from x's device, per call)."""
     d = cfg.get("decode")
-    if (d is not None and "fallback" in d and any(d[s].get("GLUON", False) for s in ("gate_up", "down"))
-            and not _gluon_decode(x, _weight_bits(x))):
+    if d is not None and "fallback" in d and decode_says_gluon(d) and not _gluon_decode(x, _weight_bits(x)):
         d = d["fallback"]
     if d is None or T > d["max_tokens"] or x.stride(1) != 1:
         return None
