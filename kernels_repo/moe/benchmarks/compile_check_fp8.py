@@ -142,10 +142,8 @@ def check_gemm(cap: int, variant: str, bucket: dict, stage: str, dtype: str = "b
 
 def check_quantize(cap: int, dtype: str = "bf16") -> dict | None:
     fn = kern._quantize_x_kernel
-    sig = {"x_ptr": f"*{dtype}", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "pos_ptr": "*i32", "start_ptr": "*i32",
-           "count_ptr": "*i32"}
-    const = {"EMULATE": False, "ROWS": True, "TOPK": 8, "ALIGN": 128, "BLOCK_T": fp8k._QUANT_ROWS, "GROUP": 128,
-             "GROUPS": fp8k._QUANT_GROUPS}
+    sig = {"x_ptr": f"*{dtype}", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "rows_ptr": "*i32"}
+    const = {"EMULATE": False, "ROWS": True, "TOPK": 8, "BLOCK_T": fp8k._QUANT_ROWS, "GROUP": 128}
     full = {n: sig.get(n, "constexpr" if n in const else cc.I32) for n in fn.arg_names}
     try:
         rep = compile_report(fn, full, const, cap, 4, None)

@@ -77,7 +77,7 @@ def test_sm90_quantize_pass_and_in_load_quantization_give_the_same_output(tma):
 def test_quantize_pass_in_row_order_is_the_token_pass_gathered(T, block_m):
     """ROWS: buffer row p holds token rows[p] // K's quantized values and scales; padding rows (an
     expert's rows past its count, within its last row block) are zero with a finite scale; -1 ids
-    get no row. (Rows past the last expert's are not written: no GEMM reads them.)"""
+    get no row. (Rows past the last expert's are not checked: no GEMM reads them.)"""
     args = _inputs(seed=30, T=T)
     x, idx, K = args[0], args[3], args[3].shape[1]
     routing = fp8x.align_rows(idx, args[1].shape[0], block_m)

@@ -50,7 +50,7 @@ _gemm_launch = CachedLaunch(_fp8_gemm_kernel)
 _quant_launch = CachedLaunch(_quantize_x_kernel)
 Fp8GemmConstexprs = constexpr_spec(_fp8_gemm_kernel, """EPILOGUE GATHER_A TOPK FP8_DOT QUANT_A QUANT_C EMULATE
     PRECISION SCALE_N SCALE_K B_TMA A_TMA RESCALE ONE_SCALE FUSED PERSISTENT BLOCK_M BLOCK_N BLOCK_K""")
-QuantConstexprs = constexpr_spec(_quantize_x_kernel, "EMULATE ROWS TOPK ALIGN BLOCK_T GROUP GROUPS")
+QuantConstexprs = constexpr_spec(_quantize_x_kernel, "EMULATE ROWS TOPK BLOCK_T GROUP")
 _decode_gate_up_launch = CachedLaunch(_fp8_decode_gate_up_kernel)
 _decode_down_launch = CachedLaunch(_fp8_decode_down_kernel)
 # the down kernel as a programmatic dependent launch of gate/up (a "PDL" down stage on sm90)
@@ -74,7 +74,7 @@ if decode_gluon.gluon is not None:
 else:  # pragma: no cover - older triton: `decode_gluon.applies` is false, the Triton kernels run
     _decode_gluon_launches = None
 _capped: dict[int, CachedLaunch] = {}
-_QUANT_ROWS, _QUANT_GROUPS = 16, 4  # tokens and 128-column groups per program of the quantize pass
+_QUANT_ROWS = 32  # tokens per program of the quantize pass
 
 
 def _launcher(cfg: dict) -> CachedLaunch:
@@ -125,26 +125,18 @@ def quantize_x(x: torch.Tensor, routing=None, topk: int = 1) -> tuple[torch.Tens
     """(fp8 [T, H], fp32 scales [T, cdiv(H, 128)]): x quantized per token and 128-column group, one
     pass (the gate/up GEMM then loads fp8 rows instead of quantizing x once per column tile). With
     `routing` (its aligned rows, `topk` per token): [P, H] and [P, cdiv(H, 128)] in the buffer's
-    row order instead, padding rows zero, rows past the used ones not written (no GEMM reads
-    them), for a gate/up GEMM that reads A by TMA."""
+    row order instead, padding rows zero, for a gate/up GEMM that reads A by TMA."""
     T, H = x.shape
     n = routing.num_rows if routing is not None else T
     q = torch.empty(n, H, device=x.device, dtype=torch.float8_e4m3fn)
     s = torch.empty(n, launch.cdiv(H, QUANT_GROUP), device=x.device, dtype=torch.float32)
-    if T and H and x.stride(1) == 1:
-        if routing is None:  # (the routing pointers unread: any tensor of the device stands in)
-            pos = start = count = q
-            experts, stride_pt, align = 0, 0, 1
-        else:
-            pos, start, count = routing.token_topk_to_pos, routing.expert_start, routing.expert_count
-            experts, stride_pt, align = start.shape[0], pos.stride(0), routing.block_m
-        grid = (launch.cdiv(T, _QUANT_ROWS) + experts, launch.cdiv(s.shape[1], _QUANT_GROUPS))
-        _quant_launch.split(grid, _index(x), (x, q, s, pos, start, count),
-                            (T, H, x.stride(0), q.stride(0), s.stride(0), stride_pt),
-                            QuantConstexprs(EMULATE=INTERPRET, ROWS=routing is not None, TOPK=topk, ALIGN=align,
-                                            BLOCK_T=_QUANT_ROWS, GROUP=QUANT_GROUP, GROUPS=_QUANT_GROUPS),
-                            num_warps=4)
-    elif T and H:  # (a column-strided x: one contiguous copy first)
+    grid = (launch.cdiv(n, _QUANT_ROWS), s.shape[1])
+    if n and H and x.stride(1) == 1:
+        rows = routing.rows if routing is not None else q
+        _quant_launch.split(grid, _index(x), (x, q, s, rows), (n, H, x.stride(0), q.stride(0), s.stride(0)),
+                            QuantConstexprs(EMULATE=INTERPRET, ROWS=routing is not None, TOPK=topk,
+                                            BLOCK_T=_QUANT_ROWS, GROUP=QUANT_GROUP), num_warps=4)
+    elif n and H:  # (a column-strided x: one contiguous copy first)
         return quantize_x(x.contiguous(), routing, topk)
     return q, s
 

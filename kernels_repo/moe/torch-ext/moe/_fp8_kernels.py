@@ -109,55 +109,31 @@ def _k_step(acc, a, b, a_s, s, pa, prev, FP8_DOT: tl.constexpr, RESCALE: tl.cons
 
 
 @triton.jit
-def _quantize_x_kernel(x_ptr, q_ptr, s_ptr, pos_ptr, start_ptr, count_ptr, T, H, stride_xt, stride_qt,
-                       stride_st, stride_pt, EMULATE: tl.constexpr, ROWS: tl.constexpr, TOPK: tl.constexpr,
-                       ALIGN: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr):
+def _quantize_x_kernel(x_ptr, q_ptr, s_ptr, rows_ptr, T, H, stride_xt, stride_qt, stride_st,
+                       EMULATE: tl.constexpr, ROWS: tl.constexpr, TOPK: tl.constexpr, BLOCK_T: tl.constexpr,
+                       GROUP: tl.constexpr):
     """x [T, H] -> fp8 [T, H] and fp32 scales [T, cdiv(H, GROUP)], per token and GROUP-column group:
     the rounding of the GEMM's in-load quantization (`_quantize_rows`), done once per token instead
-    of once per column tile of the gate/up GEMM. A program quantizes BLOCK_T tokens x GROUPS groups,
-    as one tile of [BLOCK_T * GROUPS] (token, group) rows.
-
-    ROWS: into the aligned buffer's row order instead (so that the gate/up GEMM reads A rows in
-    order, by TMA, without a gather): each token is read once and stored to the rows of its pairs
-    (pos_ptr: token_topk_to_pos, -1 for a dropped id), and the programs past the tokens' write
-    zeros, with a finite scale, to expert (pid - token programs)'s padding rows (its last row
-    block's rows past its count, ALIGN the routing's alignment). Rows past the last expert's are not
-    written: no GEMM reads them. Grid (cdiv(T, BLOCK_T) [+ E with ROWS], cdiv(groups, GROUPS))."""
-    # rows of the tile: (token or buffer row, group) pairs, GROUPS consecutive groups a token
-    pid = tl.program_id(0)
-    r = tl.arange(0, BLOCK_T * GROUPS)
-    offs_g = tl.program_id(1) * GROUPS + r % GROUPS
-    offs_h = offs_g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    h_ok = offs_h < H
-    g_ok = offs_g < tl.cdiv(H, GROUP)
-    n_tok = tl.cdiv(T, BLOCK_T)
-    if pid < n_tok:
-        offs_t = pid.to(tl.int64) * BLOCK_T + r // GROUPS
-        t_ok = offs_t < T
-        v = tl.load(x_ptr + offs_t[:, None] * stride_xt + offs_h, mask=t_ok[:, None] & h_ok, other=0.0)
-        q, s = _quantize_rows(v.to(tl.float32), EMULATE)
-        q = q.to(q_ptr.dtype.element_ty)
-        if ROWS:
-            for k in tl.static_range(TOPK):
-                dest = tl.load(pos_ptr + offs_t * stride_pt + k, mask=t_ok, other=-1).to(tl.int64)
-                ok = t_ok & (dest >= 0)
-                tl.store(q_ptr + dest[:, None] * stride_qt + offs_h, q, mask=ok[:, None] & h_ok)
-                tl.store(s_ptr + dest * stride_st + offs_g, s, mask=ok & g_ok)
-        else:
-            tl.store(q_ptr + offs_t[:, None] * stride_qt + offs_h, q, mask=t_ok[:, None] & h_ok)
-            tl.store(s_ptr + offs_t * stride_st + offs_g, s, mask=t_ok & g_ok)
-    elif ROWS:
-        e = pid - n_tok
-        first = tl.load(start_ptr + e)
-        count = tl.load(count_ptr + e)
-        end = first + tl.cdiv(count, ALIGN) * ALIGN
-        zeros = tl.zeros((BLOCK_T * GROUPS, GROUP), tl.float32).to(q_ptr.dtype.element_ty)
-        floor = tl.full((BLOCK_T * GROUPS,), 1e-4 / 448.0, tl.float32)
-        for r0 in range(first + count, end, BLOCK_T):
-            offs_r = (r0 + r // GROUPS).to(tl.int64)
-            r_ok = offs_r < end
-            tl.store(q_ptr + offs_r[:, None] * stride_qt + offs_h, zeros, mask=r_ok[:, None] & h_ok)
-            tl.store(s_ptr + offs_r * stride_st + offs_g, floor, mask=r_ok & g_ok)
+    of once per column tile of the gate/up GEMM. ROWS: T counts the aligned buffer's rows instead,
+    row p holding token rows[p] // TOPK (zeros, with a finite scale, for a padding row), so that
+    the gate/up GEMM reads A rows in order, by TMA, without a gather. Grid (cdiv(T, BLOCK_T),
+    cdiv(H, GROUP))."""
+    offs_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    g = tl.program_id(1)
+    offs_h = g * GROUP + tl.arange(0, GROUP)
+    h_ok = offs_h[None, :] < H
+    if ROWS:
+        flat = tl.load(rows_ptr + offs_t, mask=offs_t < T, other=-1)
+        src = tl.where(flat >= 0, flat // TOPK, 0).to(tl.int64)
+        load_ok = (flat >= 0)[:, None] & h_ok
+    else:
+        src = offs_t
+        load_ok = (offs_t[:, None] < T) & h_ok
+    v = tl.load(x_ptr + src[:, None] * stride_xt + offs_h[None, :], mask=load_ok, other=0.0).to(tl.float32)
+    q, s = _quantize_rows(v, EMULATE)
+    tl.store(q_ptr + offs_t[:, None] * stride_qt + offs_h[None, :], q.to(q_ptr.dtype.element_ty),
+             mask=(offs_t[:, None] < T) & h_ok)
+    tl.store(s_ptr + offs_t * stride_st + g, s, mask=offs_t < T)
 
 
 @triton.jit
