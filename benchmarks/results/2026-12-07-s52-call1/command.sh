@@ -1,7 +1,6 @@
-# NOT RUN in s51: the device time ran out before a machine could be started (kept for the next session)
 # the token-major pass is not in the shipped tree (reverted until it runs on a GPU): it is commit 1a8751a's.
 # needs .new_moe (git-ignored, carried): mkdir -p .new_moe && git archive 1a8751a kernels_repo/moe | tar -x -C .new_moe
-# s51-3: the quantize pass token-major (each token read once, stored to its K rows; padding rows zeroed
+# s52-1 (written in s51 as s51-3, not run then): the quantize pass token-major (each token read once, stored to its K rows; padding rows zeroed
 # by per-expert programs; rows past the used ones skipped): per-kernel GPU time old
 # (shipped) / new (MOE_DIR=.new_moe), then GPU tests of the pinned sm90 paths, then bench_fp8 at Qwen3-30B-A3B
 # T=4096 and 16384
@@ -9,11 +8,11 @@ export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 KERNELHUB_TEST_GPU=1 TRITON_INTERP
 for w in .whl/*.whl; do python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$w" 2>/dev/null; done
 export PYTHONPATH=$PYTHONPATH:/tmp/site
 nvidia-smi --query-gpu=name --format=csv,noheader
-P=qwen3_30b_a3b:4096,qwen3_30b_a3b:16384
+P=qwen3_30b_a3b:4096,qwen3_30b_a3b:16384,deepseek_v3:4096
 for which in old new; do
   echo "== $which"
   if [ $which = new ]; then export MOE_DIR=$PWD/.new_moe/kernels_repo/moe; else unset MOE_DIR; fi
-  FP8=1 POINTS=$P MODES=fwd timeout 60 python3 tools/profile_moe.py 2>&1 | grep -E "profile|quantize|GPU kernels"
+  FP8=1 POINTS=$P MODES=fwd timeout 200 python3 tools/profile_moe.py 2>&1 | grep -E "profile|quantize|GPU kernels"
 done
 unset MOE_DIR
 cp -r .new_moe/kernels_repo/moe/. kernels_repo/moe/  # (the tests and bench_fp8 below: the new pass)
