@@ -2,9 +2,9 @@
 
 Usage (repo root, GPU): PYTHONPATH=src python kernels_repo/moe/benchmarks/bench_fp8.py
   env: TOKENS=1,32,512,4096,16384  SHAPES=deepseek_v3,qwen3_30b_a3b  PEERS=0 (kernelhub only)
-       COMPILE=default,reduce-overhead: torch._scaled_grouped_mm's path also under torch.compile
-         (fullgraph, static shapes; compiled after a reset per point, first calls excluded, a
-         CUDA-graph step marked per reduce-overhead call); none: eager only
+       COMPILE=default,reduce-overhead: kernelhub's fp8 call (its custom op) and torch._scaled_grouped_mm's
+         path also under torch.compile (fullgraph, static shapes; compiled after a reset per point,
+         first calls excluded, a CUDA-graph step marked per reduce-overhead call); none: eager only
        DEVICE=cpu: smoke test without a GPU, same code path (default SHAPES=tiny, TOKENS=1,8; a
          plain timer; the Triton variants need TRITON_INTERPRET=1 there)
 Ceilings (same run): the dense fp8 matmul rate (`torch._scaled_mm`, 8192^3, bf16 out) and the
@@ -204,7 +204,7 @@ def main() -> None:
     tokens = [int(t) for t in os.environ.get("TOKENS", "1,32,512,4096,16384" if CUDA else "1,8").split(",")]
     shapes = [s for s in os.environ.get("SHAPES", "deepseek_v3,qwen3_30b_a3b" if CUDA else "tiny").split(",") if s]
     peers = os.environ.get("PEERS", "1") != "0"
-    configs = compile_configs("bench_fp8.py") if peers else []
+    configs = compile_configs("bench_fp8.py")
     for name in shapes:
         E, H, I, K = SHAPES[name]
         g = torch.Generator(device=dev).manual_seed(0)
@@ -255,6 +255,14 @@ def main() -> None:
                     run = partial(moe.fused_experts, x, guq, dnq, idx, w, gate_up_proj_scale_inv=gus,
                                   down_proj_scale_inv=dns, **kw)
                     record(label, try_peer(label, run, want, skipped))
+                for config in configs:  # (what a user who compiles the model gets: the custom op)
+                    label = f"kernelhub_fp8[{config}]"
+                    torch.compiler.reset()
+                    r = try_peer(label, partial(compiled(moe.fused_experts, config), x, guq, dnq, idx, w,
+                                                gate_up_proj_scale_inv=gus, down_proj_scale_inv=dns),
+                                 want, skipped, warm=3)
+                    torch.compiler.reset()
+                    record(label, r)
                 record("kernelhub_bf16", try_peer("kernelhub_bf16", bf16, want, skipped))
                 if peers:
                     record("torch_scaled_grouped_mm", try_peer("torch_scaled_grouped_mm", partial(
@@ -279,10 +287,14 @@ def main() -> None:
                 best = min(peer_ms, key=peer_ms.get) if peer_ms else None
                 if best:
                     line += f", {peer_ms[best] / ours[0]:.2f}x best peer ({best})"
+                # kernelhub compiled over its eager call (issue: compiled no slower than eager)
+                vs_eager = {c: res[f"kernelhub_fp8[{c}]"][0] / ours[0] for c in configs
+                            if f"kernelhub_fp8[{c}]" in res}
+                line += "".join(f", {c} / eager {v:.2f}" for c, v in vs_eager.items())
                 print(line, flush=True)
                 emit(kind="fp8_summary", shape=name, T=T, ms=ours[0], frac_fp8_rate=flops / ours[0] / 1e9 / fp8_rate,
                      speedup_bf16=bf16_ms / ours[0], best_peer=best,
-                     speedup_best_peer=peer_ms[best] / ours[0] if best else None)
+                     speedup_best_peer=peer_ms[best] / ours[0] if best else None, compiled_over_eager=vs_eager)
         del guq, gus, gud, dnq, dns, dnd, gu_t, gu_s, dn_t, dn_s, tf
         if dev.type == "cuda":
             torch.cuda.empty_cache()

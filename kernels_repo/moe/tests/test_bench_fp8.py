@@ -14,8 +14,8 @@ SRC = Path(__file__).resolve().parents[3] / "src"
 
 
 def smoke(out: Path, **extra: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DEVICE": "cpu", "OUT": str(out), "TOKENS": "1", "PEERS": "0", "PYTHONPATH": str(SRC),
-           **extra}
+    env = {**os.environ, "DEVICE": "cpu", "OUT": str(out), "TOKENS": "1", "PEERS": "0", "COMPILE": "none",
+           "PYTHONPATH": str(SRC), **extra}
     env.pop("SHAPES", None)
     run = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -48,12 +48,25 @@ def test_rows_go_to_out_as_json_lines(tmp_path):
 def test_the_torch_peer_is_also_timed_compiled_and_its_failure_does_not_end_the_run(tmp_path):
     """torch._scaled_grouped_mm's path under torch.compile (default and reduce-overhead) is a peer
     configuration of its own; here (no CPU kernel for the op) each is skipped with its reason."""
-    run = smoke(tmp_path, PEERS="1")
+    run = smoke(tmp_path, PEERS="1", COMPILE="default,reduce-overhead")
     for config in ("compiled", "reduce-overhead"):
         assert f"skip torch_scaled_grouped_mm[{config}]: NotImplementedError" in run.stdout
     assert "fp8 tiny T=1 summary" in run.stdout
     none = smoke(tmp_path, PEERS="1", COMPILE="none")
     assert "torch_scaled_grouped_mm[" not in none.stdout
+
+
+def test_kernelhub_is_also_timed_compiled_against_its_eager_call(tmp_path):
+    """kernelhub's fp8 call under torch.compile (fullgraph: its custom op) is a row of its own, with
+    its error against the bf16 path like the eager row's, and the summary says compiled / eager."""
+    run = smoke(tmp_path, COMPILE="default")
+    rows = [json.loads(line) for line in (tmp_path / "bench_fp8.jsonl").read_text().splitlines()]
+    points = {r["impl"]: r for r in rows if r["kind"] == "fp8_fwd"}
+    assert "kernelhub_fp8[compiled]" in points, run.stdout[-2000:]
+    assert abs(points["kernelhub_fp8[compiled]"]["relerr"] - points["kernelhub_fp8"]["relerr"]) < 1e-3
+    summary = [r for r in rows if r["kind"] == "fp8_summary"]
+    assert len(summary) == 1 and set(summary[0]["compiled_over_eager"]) == {"compiled"}
+    assert "compiled / eager" in run.stdout
 
 
 def test_summarize_fp8_table(tmp_path):
