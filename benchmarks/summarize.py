@@ -156,10 +156,11 @@ def model_slice(data: list[dict]) -> None:
 
 def fp8(data: list[dict]) -> None:
     """Per (shape, T) of bench_fp8.py: kernelhub fp8 against the ceilings of its own process (the
-    fp8 matmul rate, the weight-bytes bound at copy bandwidth), kernelhub bf16 and the best peer."""
-    print("| shape | T | fp8 ms | of fp8 rate | of weight-bytes bound | W8A16 ms | bf16 ms | bf16 / fp8 "
-          "| best peer ms (which) | best peer / fp8 | ceilings fp8 TFLOP/s, copy GB/s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    fp8 matmul rate, the weight-bytes bound at copy bandwidth), its own compiled calls, kernelhub bf16
+    and the best peer."""
+    print("| shape | T | fp8 ms | of fp8 rate | of weight-bytes bound | fp8 compiled, reduce-overhead ms | W8A16 ms "
+          "| bf16 ms | bf16 / fp8 | best peer ms (which) | best peer / fp8 | ceilings fp8 TFLOP/s, copy GB/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     ceiling, points = None, {}
     for r in data:  # (each process measures its ceilings first; the points after it use them)
         if r.get("kind") == "fp8_ceiling":
@@ -177,8 +178,9 @@ def fp8(data: list[dict]) -> None:
         def ratio(a: dict | None, b: dict | None) -> str:
             return "-" if a is None or b is None else f"{a['ms'] / b['ms']:.2f}x"
 
+        compiled = ", ".join(ms(impls.get(f"kernelhub_fp8[{c}]")) for c in ("compiled", "reduce-overhead"))
         cells = [ms(ours), "-" if ours is None else f"{ours['frac_fp8_rate']:.2f}",
-                 "-" if ours is None else f"{ours['frac_bw']:.2f}", ms(w8), ms(bf16), ratio(bf16, ours),
+                 "-" if ours is None else f"{ours['frac_bw']:.2f}", compiled, ms(w8), ms(bf16), ratio(bf16, ours),
                  "-" if best is None else f"{best['ms']:.4f} ({best['impl']})", ratio(best, ours),
                  "-" if c is None else f"{c['fp8_mm_TFLOPs']:.0f}, {c['copy_GBps']:.0f}"]
         print(f"| {shape} | {T} | " + " | ".join(cells) + " |")

@@ -67,6 +67,12 @@ def test_kernelhub_is_also_timed_compiled_against_its_eager_call(tmp_path):
     summary = [r for r in rows if r["kind"] == "fp8_summary"]
     assert len(summary) == 1 and set(summary[0]["compiled_over_eager"]) == {"compiled"}
     assert "compiled / eager" in run.stdout
+    summarize = Path(__file__).resolve().parents[3] / "benchmarks" / "summarize.py"
+    table = subprocess.run([sys.executable, str(summarize), "fp8", str(tmp_path / "bench_fp8.jsonl")],
+                           capture_output=True, text=True, timeout=60).stdout
+    row = next(line for line in table.splitlines() if line.startswith("| tiny | 1 |"))
+    compiled_ms = points["kernelhub_fp8[compiled]"]["ms"]
+    assert row.split(" | ")[5] == f"{compiled_ms:.4f}, -", row  # (reduce-overhead not asked for)
 
 
 def test_summarize_fp8_table(tmp_path):
@@ -76,7 +82,7 @@ def test_summarize_fp8_table(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     rows = [line for line in run.stdout.splitlines() if line.startswith("| tiny | 1 |")]
-    assert len(rows) == 1 and rows[0].count("|") == 12
+    assert len(rows) == 1 and rows[0].count("|") == 13
 
 
 def test_torch_peer_has_no_data_dependent_shapes():
