@@ -12,11 +12,11 @@ P=qwen3_30b_a3b:4096,qwen3_30b_a3b:16384
 for which in old new; do
   echo "== $which"
   if [ $which = new ]; then export MOE_DIR=$PWD/.new_moe/kernels_repo/moe; else unset MOE_DIR; fi
-  FP8=1 POINTS=$P MODES=fwd timeout 70 python3 tools/profile_moe.py 2>&1 | grep -E "profile|quantize|GPU kernels"
+  FP8=1 POINTS=$P MODES=fwd timeout 90 python3 tools/profile_moe.py 2>&1 | grep -E "profile|quantize|GPU kernels"
 done
 unset MOE_DIR
 cp -r .new_moe/kernels_repo/moe/. kernels_repo/moe/  # (the tests and bench_fp8 below: the new pass)
 timeout 80 python3 -m pytest -q -m gpu kernels_repo/moe/tests/test_experts_fp8_configs.py -k "gpu_sm90_pinned" 2>&1 | tail -3
 for st in qwen3_30b_a3b:4096,16384; do
-  OUT=$OUT SHAPES=${st%%:*} TOKENS=${st#*:} COMPILE=default timeout 110 python3 kernels_repo/moe/benchmarks/bench_fp8.py 2>&1 | grep -E "^fp8|ceiling|skip" | grep -v "skip tf"
+  OUT=$OUT SHAPES=${st%%:*} TOKENS=${st#*:} COMPILE=default timeout 100 python3 kernels_repo/moe/benchmarks/bench_fp8.py 2>&1 | grep -E "^fp8|ceiling|skip" | grep -v "skip tf"
 done | tee $OUT/bench_fp8.log
