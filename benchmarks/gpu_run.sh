@@ -12,7 +12,8 @@
 # SLICE_TOKENS (default 1,4096), each under SLICE_TIMEOUT (default 230 s). swiglu: SWIGLU_TIMEOUT (450 s).
 # fp8: bench_fp8.py (issue 31), one process per shape (FP8_SHAPES, default deepseek_v3,qwen3_30b_a3b) at
 # FP8_TOKENS (default 1,32,512,4096,16384, run in that order), each under FP8_TIMEOUT (default 200 s), then
-# its table; FP8_COMPILE (default: COMPILE's value) the compiled configurations of kernelhub's fp8 call and its torch peer.
+# its table; FP8_COMPILE (default: COMPILE's value) the compiled configurations of kernelhub's fp8 call
+# and of its torch peer.
 # Runs from the source tree (PYTHONPATH=src) on the machine's own torch/triton/transformers; wheels
 # in .whl/ are installed first: kernelhub's own pure-Python dependencies the GPU image lacks (pydantic,
 # with pydantic-core wheels for each Python) and Liger-Kernel, a peer.
