@@ -196,6 +196,16 @@ def try_peer(label, run, want, skipped: dict, warm: int = 1) -> tuple[float, flo
         return None
 
 
+def try_compiled(name: str, config: str, fn, args: tuple, want, skipped: dict,
+                 **kwargs) -> tuple[str, tuple[float, float] | None]:
+    """(row label f"{name}[{config}]", try_peer of `fn(*args, **kwargs)` compiled under `config`)."""
+    label = f"{name}[{config}]"
+    torch.compiler.reset()  # (this point's shapes compiled afresh: no recompile limit)
+    r = try_peer(label, partial(compiled(fn, config), *args, **kwargs), want, skipped, warm=3)
+    torch.compiler.reset()  # (frees its CUDA-graph pool)
+    return label, r
+
+
 def main() -> None:
     moe = load_kernel_from_dir(ROOT / "kernels_repo" / "moe")
     ref = sys.modules[moe.__name__ + ".reference_fp8"]
@@ -256,24 +266,17 @@ def main() -> None:
                                   down_proj_scale_inv=dns, **kw)
                     record(label, try_peer(label, run, want, skipped))
                 for config in configs:  # (what a user who compiles the model gets: the custom op)
-                    label = f"kernelhub_fp8[{config}]"
-                    torch.compiler.reset()
-                    r = try_peer(label, partial(compiled(moe.fused_experts, config), x, guq, dnq, idx, w,
-                                                gate_up_proj_scale_inv=gus, down_proj_scale_inv=dns),
-                                 want, skipped, warm=3)
-                    torch.compiler.reset()
-                    record(label, r)
+                    record(*try_compiled(
+                        "kernelhub_fp8", config, moe.fused_experts, (x, guq, dnq, idx, w), want, skipped,
+                        gate_up_proj_scale_inv=gus, down_proj_scale_inv=dns))
                 record("kernelhub_bf16", try_peer("kernelhub_bf16", bf16, want, skipped))
                 if peers:
                     record("torch_scaled_grouped_mm", try_peer("torch_scaled_grouped_mm", partial(
                         scaled_grouped_forward, x, gu_t, gu_s, dn_t, dn_s, idx, w), want, skipped))
                     for config in configs:
-                        label = f"torch_scaled_grouped_mm[{config}]"
-                        torch.compiler.reset()  # (this point's shapes compiled afresh: no recompile limit)
-                        r = try_peer(label, partial(compiled(scaled_grouped_forward, config), x, gu_t, gu_s, dn_t,
-                                                    dn_s, idx, w), want, skipped, warm=3)
-                        torch.compiler.reset()  # (frees its CUDA-graph pool)
-                        record(label, r)
+                        record(*try_compiled(
+                            "torch_scaled_grouped_mm", config, scaled_grouped_forward,
+                            (x, gu_t, gu_s, dn_t, dn_s, idx, w), want, skipped))
                     if tf is not None:
                         for label, fn in transformers_paths(tf, tf8).items():
                             record(label, try_peer(label, partial(fn, x, idx, w), want, skipped))
